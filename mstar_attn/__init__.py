@@ -1,0 +1,17 @@
+"""mstar_attn: one explicit, CUDA-graph-capturable attention API over FlashInfer and FlashAttention.
+
+Per engine step: `build_plan(batch, spec)` (pure, host) -> `pool.commit(plan)` (device buffers,
+kernel scheduling) -> `write_kv` and `run` per layer, eagerly or by replaying captured graphs.
+"""
+
+from mstar_attn.cache import PagedKVCache
+from mstar_attn.kernels import BACKENDS, get_backend
+from mstar_attn.metadata import (
+    AttentionPlan, AttentionSpec, GroupPlan, Kind, LayerGroup, Mode, PlanError, StepBatch, build_plan,
+)
+
+__all__ = [
+    "AttentionPlan", "AttentionSpec", "BACKENDS", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache",
+    "PlanError", "StepBatch", "build_plan", "get_backend",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,55 @@
+"""Pure-torch attention over the paged cache: runs anywhere (CPU included) and is the test oracle.
+
+It reads only host plan arrays and loops over requests in Python: correct and obvious, not fast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar_attn.cache import PagedKVCache
+from mstar_attn.metadata.plan import AttentionPlan
+from mstar_attn.metadata.spec import Kind
+
+
+def write_kv(plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
+    """Store the step's new keys and values. k, v: [T, num_kv_heads, head_dim] on the cache's device.
+
+    Token t goes to slot plan.slot_mapping[t]; slots < 0 (padding) are skipped.
+    """
+    slots = torch.from_numpy(plan.slot_mapping).to(k.device)
+    keep = slots >= 0
+    k_flat, v_flat = cache.flat()
+    k_flat[slots[keep]] = k[: slots.shape[0]][keep].to(k_flat.dtype)
+    v_flat[slots[keep]] = v[: slots.shape[0]][keep].to(v_flat.dtype)
+
+
+def run(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int = 0) -> torch.Tensor:
+    """Attention of the step's queries over the cache for one layer of layer group `group`.
+
+    q: [T, num_qo_heads, head_dim] on the cache's device. Returns [T, num_qo_heads, head_dim] in
+    q.dtype, computed in float32 (float64 if q is float64). Queries sit at the end of each sequence.
+    """
+    spec, gp = plan.spec, plan.groups[group]
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = spec.num_qo_heads // spec.num_kv_heads
+    out = torch.empty_like(q)
+    for i in range(plan.batch_size):
+        q0, q1 = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
+        p0, p1 = int(gp.kv_indptr[i]), int(gp.kv_indptr[i + 1])
+        n_kv, start = int(gp.kv_lens[i]), 0 if gp.kv_start is None else int(gp.kv_start[i])
+        pages = torch.from_numpy(gp.kv_indices[p0:p1]).to(q.device).long()
+        k = cache.k[pages].flatten(0, 1)[:n_kv].to(work).repeat_interleave(rep, dim=1)
+        v = cache.v[pages].flatten(0, 1)[:n_kv].to(work).repeat_interleave(rep, dim=1)
+        logits = torch.einsum("qhd,khd->hqk", q[q0:q1].to(work), k) * spec.sm_scale
+        if spec.soft_cap > 0:
+            logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)
+        if gp.group.kind is not Kind.NONCAUSAL:
+            q_pos = torch.arange(int(plan.kv_lens[i]) - (q1 - q0), int(plan.kv_lens[i]), device=q.device)
+            k_pos = torch.arange(start, start + n_kv, device=q.device)
+            hidden = k_pos[None, :] > q_pos[:, None]
+            if gp.group.kind is Kind.WINDOW:
+                hidden |= k_pos[None, :] <= q_pos[:, None] - gp.group.window
+            logits = logits.masked_fill(hidden, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,247 @@
+"""`build_plan`: a pure function from a StepBatch and an AttentionSpec to a frozen AttentionPlan.
+
+Numpy only, host only: no torch, no GPU, no globals. Every array in a plan is a read-only
+host numpy array; plans share arrays with the (immutable) StepBatch they came from.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import numpy as np
+
+from mstar_attn.metadata.batch import StepBatch
+from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup, PlanError
+
+
+class Mode(enum.Enum):
+    DECODE = "decode"  # every request has one new token
+    PREFILL = "prefill"  # no request has a cached prefix
+    VERIFY = "verify"  # every request has the same q_len > 1 over a cached prefix (speculative verify)
+    MIXED = "mixed"  # decode requests (q_len 1) beside longer ones
+    EXTEND = "extend"  # anything else: chunked prefill / prefix-cache hits
+
+
+def _arr():
+    return attrs.field(eq=attrs.cmp_using(eq=np.array_equal), repr=lambda a: f"array{a.shape}")
+
+
+def _same_or_none(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
+
+
+def _opt_arr():
+    return attrs.field(default=None, eq=attrs.cmp_using(eq=_same_or_none), repr=False)
+
+
+@attrs.frozen
+class GroupPlan:
+    """The page range one layer group's kernel reads, all int32 host arrays over B requests.
+
+    kv_indptr [B+1], kv_indices [n], kv_last_page_len [B], kv_lens [B]: as FlashInfer reads them.
+    kv_start [B] or None: position of the first key covered, when a sliding window trimmed whole
+    pages from the front (a multiple of page_size); None means 0 for every request. For full
+    and non-causal groups the arrays are the plan's own.
+    """
+
+    group: LayerGroup
+    kv_indptr: np.ndarray = _arr()
+    kv_indices: np.ndarray = _arr()
+    kv_last_page_len: np.ndarray = _arr()
+    kv_lens: np.ndarray = _arr()
+    kv_start: np.ndarray | None = _opt_arr()
+
+
+@attrs.frozen
+class AttentionPlan:
+    """Everything any backend needs for one step, B requests and T new tokens, host arrays.
+
+    qo_indptr [B+1] int32     new tokens of request i are rows qo_indptr[i]:qo_indptr[i+1] of q
+    q_lens, kv_lens [B] int32 kv_lens is after the step (prefix + new tokens)
+    kv_indptr [B+1], kv_indices [n], kv_last_page_len [B] int32: the pages each request reads
+    positions [T] int64       absolute position of each new token
+    slot_mapping [T] int64    page * page_size + offset where token t's K/V is written
+    block_table [B, P] int32  the engine's padded page table, when it gave one (else None)
+    groups                    one GroupPlan per spec.groups entry
+    """
+
+    spec: AttentionSpec = attrs.field(repr=False)
+    mode: Mode
+    batch_size: int
+    num_tokens: int
+    max_q_len: int
+    max_kv_len: int
+    q_lens: np.ndarray = _arr()
+    kv_lens: np.ndarray = _arr()
+    qo_indptr: np.ndarray = _arr()
+    kv_indptr: np.ndarray = _arr()
+    kv_indices: np.ndarray = _arr()
+    kv_last_page_len: np.ndarray = _arr()
+    positions: np.ndarray = _arr()
+    slot_mapping: np.ndarray = _arr()
+    groups: tuple[GroupPlan, ...] = attrs.field(repr=False)
+    block_table: np.ndarray | None = _opt_arr()
+
+    @property
+    def sm_scale(self) -> float:
+        return self.spec.sm_scale
+
+    @property
+    def soft_cap(self) -> float:
+        return self.spec.soft_cap
+
+    @property
+    def causal(self) -> bool:
+        """Whether the first layer group is causal; each GroupPlan carries its own."""
+        return self.groups[0].group.causal
+
+    def group_for_layer(self, layer: int) -> GroupPlan:
+        return self.groups[self.spec.layer_groups[layer]]
+
+
+def _ro(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        a.flags.writeable = False
+
+
+def _fail(field: str, bad: np.ndarray, message: str) -> None:
+    i = int(np.flatnonzero(bad)[0])
+    raise PlanError(f"{field}[{i}]: {message} (request {i})")
+
+
+def _gather_ranges(src: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate src[starts[i] : starts[i] + counts[i]] over i; returns (indptr [B+1], values)."""
+    indptr = np.zeros(counts.shape[0] + 1, np.int32)
+    np.cumsum(counts, out=indptr[1:])
+    offsets = np.repeat(starts - indptr[:-1], counts)
+    offsets += np.arange(indptr[-1], dtype=np.int32)
+    values = src[offsets]
+    _ro(indptr, values)
+    return indptr, values
+
+
+def _request_of(kv_indptr: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    return np.searchsorted(kv_indptr, flat, side="right") - 1
+
+
+def _check_ownership(spec: AttentionSpec, kv_indptr, kv_indices, written: np.ndarray) -> None:
+    """A page written this step must appear exactly once in the whole batch's page lists.
+
+    Pages only read (a shared prefix) may be shared. written [n] lists each request's written
+    pages once. No page may repeat in it (two writers), and since each written page is read
+    once by its writer, counting the read entries that hit a written page must give exactly n:
+    any excess is another request reading (or writing) it. O(n log n + pages), no full sort.
+    """
+    ordered = np.sort(written)
+    twice = ordered[1:] == ordered[:-1]
+    is_written = np.zeros(spec.num_pages, np.bool_)
+    is_written[written] = True
+    if not twice.any() and np.count_nonzero(is_written.take(kv_indices)) == written.shape[0]:
+        return
+    if twice.any():
+        page = int(ordered[1:][twice][0])
+    else:
+        page = next(int(p) for p in written if np.count_nonzero(kv_indices == p) > 1)
+    owners = sorted(set(_request_of(kv_indptr, np.flatnonzero(kv_indices == page)).tolist()))
+    raise PlanError(
+        f"page_indices: page {page} is written this step and also listed by requests {owners}; "
+        "a page being written must belong to one request only"
+    )
+
+
+def build_plan(batch: StepBatch, spec: AttentionSpec, *, check_ownership: bool = True) -> AttentionPlan:
+    """Validate a step and derive every index array the backends read. Pure; raises PlanError.
+
+    Always checked (O(B) plus one min/max over the pages read): lengths, page counts, page
+    ids inside the pool, page size, backend support. check_ownership adds an O(pages) scan
+    that every page written this step belongs to one request only (see `_check_ownership`);
+    an engine whose allocator guarantees that may turn it off.
+    """
+    ps = spec.page_size  # the spec checked its backend's support when it was made
+    if batch.page_size != ps:
+        raise PlanError(f"page_size: the batch says {batch.page_size}, the cache has {ps}")
+    q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
+    B = q.shape[0]
+    if B == 0:
+        raise PlanError("q_lens: the batch is empty")
+    if q.ndim != 1 or kv.shape != (B,) or indptr.shape != (B + 1,):
+        raise PlanError(f"shapes: q_lens {q.shape}, kv_lens {kv.shape} and page_indptr {indptr.shape} must be [B], [B], [B+1]")
+
+    q_min, q_max = q.min(), q.max()
+    if q_min < 1:
+        _fail("q_lens", q < 1, "every request needs at least one new token")
+    if (kv.min() < 1) if q_max == 1 else (kv < q).any():
+        _fail("kv_lens", kv < q, "kv_len (after the step) is smaller than q_len")
+    need = (kv + (ps - 1)) // ps  # >= 1 everywhere, so spare >= 0 below also proves indptr monotone
+    spare = indptr[1:] - indptr[:-1]
+    spare -= need
+    if spare.min() < 0:
+        _fail("page_indices", spare < 0, "fewer pages than the KV length needs (or page_indptr decreases)")
+    if indptr[0] != 0 or indptr[-1] > idx.shape[0]:
+        raise PlanError(f"page_indptr must start at 0 and end within page_indices (length {idx.shape[0]}), got {indptr[0]}..{indptr[-1]}")
+
+    # Pages each request reads: the first `need` of its list (shared with the batch when exact).
+    if spare.max() == 0:
+        kv_indptr, kv_indices = indptr, idx[: indptr[-1]]
+    else:
+        kv_indptr, kv_indices = _gather_ranges(idx, indptr[:-1], need)
+    if kv_indices.min() < 0 or kv_indices.max() >= spec.num_pages:
+        bad = (kv_indices < 0) | (kv_indices >= spec.num_pages)
+        j = int(np.flatnonzero(bad)[0])
+        i = int(_request_of(kv_indptr, np.array([j]))[0])
+        raise PlanError(f"page_indices: request {i} lists page {kv_indices[j]}, outside the pool (0..{spec.num_pages - 1})")
+    last_page_len = kv - need * ps
+    last_page_len += ps
+
+    if q_max == 1:  # decode: one token per request, written on its last page
+        T, mode = B, Mode.DECODE
+        qo_indptr = np.arange(B + 1, dtype=np.int32)
+        positions = np.subtract(kv, 1, dtype=np.int64)
+        written = kv_indices[kv_indptr[1:] - 1]
+        slot_mapping = np.multiply(written, ps, dtype=np.int64)
+        slot_mapping += last_page_len
+        slot_mapping -= 1
+    else:
+        qo_indptr = np.zeros(B + 1, np.int32)
+        np.cumsum(q, out=qo_indptr[1:])
+        T = int(qo_indptr[-1])
+        prefix = kv - q
+        positions = np.repeat(prefix - qo_indptr[:-1], q).astype(np.int64)
+        positions += np.arange(T)
+        page_of = np.repeat(kv_indptr[:-1], q) + (positions // ps)
+        slot_mapping = kv_indices[page_of].astype(np.int64) * ps + positions % ps
+        first_written = prefix // ps
+        written = _gather_ranges(kv_indices, kv_indptr[:-1] + first_written, need - first_written)[1]
+        if not prefix.any():
+            mode = Mode.PREFILL
+        elif q_min == q_max and prefix.all():
+            mode = Mode.VERIFY
+        elif q_min == 1:
+            mode = Mode.MIXED
+        else:
+            mode = Mode.EXTEND
+    if check_ownership:
+        _check_ownership(spec, kv_indptr, kv_indices, written)
+
+    _ro(qo_indptr, kv_indices, last_page_len, positions, slot_mapping)
+    groups = tuple([
+        GroupPlan(g, kv_indptr, kv_indices, last_page_len, kv)
+        if g.kind is not Kind.WINDOW
+        else _window_plan(g, kv_indptr, kv_indices, last_page_len, q, kv, need, ps)
+        for g in spec.groups
+    ])
+    return AttentionPlan(
+        spec, mode, B, T, int(q_max), int(kv.max()), q, kv, qo_indptr, kv_indptr, kv_indices,
+        last_page_len, positions, slot_mapping, groups, batch.block_table,
+    )
+
+
+def _window_plan(group: LayerGroup, kv_indptr, kv_indices, last_page_len, q, kv, need, ps: int) -> GroupPlan:
+    """Trim whole pages that no query of the step can see: keep the last window + q - 1 keys."""
+    start_page = np.maximum(kv - q - (group.window - 1), 0) // ps
+    indptr, indices = _gather_ranges(kv_indices, kv_indptr[:-1] + start_page, need - start_page)
+    kv_start = (start_page * ps).astype(np.int32)
+    kv_lens = (kv - kv_start).astype(np.int32)
+    _ro(kv_start, kv_lens)
+    return GroupPlan(group, indptr, indices, last_page_len, kv_lens, kv_start)

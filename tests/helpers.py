@@ -1,0 +1,58 @@
+"""Shared test helpers: random batches, a naive float64 oracle, filling a paged cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mstar_attn import AttentionSpec, Kind, LayerGroup, PagedKVCache, StepBatch
+
+
+def random_pages(rng: np.random.Generator, kv_lens, page_size: int, num_pages: int, extra: int = 0) -> list[np.ndarray]:
+    """Distinct random pages for each request: exactly what it needs plus up to `extra` spare."""
+    need = [(int(k) + page_size - 1) // page_size for k in kv_lens]
+    counts = [n + int(rng.integers(0, extra + 1)) for n in need]
+    perm = rng.permutation(num_pages)[: sum(counts)].astype(np.int32)
+    return np.split(perm, np.cumsum(counts)[:-1])
+
+
+def random_batch(rng, q_lens, kv_lens, page_size: int, num_pages: int, extra: int = 0) -> StepBatch:
+    pages = random_pages(rng, kv_lens, page_size, num_pages, extra)
+    return StepBatch.from_pages(q_lens, kv_lens, pages, page_size)
+
+
+def naive_attention(q, k, v, *, kind: Kind, window: int | None, scale: float, soft_cap: float = 0.0) -> torch.Tensor:
+    """One sequence in float64, queries at the end: q [n_q, Hq, D], k and v [n_k, Hkv, D]."""
+    q, k, v = (t.double().cpu() for t in (q, k, v))
+    n_q, n_k, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for h in range(q.shape[1]):
+        logits = q[:, h] @ k[:, h // rep].T * scale
+        if soft_cap:
+            logits = soft_cap * torch.tanh(logits / soft_cap)
+        pos = torch.arange(n_k - n_q, n_k)[:, None]  # absolute position of each query
+        key = torch.arange(n_k)[None, :]
+        visible = torch.ones(n_q, n_k, dtype=torch.bool)
+        if kind is not Kind.NONCAUSAL:
+            visible &= key <= pos
+        if kind is Kind.WINDOW:
+            visible &= key > pos - window
+        logits = logits.masked_fill(~visible, float("-inf"))
+        out[:, h] = torch.softmax(logits, dim=-1) @ v[:, h // rep]
+    return out
+
+
+def fill_prefix(cache: PagedKVCache, batch: StepBatch, k_seqs, v_seqs) -> None:
+    """Write each request's cached prefix (kv_len - q_len tokens) straight into its pages."""
+    ps = cache.page_size
+    for i in range(batch.batch_size):
+        pages = batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]]
+        n = int(batch.kv_lens[i] - batch.q_lens[i])
+        for p in range(n):
+            cache.k[pages[p // ps], p % ps] = k_seqs[i][p]
+            cache.v[pages[p // ps], p % ps] = v_seqs[i][p]
+
+
+def spec_for(page_size=16, num_pages=512, dtype=torch.float32, groups=(LayerGroup(),), heads=(4, 2), head_dim=16, **kw):
+    return AttentionSpec(heads[0], heads[1], head_dim, page_size, num_pages, dtype=dtype, groups=groups,
+                         backend=kw.pop("backend", "reference"), **kw)

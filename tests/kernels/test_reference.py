@@ -1,0 +1,114 @@
+"""The reference backend against a naive per-sequence float64 softmax, on the CPU."""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import Kind, LayerGroup, PagedKVCache, build_plan
+from mstar_attn.kernels import reference
+from tests.helpers import fill_prefix, naive_attention, random_batch, spec_for
+
+GROUPS = (LayerGroup(), LayerGroup("window", window=37), LayerGroup("noncausal"))
+
+# ||out - ref|| / ||ref|| bounds. float32 inputs: the reference accumulates in float32 over at
+# most ~5k keys, far under 1e-5. bf16/fp16: the output is rounded once to the dtype (relative
+# error <= 2^-9 for bf16, 2^-12 for fp16 per element); inputs are identical on both sides.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float16: 1e-3}
+
+
+def make_step(seed, q_lens, kv_lens, page_size, dtype=torch.float32, groups=GROUPS, soft_cap=0.0, heads=(4, 2)):
+    """A random step with its cache filled: the prefix written directly, the new tokens by write_kv."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    need = sum((k + page_size - 1) // page_size for k in kv_lens)
+    spec = spec_for(page_size=page_size, num_pages=need + len(kv_lens) + 7, dtype=dtype, groups=groups, soft_cap=soft_cap, heads=heads)
+    batch = random_batch(rng, q_lens, kv_lens, page_size, spec.num_pages, extra=1)
+    cache = PagedKVCache.allocate(spec)
+    cache.k.normal_(generator=gen), cache.v.normal_(generator=gen)  # poison: stale data everywhere
+    shape = lambda n: (n, spec.num_kv_heads, spec.head_dim)  # noqa: E731
+    k_seqs = [torch.randn(shape(n), generator=gen).to(dtype) for n in kv_lens]
+    v_seqs = [torch.randn(shape(n), generator=gen).to(dtype) for n in kv_lens]
+    fill_prefix(cache, batch, k_seqs, v_seqs)
+    plan = build_plan(batch, spec)
+    new = lambda seqs: torch.cat([s[k - q :] for s, q, k in zip(seqs, q_lens, kv_lens)])  # noqa: E731
+    reference.write_kv(plan, new(k_seqs), new(v_seqs), cache)
+    q = torch.randn((plan.num_tokens, spec.num_qo_heads, spec.head_dim), generator=gen).to(dtype)
+    return spec, plan, cache, q, k_seqs, v_seqs
+
+
+def check_against_naive(seed, q_lens, kv_lens, page_size, dtype=torch.float32, **kw):
+    spec, plan, cache, q, k_seqs, v_seqs = make_step(seed, q_lens, kv_lens, page_size, dtype, **kw)
+    for g, group in enumerate(spec.groups):
+        out = reference.run(plan, q, cache, group=g)
+        assert out.dtype == dtype and out.shape == q.shape
+        want = torch.cat([
+            naive_attention(q[plan.qo_indptr[i] : plan.qo_indptr[i + 1]], k_seqs[i], v_seqs[i], kind=group.kind,
+                            window=group.window, scale=spec.sm_scale, soft_cap=spec.soft_cap)
+            for i in range(plan.batch_size)
+        ])
+        err = ((out.double() - want).norm() / want.norm()).item()
+        assert err < TOL[dtype], f"seed {seed}, group {group}: relative error {err:.2e}"
+    return plan
+
+
+def fresh_seed():
+    return int(np.random.SeedSequence().entropy % 2**31)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize(
+    "name, q_lens, kv_lens",
+    [
+        ("decode", [1] * 4, [1, 17, 64, 200]),
+        ("prefill", [5, 33, 64], [5, 33, 64]),
+        ("extend", [7, 20], [90, 21]),
+        ("mixed", [1, 30, 1, 4], [50, 30, 2, 100]),
+        ("verify", [4, 4, 4], [5, 40, 129]),
+    ],
+)
+def test_modes_against_naive(name, q_lens, kv_lens, page_size):
+    plan = check_against_naive(fresh_seed(), q_lens, kv_lens, page_size)
+    assert plan.mode.value == name
+
+
+def test_batch_of_128_decodes():
+    rng = np.random.default_rng()
+    kv = rng.integers(1, 300, 128).tolist()
+    check_against_naive(fresh_seed(), [1] * 128, kv, 16, groups=(LayerGroup(), LayerGroup("window", window=64)))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_long_context(page_size):
+    check_against_naive(fresh_seed(), [1, 9], [4100, 5000], page_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_and_soft_cap(dtype):
+    check_against_naive(fresh_seed(), [1, 12, 3], [70, 12, 40], 16, dtype=dtype, soft_cap=5.0, heads=(8, 2))
+
+
+def test_kv_length_one():
+    check_against_naive(fresh_seed(), [1, 1], [1, 1], 16)
+
+
+def test_write_kv_touches_only_the_steps_slots():
+    spec, plan, cache, *_ = make_step(fresh_seed(), [1, 3], [10, 20], 4)
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    k = torch.randn(plan.num_tokens, spec.num_kv_heads, spec.head_dim)
+    v = torch.randn_like(k)
+    reference.write_kv(plan, k, v, cache)
+    k_flat, v_flat = cache.flat()
+    slots = torch.from_numpy(plan.slot_mapping)
+    assert torch.equal(k_flat[slots], k) and torch.equal(v_flat[slots], v)
+    changed = (cache.k != before_k).flatten(0, 1).any(-1).any(-1).nonzero().flatten()
+    assert set(changed.tolist()) <= set(slots.tolist())
+    keep = torch.ones(k_flat.shape[0], dtype=torch.bool)
+    keep[slots] = False
+    assert torch.equal(k_flat[keep], before_k.flatten(0, 1)[keep])
+    assert torch.equal(v_flat[keep], before_v.flatten(0, 1)[keep])
+
+
+def test_layer_groups_map_layers_to_plans():
+    spec = spec_for(groups=GROUPS, layer_groups=(0, 1, 1, 2))
+    plan = build_plan(random_batch(np.random.default_rng(0), [1], [50], 16, spec.num_pages), spec)
+    assert [plan.group_for_layer(i).group.kind for i in range(4)] == [Kind.CAUSAL, Kind.WINDOW, Kind.WINDOW, Kind.NONCAUSAL]
