@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar_attn import AttentionSpec, Kind, LayerGroup, PagedKVCache, StepBatch
+from mstar_attn import AttentionSpec, Kind, LayerGroup, PagedKVCache, StepBatch, build_plan
+from mstar_attn.kernels import reference
 
 
 def random_pages(rng: np.random.Generator, kv_lens, page_size: int, num_pages: int, extra: int = 0) -> list[np.ndarray]:
@@ -56,3 +57,29 @@ def fill_prefix(cache: PagedKVCache, batch: StepBatch, k_seqs, v_seqs) -> None:
 def spec_for(page_size=16, num_pages=512, dtype=torch.float32, groups=(LayerGroup(),), heads=(4, 2), head_dim=16, **kw):
     return AttentionSpec(heads[0], heads[1], head_dim, page_size, num_pages, dtype=dtype, groups=groups,
                          backend=kw.pop("backend", "reference"), **kw)
+
+
+def make_step(seed, q_lens, kv_lens, page_size, dtype=torch.float32, groups=(LayerGroup(),), soft_cap=0.0, heads=(4, 2),
+              head_dim=16, device="cpu", backend="reference", write=True):
+    """A random step with its cache filled: the prefix written directly, the new tokens by the
+    reference write_kv unless write=False. Returns spec, plan, cache, q, k_seqs, v_seqs, k_new, v_new."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    need = sum((k + page_size - 1) // page_size for k in kv_lens)
+    spec = spec_for(page_size=page_size, num_pages=need + len(kv_lens) + 7, dtype=dtype, groups=groups, soft_cap=soft_cap,
+                    heads=heads, head_dim=head_dim, backend=backend)
+    batch = random_batch(rng, q_lens, kv_lens, page_size, spec.num_pages, extra=1)
+    cache = PagedKVCache.allocate(spec, device)
+    for t in (cache.k, cache.v):  # poison: stale data everywhere
+        t.copy_(torch.randn(t.shape, generator=gen))
+    shape = lambda n: (n, spec.num_kv_heads, spec.head_dim)  # noqa: E731
+    k_seqs = [torch.randn(shape(n), generator=gen).to(dtype).to(device) for n in kv_lens]
+    v_seqs = [torch.randn(shape(n), generator=gen).to(dtype).to(device) for n in kv_lens]
+    fill_prefix(cache, batch, k_seqs, v_seqs)
+    plan = build_plan(batch, spec)
+    new = lambda seqs: torch.cat([s[k - q :] for s, q, k in zip(seqs, q_lens, kv_lens)])  # noqa: E731
+    k_new, v_new = new(k_seqs), new(v_seqs)
+    if write:
+        reference.write_kv(plan, k_new, v_new, cache)
+    q = torch.randn((plan.num_tokens, spec.num_qo_heads, spec.head_dim), generator=gen).to(dtype).to(device)
+    return spec, plan, cache, q, k_seqs, v_seqs, k_new, v_new

@@ -17,7 +17,7 @@ def write_kv(plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor, cache: Paged
 
     Token t goes to slot plan.slot_mapping[t]; slots < 0 (padding) are skipped.
     """
-    slots = torch.from_numpy(plan.slot_mapping).to(k.device)
+    slots = torch.tensor(plan.slot_mapping, device=k.device)
     keep = slots >= 0
     k_flat, v_flat = cache.flat()
     k_flat[slots[keep]] = k[: slots.shape[0]][keep].to(k_flat.dtype)
@@ -38,7 +38,7 @@ def run(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int = 
         q0, q1 = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
         p0, p1 = int(gp.kv_indptr[i]), int(gp.kv_indptr[i + 1])
         n_kv, start = int(gp.kv_lens[i]), 0 if gp.kv_start is None else int(gp.kv_start[i])
-        pages = torch.from_numpy(gp.kv_indices[p0:p1]).to(q.device).long()
+        pages = torch.tensor(gp.kv_indices[p0:p1], device=q.device, dtype=torch.long)
         k = cache.k[pages].flatten(0, 1)[:n_kv].to(work).repeat_interleave(rep, dim=1)
         v = cache.v[pages].flatten(0, 1)[:n_kv].to(work).repeat_interleave(rep, dim=1)
         logits = torch.einsum("qhd,khd->hqk", q[q0:q1].to(work), k) * spec.sm_scale

@@ -6,7 +6,7 @@ import torch
 
 from mstar_attn import Kind, LayerGroup, PagedKVCache, build_plan
 from mstar_attn.kernels import reference
-from tests.helpers import fill_prefix, naive_attention, random_batch, spec_for
+from tests.helpers import make_step, naive_attention, random_batch, spec_for
 
 GROUPS = (LayerGroup(), LayerGroup("window", window=37), LayerGroup("noncausal"))
 
@@ -16,28 +16,9 @@ GROUPS = (LayerGroup(), LayerGroup("window", window=37), LayerGroup("noncausal")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float16: 1e-3}
 
 
-def make_step(seed, q_lens, kv_lens, page_size, dtype=torch.float32, groups=GROUPS, soft_cap=0.0, heads=(4, 2)):
-    """A random step with its cache filled: the prefix written directly, the new tokens by write_kv."""
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
-    need = sum((k + page_size - 1) // page_size for k in kv_lens)
-    spec = spec_for(page_size=page_size, num_pages=need + len(kv_lens) + 7, dtype=dtype, groups=groups, soft_cap=soft_cap, heads=heads)
-    batch = random_batch(rng, q_lens, kv_lens, page_size, spec.num_pages, extra=1)
-    cache = PagedKVCache.allocate(spec)
-    cache.k.normal_(generator=gen), cache.v.normal_(generator=gen)  # poison: stale data everywhere
-    shape = lambda n: (n, spec.num_kv_heads, spec.head_dim)  # noqa: E731
-    k_seqs = [torch.randn(shape(n), generator=gen).to(dtype) for n in kv_lens]
-    v_seqs = [torch.randn(shape(n), generator=gen).to(dtype) for n in kv_lens]
-    fill_prefix(cache, batch, k_seqs, v_seqs)
-    plan = build_plan(batch, spec)
-    new = lambda seqs: torch.cat([s[k - q :] for s, q, k in zip(seqs, q_lens, kv_lens)])  # noqa: E731
-    reference.write_kv(plan, new(k_seqs), new(v_seqs), cache)
-    q = torch.randn((plan.num_tokens, spec.num_qo_heads, spec.head_dim), generator=gen).to(dtype)
-    return spec, plan, cache, q, k_seqs, v_seqs
-
-
 def check_against_naive(seed, q_lens, kv_lens, page_size, dtype=torch.float32, **kw):
-    spec, plan, cache, q, k_seqs, v_seqs = make_step(seed, q_lens, kv_lens, page_size, dtype, **kw)
+    kw.setdefault("groups", GROUPS)
+    spec, plan, cache, q, k_seqs, v_seqs = make_step(seed, q_lens, kv_lens, page_size, dtype, **kw)[:6]
     for g, group in enumerate(spec.groups):
         out = reference.run(plan, q, cache, group=g)
         assert out.dtype == dtype and out.shape == q.shape
@@ -92,7 +73,7 @@ def test_kv_length_one():
 
 
 def test_write_kv_touches_only_the_steps_slots():
-    spec, plan, cache, *_ = make_step(fresh_seed(), [1, 3], [10, 20], 4)
+    spec, plan, cache, *_ = make_step(fresh_seed(), [1, 3], [10, 20], 4, groups=GROUPS)
     before_k, before_v = cache.k.clone(), cache.v.clone()
     k = torch.randn(plan.num_tokens, spec.num_kv_heads, spec.head_dim)
     v = torch.randn_like(k)

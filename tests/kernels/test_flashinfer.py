@@ -1,0 +1,176 @@
+"""FlashInfer backend through GraphBufferPool, eager and replayed, against the reference (GPU only)."""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import LayerGroup, Mode, build_plan
+from mstar_attn.kernels import reference
+from tests.helpers import make_step, random_batch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+flashinfer = pytest.importorskip("flashinfer")
+
+from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
+from mstar_attn.capture.pool import GraphBufferPool  # noqa: E402
+from mstar_attn.kernels import flashinfer as fi  # noqa: E402
+
+GROUPS = (LayerGroup(), LayerGroup("window", window=40), LayerGroup("noncausal"))
+# bf16 inputs on both sides; the kernel rounds P to bf16 before P@V and the output to bf16
+# (each ~2^-9 relative), the reference works in float32: norm-relative error well under 1e-2.
+TOL = 1e-2
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def gpu_step(seed, q_lens, kv_lens, page_size=16, groups=GROUPS, heads=(32, 8), head_dim=128, soft_cap=0.0):
+    return make_step(seed, q_lens, kv_lens, page_size, torch.bfloat16, groups=groups, heads=heads, head_dim=head_dim,
+                     device="cuda", backend="flashinfer", soft_cap=soft_cap, write=False)
+
+
+def make_pool(spec, **kw):
+    return GraphBufferPool(spec, max_batch_size=kw.pop("max_batch_size", 300), max_num_tokens=4096,
+                           max_num_pages=spec.num_pages, device="cuda", **kw)
+
+
+def test_flashinfer_signatures_are_the_ones_we_call():
+    """Fails loudly when FlashInfer moves the arguments mstar_attn.kernels.flashinfer passes."""
+    assert flashinfer.__version__.startswith("0.7.2")
+    need = {
+        flashinfer.BatchDecodeWithPagedKVCacheWrapper.plan: {"window_left", "seq_lens", "logits_soft_cap", "sm_scale", "non_blocking", "q_data_type", "kv_data_type"},
+        flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan: {"causal", "window_left", "seq_lens", "logits_soft_cap", "sm_scale"},
+        flashinfer.BatchPrefillWithRaggedKVCacheWrapper.plan: {"causal", "window_left", "logits_soft_cap", "sm_scale"},
+        flashinfer.BatchDecodeWithPagedKVCacheWrapper.__init__: {"use_cuda_graph", "use_tensor_cores", "paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer"},
+    }
+    for fn, names in need.items():
+        # plan() forwards **kwargs to _plan_impl where FlashInfer has one: check what really binds them.
+        impl = getattr(_owner(fn), "_plan_impl", fn) if fn.__name__ == "plan" else fn
+        assert names <= set(inspect.signature(impl).parameters), fn.__qualname__
+
+
+def _owner(fn):
+    return getattr(flashinfer, fn.__qualname__.split(".")[0])
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa4-tensor-cores", "mha-cuda-cores"])
+@pytest.mark.parametrize(
+    "q_lens, kv_lens, mode",
+    [
+        ([1] * 5, [1, 17, 64, 300, 4100], Mode.DECODE),
+        ([5, 33, 200], [5, 33, 200], Mode.PREFILL),
+        ([7, 20], [90, 21], Mode.EXTEND),
+        ([1, 30, 1, 4], [50, 30, 2, 100], Mode.MIXED),
+        ([4, 4, 4], [5, 40, 129], Mode.VERIFY),
+    ],
+)
+def test_every_mode_matches_the_reference(q_lens, kv_lens, mode, heads):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, q_lens, kv_lens, heads=heads, soft_cap=20.0 if heads[0] == 8 else 0.0)
+    assert plan.mode is mode
+    pool = make_pool(spec)
+    step = pool.commit(plan)
+    fi.write_kv(step, k_new, v_new, cache)
+    ref_cache = type(cache)(cache.k.clone(), cache.v.clone())
+    reference.write_kv(plan, k_new, v_new, ref_cache)
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+    for g in range(len(spec.groups)):
+        out = fi.run(step, q, cache, group=g)
+        want = reference.run(plan, q, cache, group=g)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+        assert rel_err(out, want) < TOL, (seed, mode, spec.groups[g])
+
+
+def test_ragged_prefill_matches_the_reference():
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [64, 300, 7], [64, 300, 7])
+    pool = make_pool(spec, ragged_prefill=True)
+    step = pool.commit(plan)
+    fi.write_kv(step, k_new, v_new, cache)
+    for g in range(len(spec.groups)):
+        out = fi.run(step, q, cache, group=g, k=k_new, v=v_new)
+        assert rel_err(out, reference.run(plan, q, cache, group=g)) < TOL
+
+
+def test_hundreds_of_steps_eager_and_replayed():
+    """Changing batch sizes (across buckets and past the largest), lengths and pages, 200 steps."""
+    rng = np.random.default_rng()
+    from mstar_attn import AttentionSpec, PagedKVCache
+
+    spec = AttentionSpec(32, 8, 128, 16, 6000, groups=GROUPS[:2])
+    cache = PagedKVCache(torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16),
+                         torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16))
+    pool = GraphBufferPool(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32))
+    q_static = torch.zeros(32, 32, 128, device="cuda", dtype=torch.bfloat16)
+    graphs = {g: DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g), {"q": q_static}) for g in range(2)}
+    for gr in graphs.values():
+        gr.capture()
+    replayed = 0
+    for i in range(200):
+        B = int(rng.choice([1, 3, 4, 9, 16, 31, 32, 33, 70]))
+        kv = rng.integers(1, 1200, B)
+        q_lens = np.ones(B, np.int32) if i % 5 else np.minimum(kv, rng.integers(1, 6, B))
+        plan = build_plan(random_batch(rng, q_lens, kv, 16, 6000), spec)
+        step = pool.commit(plan)
+        q = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
+        for g in range(2):
+            want = reference.run(plan, q, cache, group=g)
+            eager = fi.run(step, q, cache, group=g)
+            graph = graphs[g](step, q=q)
+            replayed += (step.slot, step.bucket) in graphs[g].graphs and plan.mode is Mode.DECODE
+            assert rel_err(eager, want) < TOL, (i, B, g)
+            assert torch.equal(graph, eager), (i, B, g)  # same kernel, same inputs: bit-identical
+    assert replayed > 150
+
+
+def test_double_buffering_lets_the_host_run_ahead():
+    """Commit step N+1 while the GPU is still busy before step N: two slots never stall, one does.
+
+    Both runs stay correct (a slot is reused only after its copies ran), so removing the
+    second buffer shows up as a stall, not as wrong output.
+    """
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    spec, plan_a, cache, q_a, *_ = gpu_step(seed, [1] * 8, list(range(100, 108)), groups=GROUPS[:1])
+    plan_b = build_plan(random_batch(np.random.default_rng(seed + 1), [1] * 8, list(range(107, 99, -1)), 16, spec.num_pages), spec)
+    for slots, stalls in [(2, 0), (1, 1)]:
+        pool = make_pool(spec, num_slots=slots)
+        for _ in range(2):  # warm up the wrappers
+            fi.run(pool.commit(plan_a), q_a, cache)
+        torch.cuda.synchronize()
+        pool.stalls = 0
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the commits
+        out_a = fi.run(pool.commit(plan_a), q_a, cache)
+        out_b = fi.run(pool.commit(plan_b), q_a, cache)
+        torch.cuda.synchronize()
+        assert pool.stalls == stalls
+        assert rel_err(out_a, reference.run(plan_a, q_a, cache)) < TOL
+        assert rel_err(out_b, reference.run(plan_b, q_a, cache)) < TOL
+
+
+def test_no_device_sync_on_the_step_path():
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [1] * 6, [10, 20, 30, 40, 50, 4000])
+    pool = make_pool(spec)
+    static = torch.zeros(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache), {"q": static})
+    graphs.capture((8,))
+    prefill = build_plan(random_batch(np.random.default_rng(seed), [5, 9], [5, 30], 16, spec.num_pages), spec)
+    for p in (plan, prefill):  # warm both paths
+        fi.run(pool.commit(p), torch.randn(p.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step = pool.commit(build_plan(random_batch(np.random.default_rng(seed), [1] * 6, [10, 20, 30, 40, 50, 4000], 16, spec.num_pages), spec))
+            fi.write_kv(step, k_new, v_new, cache)
+            graphs(step, q=q)
+            step = pool.commit(prefill)
+            fi.run(step, torch.ones(prefill.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
