@@ -257,7 +257,8 @@ def forward(model, attn: StepAttention, plan: AttentionPlan, caches: list[PagedK
     m, spec, T = model.model, plan.spec, ids.shape[0]
     ctx = attn.prepare(plan)
     h = m.embed_tokens(ids)  # [T, hidden]
-    cos, sin = m.rotary_emb(h, torch.tensor(plan.positions, device=ids.device))  # [T, head_dim]
+    pos = torch.tensor(plan.positions, device=ids.device)[None]  # [1, T]: the HF module wants a batch dim
+    cos, sin = (t[0] for t in m.rotary_emb(h[None], pos))  # [T, head_dim]
     heads = lambda x: x.view(T, -1, spec.head_dim)  # noqa: E731  [T, H * D] -> [T, H, D]
     for i, layer in enumerate(m.layers):
         sa, x = layer.self_attn, layer.input_layernorm(h)
