@@ -107,6 +107,8 @@ class GraphBufferPool:
         self.spec = spec
         self.device = torch.device(device)
         self.buckets = tuple(sorted(b for b in buckets if b <= max_batch_size))
+        self.max_num_pages = max_num_pages
+        # room for one page-0 entry per padded request after the real pages
         self.layout = _Layout(max_batch_size, max(max_num_tokens, max_batch_size), max_num_pages + max(self.buckets, default=0), len(spec.groups))
         self.host = [torch.empty(self.layout.size, dtype=torch.int32, pin_memory=True) for _ in range(num_slots)]
         self.host_np = [h.numpy() for h in self.host]
@@ -134,10 +136,10 @@ class GraphBufferPool:
         if plan.batch_size > L.max_batch or plan.num_tokens > L.max_tokens:
             raise PlanError(f"commit: batch {plan.batch_size} / tokens {plan.num_tokens} exceed the pool's "
                             f"max_batch_size {L.max_batch} / max_num_tokens {L.max_tokens}")
-        too_many = [g for g, gp in enumerate(plan.groups) if gp.kv_indices.shape[0] > L.max_pages - max(self.buckets, default=0)]
+        too_many = [g for g, gp in enumerate(plan.groups) if gp.kv_indices.shape[0] > self.max_num_pages]
         if too_many:
             raise PlanError(f"commit: group {too_many[0]} reads {plan.groups[too_many[0]].kv_indices.shape[0]} pages, "
-                            f"more than the pool's max_num_pages {L.max_pages - max(self.buckets, default=0)}")
+                            f"more than the pool's max_num_pages {self.max_num_pages}")
         s = self.next_slot if slot is None else slot
         self.next_slot = (s + 1) % self.num_slots
         if self.ready[s] is not None and not self.ready[s].query():

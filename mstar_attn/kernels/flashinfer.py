@@ -34,6 +34,11 @@ class Scheduler:
         self.float_ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self.tensor_cores = pool.spec.gqa_group >= 4  # FlashInfer's advice for decode
         self.wrappers: dict[tuple, object] = {}
+        spec = pool.spec
+        self.plan_kwargs = dict(  # the same for every plan() call of this pool
+            logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.dtype,
+            sm_scale=spec.sm_scale, non_blocking=True,
+        )
 
     def _wrapper(self, kind: str, step: DeviceStep, g: int):
         graph = kind == "decode" and step.bucket is not None
@@ -60,11 +65,7 @@ class Scheduler:
         return w
 
     def schedule(self, step: DeviceStep) -> tuple:
-        spec = self.pool.spec
-        common = dict(
-            logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.dtype,
-            sm_scale=spec.sm_scale, non_blocking=True,
-        )
+        spec, common = self.pool.spec, self.plan_kwargs
         out = []
         for g, (group, dg) in enumerate(zip(spec.groups, step.groups)):
             if step.mode is Mode.DECODE:
