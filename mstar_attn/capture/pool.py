@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import torch
 
-from mstar_attn.kernels import get_backend
+from mstar_attn.kernels import AUTO, BACKENDS, get_backend
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 from mstar_attn.metadata.spec import AttentionSpec, PlanError
 
@@ -98,16 +98,21 @@ class GraphBufferPool:
     committed plan (commit raises PlanError beyond them). buckets: decode batch sizes that
     captured graphs serve; a decode batch is padded up to the smallest bucket that holds it.
     num_slots: 2 (double buffering); 1 makes every commit wait for the GPU to finish the last.
-    scheduler_options go to the backend's Scheduler (FlashInfer: ragged_prefill=True).
+    max_pages_per_request: the most pages one request may read (sizes dense page tables).
+    scheduler_options go to every backend Scheduler the pool makes. A pool serves every backend
+    its plans name (one Scheduler per backend module, made at the first plan that needs it, or
+    all of them up front with `schedulers_for`); spec.backend="auto" lets the plan choose.
     """
 
     def __init__(self, spec: AttentionSpec, *, max_batch_size: int, max_num_tokens: int, max_num_pages: int,
                  device: torch.device | str = "cuda", buckets: tuple[int, ...] = DEFAULT_BUCKETS, num_slots: int = 2,
-                 **scheduler_options):
+                 max_pages_per_request: int | None = None, **scheduler_options):
         self.spec = spec
         self.device = torch.device(device)
         self.buckets = tuple(sorted(b for b in buckets if b <= max_batch_size))
         self.max_num_pages = max_num_pages
+        # width of dense page tables (FlashAttention's page_table [rows, width]); None: max_num_pages
+        self.max_pages_per_request = min(max_pages_per_request or max_num_pages, max_num_pages)
         # room for one page-0 entry per padded request after the real pages
         self.layout = _Layout(max_batch_size, max(max_num_tokens, max_batch_size), max_num_pages + max(self.buckets, default=0), len(spec.groups))
         self.host = [torch.empty(self.layout.size, dtype=torch.int32, pin_memory=True) for _ in range(num_slots)]
@@ -116,12 +121,22 @@ class GraphBufferPool:
         self.ready = [None] * num_slots  # event after each slot's last commit: its staging may be rewritten
         self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
         self.next_slot = 0
-        backend = get_backend(spec.backend)
-        self.scheduler = backend.Scheduler(self, **scheduler_options) if hasattr(backend, "Scheduler") else None
+        self.scheduler_options = scheduler_options
+        self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
+        if spec.backend != AUTO:
+            self.scheduler_for(spec.backend)
 
     @property
     def num_slots(self) -> int:
         return len(self.host)
+
+    def scheduler_for(self, backend: str):
+        """The Scheduler of `backend`'s module for this pool (made once; None for host-only backends)."""
+        module = BACKENDS[backend].module
+        if module not in self.schedulers:
+            mod = get_backend(backend)
+            self.schedulers[module] = mod.Scheduler(self, **self.scheduler_options) if hasattr(mod, "Scheduler") else None
+        return self.schedulers[module]
 
     def bucket_for(self, plan: AttentionPlan) -> int | None:
         if plan.mode is not Mode.DECODE:
@@ -188,8 +203,9 @@ class GraphBufferPool:
         dwide = dev[L.wide : L.wide + 4 * L.max_tokens].view(torch.int64)
         step = DeviceStep(plan, s, rows, num_rows, bucket, dev[: rows + 1], host[: rows + 1],
                           dwide[:num_rows], dwide[L.max_tokens : L.max_tokens + num_rows], tuple(groups))
-        if self.scheduler is not None:
-            step = attrs.evolve(step, scheduled=self.scheduler.schedule(step))
+        scheduler = self.scheduler_for(plan.backend)
+        if scheduler is not None:
+            step = attrs.evolve(step, scheduled=scheduler.schedule(step))
         event = torch.cuda.Event()
         event.record()
         self.ready[s] = event

@@ -15,8 +15,9 @@ from mstar_attn.metadata.spec import Kind
 def write_kv(plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
     """Store the step's new keys and values. k, v: [T, num_kv_heads, head_dim] on the cache's device.
 
-    Token t goes to slot plan.slot_mapping[t]; slots < 0 (padding) are skipped.
+    plan: an AttentionPlan (or a committed step, whose plan is read). Token t goes to slot plan.slot_mapping[t]; slots < 0 (padding) are skipped.
     """
+    plan = getattr(plan, "plan", plan)
     slots = torch.tensor(plan.slot_mapping, device=k.device)
     keep = slots >= 0
     k_flat, v_flat = cache.flat()
@@ -24,12 +25,13 @@ def write_kv(plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor, cache: Paged
     v_flat[slots[keep]] = v[: slots.shape[0]][keep].to(v_flat.dtype)
 
 
-def run(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int = 0) -> torch.Tensor:
+def run(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int = 0, k=None, v=None) -> torch.Tensor:
     """Attention of the step's queries over the cache for one layer of layer group `group`.
 
     q: [T, num_qo_heads, head_dim] on the cache's device. Returns [T, num_qo_heads, head_dim] in
     q.dtype, computed in float32 (float64 if q is float64). Queries sit at the end of each sequence.
     """
+    plan = getattr(plan, "plan", plan)  # k, v: unused, the new K/V are read from the cache
     spec, gp = plan.spec, plan.groups[group]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rep = spec.num_qo_heads // spec.num_kv_heads

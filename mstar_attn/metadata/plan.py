@@ -11,7 +11,9 @@ import enum
 import attrs
 import numpy as np
 
+from mstar_attn.kernels import AUTO, BACKENDS
 from mstar_attn.metadata.batch import StepBatch
+from mstar_attn.metadata.select import select_backend
 from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup, PlanError
 
 
@@ -64,6 +66,8 @@ class AttentionPlan:
     slot_mapping [T] int64    page * page_size + offset where token t's K/V is written
     block_table [B, P] int32  the engine's padded page table, when it gave one (else None)
     groups                    one GroupPlan per spec.groups entry
+    backend                   the backend that serves the step: spec.backend, or the choice of
+                              select_backend when spec.backend is "auto"
     """
 
     spec: AttentionSpec = attrs.field(repr=False)
@@ -82,6 +86,7 @@ class AttentionPlan:
     slot_mapping: np.ndarray = _arr()
     groups: tuple[GroupPlan, ...] = attrs.field(repr=False)
     block_table: np.ndarray | None = _opt_arr()
+    backend: str = "flashinfer"  # the kernels.BACKENDS name that serves this step
 
     @property
     def sm_scale(self) -> float:
@@ -231,9 +236,16 @@ def build_plan(batch: StepBatch, spec: AttentionSpec, *, check_ownership: bool =
         else _window_plan(g, kv_indptr, kv_indices, last_page_len, q, kv, need, ps)
         for g in spec.groups
     ])
+    max_kv = int(kv.max())
+    backend = spec.backend
+    if backend == AUTO:
+        backend = select_backend(spec, mode.value, B, T, int(q_max), max_kv, mode is Mode.PREFILL)
+    caps = BACKENDS[backend]
+    if mode.value not in caps.modes:
+        raise PlanError(f"backend: {backend!r} serves {sorted(caps.modes)} steps, not this {mode.value} step")
     return AttentionPlan(
-        spec, mode, B, T, int(q_max), int(kv.max()), q, kv, qo_indptr, kv_indptr, kv_indices,
-        last_page_len, positions, slot_mapping, groups, batch.block_table,
+        spec, mode, B, T, int(q_max), max_kv, q, kv, qo_indptr, kv_indptr, kv_indices,
+        last_page_len, positions, slot_mapping, groups, batch.block_table, backend,
     )
 
 

@@ -71,7 +71,7 @@ class AttentionSpec:
     soft_cap: float = 0.0
     groups: tuple[LayerGroup, ...] = attrs.field(default=(LayerGroup(),), converter=tuple)
     layer_groups: tuple[int, ...] = attrs.field(default=(0,), converter=tuple)
-    backend: str = "flashinfer"
+    backend: str = "flashinfer"  # a kernels.BACKENDS name, or "auto": build_plan picks per step
 
     @sm_scale.default
     def _default_scale(self):
@@ -87,11 +87,12 @@ class AttentionSpec:
             raise PlanError(f"layer_groups[{bad[0]}] = {self.layer_groups[bad[0]]} is not a group index (0..{len(self.groups) - 1})")
         if self.soft_cap < 0:
             raise PlanError(f"soft_cap must be >= 0 (0 disables it), got {self.soft_cap}")
-        from mstar_attn.kernels import BACKENDS  # plain data; imports no GPU package
+        from mstar_attn.kernels import AUTO, BACKENDS  # plain data; imports no GPU package
 
-        if self.backend not in BACKENDS:
-            raise PlanError(f"spec.backend: unknown backend {self.backend!r} (known: {sorted(BACKENDS)})")
-        BACKENDS[self.backend].check(self)
+        if self.backend != AUTO and self.backend not in BACKENDS:
+            raise PlanError(f"spec.backend: unknown backend {self.backend!r} (known: {sorted(BACKENDS)} or {AUTO!r})")
+        name = "flashinfer" if self.backend == AUTO else self.backend  # auto falls back to FlashInfer paged
+        BACKENDS[name].check(self, name)
 
     @property
     def gqa_group(self) -> int:
