@@ -17,13 +17,19 @@ def spec(backend: str = "flashinfer") -> AttentionSpec:
 
 def decode(batch_size: int, context: int = 2048, seed: int = 0) -> StepBatch:
     """batch_size decode requests with contexts around `context` tokens, random distinct pages."""
+    return verify(batch_size, 1, context, seed)
+
+
+def verify(batch_size: int, q_len: int, context: int = 2048, seed: int = 0) -> StepBatch:
+    """batch_size requests with q_len new tokens each (1: decode, > 1: speculative verify) after
+    contexts around `context` tokens (new tokens included), random distinct pages."""
     rng = np.random.default_rng(seed)
     kv = rng.integers(context - 256, context + 256, batch_size).astype(np.int32)
     need = (kv + PAGE - 1) // PAGE
     indptr = np.zeros(batch_size + 1, np.int32)
     np.cumsum(need, out=indptr[1:])
     pages = rng.permutation(NUM_PAGES)[: indptr[-1]].astype(np.int32)
-    return StepBatch.from_csr(np.ones(batch_size, np.int32), kv, indptr, pages, PAGE)
+    return StepBatch.from_csr(np.full(batch_size, q_len, np.int32), kv, indptr, pages, PAGE)
 
 
 def mixed(decodes: int = 60, prefills: int = 4, prompt: int = 512, seed: int = 0) -> StepBatch:
@@ -36,3 +42,4 @@ def mixed(decodes: int = 60, prefills: int = 4, prompt: int = 512, seed: int = 0
     np.cumsum(need, out=indptr[1:])
     pages = rng.permutation(NUM_PAGES)[: indptr[-1]].astype(np.int32)
     return StepBatch.from_csr(q, kv, indptr, pages, PAGE)
+

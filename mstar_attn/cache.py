@@ -24,8 +24,10 @@ class PagedKVCache:
 
     @classmethod
     def allocate(cls, spec: AttentionSpec, device: torch.device | str = "cpu") -> PagedKVCache:
+        """Zero-filled: FlashAttention-4's paged TMA loader reads whole pages, rows past a sequence's
+        length included, and multiplies them by P = 0; they must be finite, never uninitialised."""
         shape = (spec.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-        return cls(torch.empty(shape, dtype=spec.dtype, device=device), torch.empty(shape, dtype=spec.dtype, device=device))
+        return cls(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
 
     @property
     def page_size(self) -> int:

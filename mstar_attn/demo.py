@@ -3,23 +3,27 @@
 The engine here is a toy (one process, greedy sampling, whole-prompt prefill) but its attention is the
 real thing: every layer of every step goes build_plan -> prepare -> write_kv -> run over a paged KV
 cache, with requests arriving mid-flight (MIXED steps), sharing prompt-prefix pages, finishing at
-different lengths and handing their pages to newcomers. At the end the stock HF model (eager
-attention, no cache, full sequences) recomputes every logit the engine computed.
+different lengths and handing their pages to newcomers. On a GPU backend with graphs on (the CUDA
+default) the whole decode forward (embedding, every layer's write_kv + run and the rest of the layer
+math, lm_head) is captured once per (pool slot, bucket) and each decode step replays one CUDA graph;
+prefill, mixed and extend steps run eagerly. At the end the stock HF model (eager attention, no cache,
+full sequences) recomputes every logit the engine computed.
 
-    python -m mstar_attn demo [--backend reference] [--layers 4] [--hidden 256] [--requests 8] ...
+    python -m mstar_attn demo [--backend reference] [--graphs] [--layers 4] [--hidden 256] [--requests 8] ...
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from typing import TextIO
+from typing import Any, Callable, TextIO
 
 import attrs
 import numpy as np
 import torch
 
-from mstar_attn import AttentionPlan, AttentionSpec, BACKENDS, PagedKVCache, StepBatch, build_plan, get_backend
+from mstar_attn import AttentionPlan, AttentionSpec, BACKENDS, Mode, PagedKVCache, StepBatch, build_plan, kernels
+from mstar_attn.kernels import ALL_MODES, AUTO
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,6 +40,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # <= 2.9e-3 (fp16, ~6 eps) relative; the bounds below leave ~2-3x over that for other backends.
 REL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 ABS = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+GPU_HIDDEN = 512  # default hidden size on GPU backends: 8 heads of 64 dims (FlashInfer serves 64, 128, 256)
 
 
 class DemoError(RuntimeError):
@@ -44,14 +49,14 @@ class DemoError(RuntimeError):
 
 @attrs.frozen
 class DemoConfig:
-    """Model size, trace and where to run. device/dtype None: this machine's default (see `resolve`)."""
+    """Model size, trace and where to run. None: this machine's default (see `resolve`)."""
 
-    backend: str | None = None  # None: "flashinfer" with CUDA, else "reference"
-    graphs: bool = False  # replay steps as CUDA graphs (GPU backends only)
+    backend: str | None = None  # None: "flashinfer" with CUDA, else "reference"; "auto": the plan picks per step
+    graphs: bool | None = None  # replay decode steps as CUDA graphs; None: on for GPU backends
     device: str | None = None  # None: "cuda" when available, else "cpu"
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on the CPU
     layers: int = 4
-    hidden: int = 256
+    hidden: int | None = None  # None: 512 on GPU backends (head dim 64), else 256 (head dim 32)
     heads: int = 8
     kv_heads: int = 2
     vocab: int = 512
@@ -60,73 +65,154 @@ class DemoConfig:
     seed: int = 0
     page_size: int = 4
 
+    @property
+    def gpu(self) -> bool:
+        """A GPU backend (every backend but the reference one), once resolved."""
+        return self.backend != "reference"
+
     def resolve(self) -> DemoConfig:
         cuda = torch.cuda.is_available()
+        backend = self.backend or ("flashinfer" if cuda else "reference")
+        gpu = backend != "reference"
         return attrs.evolve(
             self,
-            backend=self.backend or ("flashinfer" if cuda else "reference"),
+            backend=backend,
+            graphs=gpu if self.graphs is None else self.graphs,
             device=self.device or ("cuda" if cuda else "cpu"),
             dtype=self.dtype or ("bfloat16" if cuda else "float32"),
+            hidden=(GPU_HIDDEN if gpu else 256) if self.hidden is None else self.hidden,
         )
 
 
 # ----------------------------------------------------------------------------------------------------
-# The backend seam: the only three call sites the engine has. GPU backends swap this class.
+# The backend seam: the engine's only attention call sites. GPU backends swap this class.
 
 
 class StepAttention:
-    """Eager attention through one backend module: `ctx = prepare(plan)` once per step, then per layer
-    `write_kv(ctx, k, v, cache)` and `run(ctx, q, cache, group=g)`.
+    """Attention through the backend each step's plan names (`kernels.write_kv` / `kernels.run`
+    dispatch on plan.backend): `bind(spec, ...)` once, `ctx = prepare(plan)` per step, then per layer
+    `write_kv(ctx, k, v, cache)` and `run(ctx, q, cache, group=g, k=k, v=v)`.
 
-    For the reference backend ctx is the plan itself. A GPU backend subclasses this: prepare commits
-    the plan into its device buffers (GraphBufferPool.commit, returning the DeviceStep its write_kv and
-    run read), and with CUDA graphs the per-layer calls are captured once and replayed.
+    Here ctx is the plan itself and everything runs eagerly on the host's order. PoolAttention (GPU)
+    commits plans into device buffers and can capture the decode forward as CUDA graphs: `capture`,
+    `replays`, `replay` are its graph half, which this class does not have.
     """
 
     def __init__(self, name: str):
         self.name = name
-        self.module = get_backend(name)
+        self.spec: AttentionSpec | None = None
+        self.max_batch = 0
+
+    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int) -> None:
+        """Called once before the first step: the model's spec and the most requests / tokens a step has."""
+        self.spec, self.max_batch = spec, max_batch
 
     def prepare(self, plan: AttentionPlan):
         return plan
 
-    def write_kv(self, ctx, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
-        self.module.write_kv(ctx, k, v, cache)
+    def rows(self, ctx) -> int:
+        """Token rows the forward feeds this step: q, k, v and every activation are [rows, ...]."""
+        return ctx.num_tokens
 
-    def run(self, ctx, q: torch.Tensor, cache: PagedKVCache, group: int) -> torch.Tensor:
-        return self.module.run(ctx, q, cache, group=group)
+    def write_kv(self, ctx, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
+        kernels.write_kv(ctx, k, v, cache)
+
+    def run(self, ctx, q: torch.Tensor, cache: PagedKVCache, group: int, k=None, v=None) -> torch.Tensor:
+        return kernels.run(ctx, q, cache, group, k, v)
+
+    @property
+    def capture_rows(self) -> int:
+        """Rows of the static input buffers `capture` needs (its largest captured batch)."""
+        return self.max_batch
+
+    def capture(self, fn: Callable[[Any, dict], torch.Tensor], static: dict[str, torch.Tensor]) -> int:
+        """Record fn(ctx, inputs) for every decode shape served later; returns the number of graphs."""
+        raise DemoError(f"--graphs needs a GPU backend (backend {self.name!r} runs eagerly); use --no-graphs")
+
+    def replays(self, ctx) -> bool:
+        """Whether `replay` serves this step from a captured graph."""
+        return False
+
+    def replay(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise DemoError(f"backend {self.name!r} has no captured graphs")
+
+
+class PoolAttention(StepAttention):
+    """A GPU backend: prepare commits the plan into a GraphBufferPool; capture records the decode
+    forward per (pool slot, bucket) with DecodeGraphs, and replay runs the graph of a committed step.
+
+    The pool's buckets are the powers of two up to the trace's largest batch, so every decode step
+    of the demo has a graph (with backend "auto", see `replays`). A captured graph reads only what
+    commit refreshes in place (the slot's device buffers, the backend state planned for that slot
+    and bucket), the static inputs it was captured on, the weights and the KV caches.
+    """
+
+    def __init__(self, name: str, device: str | torch.device = "cuda"):
+        super().__init__(name)
+        self.device = torch.device(device)
+        self.pool = self.graphs = None
+        self.captured: dict[tuple, str] = {}  # graph_key -> the backend the graph was captured on
+
+    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int) -> None:
+        super().bind(spec, max_batch, max_tokens)
+        try:
+            from mstar_attn.capture.pool import GraphBufferPool
+
+            self.pool = GraphBufferPool(spec, max_batch_size=max_batch, max_num_tokens=max_tokens,
+                                        max_num_pages=spec.num_pages, device=self.device)
+        except ImportError as e:
+            raise DemoError(f"backend {self.name!r} cannot load here: {e}") from e
+
+    def prepare(self, plan: AttentionPlan):
+        return self.pool.commit(plan)
+
+    def rows(self, ctx) -> int:
+        return ctx.num_rows  # decode: the bucket (padded); other modes: the step's tokens
+
+    @property
+    def capture_rows(self) -> int:
+        return max(self.pool.buckets)
+
+    def capture(self, fn: Callable[[Any, dict], torch.Tensor], static: dict[str, torch.Tensor]) -> int:
+        from mstar_attn.capture.graphs import DecodeGraphs
+
+        def recording(step, inputs):  # host side only: runs at warm-up and at capture, not in a replay
+            self.captured[graph_key(step)] = step.plan.backend
+            return fn(step, inputs)
+
+        self.graphs = DecodeGraphs(self.pool, recording, static)
+        self.graphs.capture()
+        return len(self.captured)
+
+    def replays(self, ctx) -> bool:
+        """A decode step whose (slot, bucket) has a graph captured on the backend this step's plan names:
+        with spec.backend "auto" a live step may pick another backend than the warm-up plan did, and
+        the graph then holds the other backend's kernels and scheduled state (so the step runs eagerly)."""
+        return ctx.mode is Mode.DECODE and self.captured.get(graph_key(ctx)) == ctx.plan.backend
+
+    def replay(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.graphs(ctx, **inputs)
+
+
+def graph_key(step) -> tuple[int, int | None, int]:
+    """(pool slot, bucket, new tokens per request) of a committed step: what DecodeGraphs captures per."""
+    return step.slot, step.bucket, getattr(step, "q_len", 1)
 
 
 def make_attention(cfg: DemoConfig) -> StepAttention:
     """The attention seam for a resolved config; raises DemoError with the reason when it cannot run."""
-    if cfg.backend not in BACKENDS:
-        raise DemoError(f"unknown backend {cfg.backend!r} (known: {', '.join(sorted(BACKENDS))})")
-    gpu = cfg.backend != "reference"
-    if gpu and not torch.cuda.is_available():
+    if cfg.backend != AUTO and cfg.backend not in BACKENDS:
+        raise DemoError(f"unknown backend {cfg.backend!r} (known: {', '.join(sorted(BACKENDS))}, {AUTO})")
+    if cfg.backend != AUTO and BACKENDS[cfg.backend].modes != ALL_MODES:
+        raise DemoError(f"backend {cfg.backend!r} serves only {', '.join(sorted(BACKENDS[cfg.backend].modes))} steps "
+                        f"and the demo's trace has decode and mixed steps; use --backend {AUTO} to let each plan pick")
+    if cfg.gpu and not torch.cuda.is_available():
         raise DemoError(f"backend {cfg.backend!r} needs a CUDA device and none is visible; use --backend reference")
-    if gpu and torch.device(cfg.device).type != "cuda":
+    if cfg.gpu and torch.device(cfg.device).type != "cuda":
         raise DemoError(f"backend {cfg.backend!r} runs on CUDA, not on --device {cfg.device}")
-    if cfg.graphs and not gpu:
+    if cfg.graphs and not cfg.gpu:
         raise DemoError("--graphs needs a GPU backend (the reference backend runs eagerly); use --no-graphs")
-    if cfg.graphs:
-        raise DemoError("--graphs: the demo does not capture its decode forward yet; use --no-graphs")
-    return PoolAttention(cfg.backend) if gpu else StepAttention(cfg.backend)
-
-
-class PoolAttention(StepAttention):
-    """A GPU backend: prepare commits the plan into a GraphBufferPool (made at the first step)."""
-
-    def __init__(self, name: str, max_batch_size: int = 64, max_num_tokens: int = 4096):
-        super().__init__(name)
-        self.pool, self.limits = None, (max_batch_size, max_num_tokens)
-
-    def prepare(self, plan: AttentionPlan):
-        if self.pool is None:
-            from mstar_attn.capture.pool import GraphBufferPool
-
-            self.pool = GraphBufferPool(plan.spec, max_batch_size=self.limits[0], max_num_tokens=self.limits[1],
-                                        max_num_pages=plan.spec.num_pages)
-        return self.pool.commit(plan)
+    return PoolAttention(cfg.backend, cfg.device) if cfg.gpu else StepAttention(cfg.backend)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -249,24 +335,106 @@ def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def forward(model, attn: StepAttention, plan: AttentionPlan, caches: list[PagedKVCache], ids: torch.Tensor) -> torch.Tensor:
-    """One engine step through the HF modules. ids: [T] int64 on the device, the step's new tokens in
-    plan row order. Returns logits [T, vocab] in the model dtype."""
+def forward(model, attn: StepAttention, ctx, caches: list[PagedKVCache], ids: torch.Tensor,
+            positions: torch.Tensor) -> torch.Tensor:
+    """One engine step through the HF modules: the eager path, and the function decode graphs capture.
+
+    ids, positions: [R] int64 on the model's device, R = attn.rows(ctx): the step's new tokens in plan
+    row order, then bucket padding. Returns logits [R, vocab] in the model dtype. Launches kernels only:
+    everything it reads is on the device (ctx's committed buffers, weights, caches, these inputs), and
+    no host value in it changes between steps of one (slot, bucket), so it is graph-safe.
+    """
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    m, spec, T = model.model, plan.spec, ids.shape[0]
-    ctx = attn.prepare(plan)
-    h = m.embed_tokens(ids)  # [T, hidden]
-    pos = torch.tensor(plan.positions, device=ids.device)[None]  # [1, T]: the HF module wants a batch dim
-    cos, sin = (t[0] for t in m.rotary_emb(h[None], pos))  # [T, head_dim]
-    heads = lambda x: x.view(T, -1, spec.head_dim)  # noqa: E731  [T, H * D] -> [T, H, D]
+    m, spec, R = model.model, attn.spec, ids.shape[0]
+    h = m.embed_tokens(ids)  # [R, hidden]
+    cos, sin = (t[0] for t in m.rotary_emb(h[None], positions[None]))  # [R, head_dim]; HF wants a batch dim
+    heads = lambda x: x.view(R, -1, spec.head_dim)  # noqa: E731  [R, H * D] -> [R, H, D]
     for i, layer in enumerate(m.layers):
         sa, x = layer.self_attn, layer.input_layernorm(h)
         q, k = apply_rotary_pos_emb(heads(sa.q_proj(x)), heads(sa.k_proj(x)), cos, sin, unsqueeze_dim=1)
-        attn.write_kv(ctx, k, heads(sa.v_proj(x)), caches[i])
-        h = h + sa.o_proj(attn.run(ctx, q, caches[i], group=spec.layer_groups[i]).reshape(T, -1))
+        v = heads(sa.v_proj(x))
+        attn.write_kv(ctx, k, v, caches[i])
+        h = h + sa.o_proj(attn.run(ctx, q, caches[i], group=spec.layer_groups[i], k=k, v=v).reshape(R, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.lm_head(m.norm(h))
+
+
+def step_inputs(plan: AttentionPlan, tokens: list[int], rows: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The forward's inputs, one host-to-device copy: ids and positions [rows] int64 on `device`.
+
+    tokens: the step's T new token ids in plan row order. Rows T.. are bucket padding and repeat row
+    0: their attention reads one token of page 0 and their K/V write rewrites row 0's slot with row
+    0's values, so they change nothing, and a row's values never depend on other rows.
+    """
+    host = np.array([tokens, plan.positions], dtype=np.int64)  # [2, T]
+    host = np.concatenate([host, np.repeat(host[:, :1], rows - plan.num_tokens, axis=1)], axis=1)
+    both = torch.from_numpy(host).to(device)
+    return {"ids": both[0], "positions": both[1]}
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """fn() and how long it took in µs. On CUDA: CUDA events around it on the current stream, after a
+    sync so the GPU starts idle (host launch time shows up as GPU idle time, as in a real step);
+    elsewhere the host clock."""
+    if device.type != "cuda":
+        t0 = time.perf_counter_ns()
+        out = fn()
+        return out, (time.perf_counter_ns() - t0) / 1e3
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end) * 1e3
+
+
+class Engine:
+    """One step's forward through the attention seam: eagerly, or (graphs on) replayed.
+
+    With graphs, each step the seam replays (a decode step of a captured bucket) first runs the same
+    forward eagerly, on the same committed step and the same padded inputs, then replays its graph;
+    both are timed (`timed`) into eager_us / graph_us. The eager run writes the very K/V bytes the
+    replay writes again, and the step returns the replay's logits. `aside_us`: host time of the
+    last step's eager measurement, which the run keeps out of its step times.
+    """
+
+    def __init__(self, model, attn: StepAttention, caches: list[PagedKVCache], device: torch.device, graphs: bool):
+        self.model, self.attn, self.caches, self.device, self.graphs = model, attn, caches, device, graphs
+        self.commit_us: list[float] = []
+        self.graph_us: list[float] = []
+        self.eager_us: list[float] = []
+        self.aside_us = 0.0
+        self.num_graphs, self.capture_s = 0, 0.0
+
+    def fn(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The captured function: inputs "ids", "positions" [R] int64 -> logits [R, vocab]."""
+        return forward(self.model, self.attn, ctx, self.caches, inputs["ids"], inputs["positions"])
+
+    def capture(self) -> None:
+        """Static inputs for the largest bucket (zeros: token 0 at position 0), then the seam captures."""
+        t0 = time.perf_counter()
+        rows = self.attn.capture_rows
+        static = {name: torch.zeros(rows, dtype=torch.int64, device=self.device) for name in ("ids", "positions")}
+        self.num_graphs = self.attn.capture(self.fn, static)
+        self.capture_s = time.perf_counter() - t0
+
+    def __call__(self, plan: AttentionPlan, tokens: list[int]) -> torch.Tensor:
+        """Commit and run one step; returns logits [T, vocab] in the model dtype on the device."""
+        t0 = time.perf_counter_ns()
+        ctx = self.attn.prepare(plan)
+        self.commit_us.append((time.perf_counter_ns() - t0) / 1e3)
+        inputs = step_inputs(plan, tokens, self.attn.rows(ctx), self.device)
+        self.aside_us = 0.0
+        if not (self.graphs and self.attn.replays(ctx)):
+            return self.fn(ctx, inputs)[: plan.num_tokens]
+        t1 = time.perf_counter_ns()
+        self.eager_us.append(timed(lambda: self.fn(ctx, inputs), self.device)[1])
+        self.aside_us = (time.perf_counter_ns() - t1) / 1e3
+        logits, us = timed(lambda: self.attn.replay(ctx, inputs), self.device)
+        self.graph_us.append(us)
+        return logits[: plan.num_tokens]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -313,7 +481,10 @@ def check_request(model, req: Request, dtype: torch.dtype) -> Check:
 
 @attrs.define
 class DemoResult:
-    """What `run_demo` did. Timings are host wall times in microseconds, one entry per step."""
+    """What `run_demo` did. Host times in µs, one entry per step: plan_us (build_plan), commit_us
+    (prepare: GraphBufferPool.commit on GPU backends), step_us (the whole step, the eager measurement
+    left out). graph_us / eager_us: one entry per replayed decode step, timed with CUDA events on
+    CUDA (the host clock elsewhere); empty with graphs off."""
 
     config: DemoConfig
     steps: int
@@ -321,15 +492,30 @@ class DemoResult:
     shared_tokens: int
     prefix_hits: int  # requests that started on shared prefix pages
     generated_tokens: int
-    served: dict[str, Counter]  # backend -> Counter of step modes it served
+    served: dict[str, Counter]  # backend (step.plan.backend) -> Counter of step modes it served
     pages_reused: int  # page allocations of pages an earlier request had freed
     plan_us: list[float]
     step_us: list[float]
     checks: list[Check]
+    commit_us: list[float] = attrs.Factory(list)
+    graph_us: list[float] = attrs.Factory(list)
+    eager_us: list[float] = attrs.Factory(list)
+    num_graphs: int = 0  # graphs captured
+    capture_s: float = 0.0
+    tokens: dict[int, list[int]] = attrs.Factory(dict)  # request id -> prompt + generated tokens
 
     @property
     def modes(self) -> Counter:
         return sum(self.served.values(), Counter())
+
+    @property
+    def replayed(self) -> int:
+        return len(self.graph_us)
+
+    @property
+    def speedup(self) -> float:
+        """Median eager decode step time over median replayed one (nan without graphs)."""
+        return float(np.median(self.eager_us) / np.median(self.graph_us)) if self.graph_us else float("nan")
 
     @property
     def max_logit_err(self) -> float:
@@ -349,7 +535,7 @@ class DemoResult:
 
 
 class Progress:
-    """A plain-text progress bar over finished requests, redrawn in place on a terminal."""
+    """A plain-text progress bar over finished requests, redrawn in place on a terminal (stderr in the CLI)."""
 
     def __init__(self, out: TextIO | None, total: int, width: int = 30):
         self.out, self.total, self.width = out, total, width
@@ -359,6 +545,11 @@ class Progress:
         fill = self.width * done // self.total
         return f"[{'#' * fill}{'.' * (self.width - fill)}] {done}/{self.total} requests, step {step}"
 
+    def note(self, text: str) -> None:
+        if self.out is not None:
+            self.out.write(text + "\n")
+            self.out.flush()
+
     def update(self, done: int, step: int) -> None:
         if self.tty:
             self.out.write("\r" + self.line(done, step))
@@ -367,18 +558,21 @@ class Progress:
     def close(self, done: int, step: int) -> None:
         if self.out is not None:
             self.out.write(("\r" if self.tty else "") + self.line(done, step) + "\n")
+            self.out.flush()
 
 
-def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None = None, out: TextIO | None = None) -> DemoResult:
-    """Serve the trace, check it against transformers, print a summary to `out` (None: silent).
+def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None = None, out: TextIO | None = None,
+             progress: TextIO | None = None) -> DemoResult:
+    """Serve the trace, check it against transformers, print a summary to `out` (None: silent) and the
+    progress bar to `progress` (None: none).
 
     `attention` overrides the backend seam (tests pass a broken one to see the check fail).
     """
     cfg = cfg.resolve()
     if cfg.dtype not in DTYPES:
         raise DemoError(f"unknown dtype {cfg.dtype!r} (known: {', '.join(DTYPES)})")
-    if min(cfg.requests, cfg.layers, cfg.page_size) < 1:
-        raise DemoError("--requests, --layers and --page-size must be >= 1")
+    if min(cfg.requests, cfg.layers, cfg.page_size, cfg.hidden) < 1:
+        raise DemoError("--requests, --layers, --hidden and --page-size must be >= 1")
     dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
     attn = attention or make_attention(cfg)
     rng = np.random.default_rng(cfg.seed)
@@ -387,16 +581,24 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
     num_pages = sum(-(-(len(r.prompt) + r.max_new) // ps) for r in reqs)  # enough with no sharing at all
     spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, ps, num_pages, dtype=dtype,
                          layer_groups=(0,) * cfg.layers, backend=attn.name)
+    bar = Progress(progress, len(reqs))
     with torch.inference_mode():
         model = build_model(cfg, dtype, device)
         caches = [PagedKVCache.allocate(spec, device) for _ in range(cfg.layers)]
         for c in caches:
             c.k.zero_(), c.v.zero_()
+        # the largest batch, as a power of two (the decode buckets), and the most tokens one step can have
+        attn.bind(spec, 1 << (cfg.requests - 1).bit_length(), sum(len(r.prompt) for r in reqs) + len(reqs))
+        engine = Engine(model, attn, caches, device, cfg.graphs)
+        if cfg.graphs:
+            bar.note("capturing the decode forward as CUDA graphs ...")
+            engine.capture()  # before any request: capture's warm-up writes to page 0, which no one holds yet
+            bar.note(f"captured {engine.num_graphs} graphs in {engine.capture_s:.1f} s")
         pages = PageAllocator(num_pages)
         served: dict[str, Counter] = {}
         plan_us, step_us = [], []
         waiting, running, finished = deque(reqs), [], []
-        bar, step = Progress(out, len(reqs)), 0
+        step = 0
         while waiting or running:
             if not running and waiting[0].arrival > step:
                 step = waiting[0].arrival  # idle: skip ahead to the next arrival
@@ -413,8 +615,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
             t1 = time.perf_counter_ns()
             plan = build_plan(step_batch, spec)
             t2 = time.perf_counter_ns()
-            ids = torch.tensor([t for r in batch for t in r.tokens[r.cached :]], device=device)
-            logits = forward(model, attn, plan, caches, ids).float()
+            logits = engine(plan, [t for r in batch for t in r.tokens[r.cached :]]).float()
             last = logits[torch.from_numpy(plan.qo_indptr[1:] - 1).to(device).long()].argmax(-1).tolist()
             rows = logits.cpu()
             for i, (r, tok) in enumerate(zip(batch, last)):
@@ -425,9 +626,9 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
                     pages.release(r.pages)
                     finished.append(r)
             running = [r for r in batch if not r.done]
-            served.setdefault(attn.name, Counter())[plan.mode.value] += 1
+            served.setdefault(plan.backend, Counter())[plan.mode.value] += 1
             plan_us.append((t2 - t1) / 1e3)
-            step_us.append((time.perf_counter_ns() - t0) / 1e3)
+            step_us.append((time.perf_counter_ns() - t0) / 1e3 - engine.aside_us)
             step += 1
             bar.update(len(finished), step)
         bar.close(len(finished), step)
@@ -435,10 +636,20 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
     result = DemoResult(
         cfg, len(step_us), sum(len(r.prompt) for r in reqs), sum(r.shared for r in reqs),
         sum(r.shared > 0 for r in reqs), sum(r.max_new for r in reqs), served, pages.reused, plan_us, step_us, checks,
+        engine.commit_us, engine.graph_us, engine.eager_us, engine.num_graphs, engine.capture_s,
+        {r.rid: r.tokens for r in reqs},
     )
     if out is not None:
-        out.write(summary(result))
+        write(out, summary(result))
     return result
+
+
+def write(out: TextIO, text: str) -> None:
+    """Write text, spelling µ as u where the stream's encoding has no µ."""
+    try:
+        out.write(text)
+    except UnicodeEncodeError:
+        out.write(text.replace("µ", "u"))
 
 
 def summary(res: DemoResult) -> str:
@@ -449,14 +660,25 @@ def summary(res: DemoResult) -> str:
     checked = sum(k.tokens_checked for k in res.checks)
     mismatches = sum(k.token_mismatches for k in res.checks)
     bad = [k.rid for k in res.checks if not k.ok]
+    host = [p + q for p, q in zip(res.plan_us, res.commit_us)]
+    clock = "CUDA events" if torch.device(c.device).type == "cuda" else "host clock"
     lines = [
         f"model     Llama {c.layers} layers, hidden {c.hidden}, {c.heads} q / {c.kv_heads} kv heads, vocab {c.vocab}, "
         f"{c.dtype} on {c.device}, page size {c.page_size}",
         f"trace     {c.requests} requests, {res.steps} steps, {res.prompt_tokens} prompt tokens "
         f"({res.shared_tokens} read from shared prefix pages by {res.prefix_hits} requests) "
         f"+ {res.generated_tokens} generated, {res.pages_reused} page allocations reused freed pages",
-        f"speed     {res.tokens_per_s:.0f} tokens/s; host us per step: build_plan {us(res.plan_us)}; whole step {us(res.step_us)}",
-        f"served    {served}" + (" (CUDA graphs)" if c.graphs else ""),
+        f"speed     {res.tokens_per_s:.0f} tokens/s; host µs per step: build_plan + commit median {np.median(host):.0f} "
+        f"(build_plan {us(res.plan_us)}; commit {us(res.commit_us)}); whole step {us(res.step_us)}",
+    ]
+    if res.graph_us:
+        lines.append(
+            f"decode step: graphs {np.median(res.graph_us):.0f} µs vs eager {np.median(res.eager_us):.0f} µs "
+            f"({res.speedup:.2f}x; {clock}, median over {res.replayed} decode steps, each run both ways on the same "
+            f"inputs; {res.num_graphs} graphs captured in {res.capture_s:.1f} s)")
+    graphs = f"; CUDA graphs replayed {res.replayed} of {res.modes[Mode.DECODE.value]} decode steps" if c.graphs else ""
+    lines += [
+        f"served    {served}{graphs}",
         f"oracle    max |logit diff| {res.max_logit_err:.2e}; closest to its tolerance: request {worst.rid}, "
         f"{worst.err:.2e} vs {worst.tol:.2e}; greedy tokens agreeing {checked - mismatches}/{checked}"
         + ("" if checked == res.generated_tokens else f" (of {res.generated_tokens}: each request stops at its first near-tie)"),

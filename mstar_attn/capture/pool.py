@@ -20,6 +20,7 @@ from mstar_attn.metadata.plan import AttentionPlan, Mode
 from mstar_attn.metadata.spec import AttentionSpec, PlanError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_MAX_PAGES_PER_REQUEST = 2048
 
 
 @attrs.frozen
@@ -68,10 +69,13 @@ class DeviceGroup:
 class DeviceStep:
     """What `run` and `write_kv` read for one committed plan.
 
-    rows: the batch padded to its bucket (or the exact batch past the largest bucket); padded
-    requests read one token of page 0 and write nothing. num_rows: token rows q must have
-    (rows for decode; plan.num_tokens otherwise). slot_mapping / write_src [num_rows] int64:
-    where each row's K/V goes, padding rows copy row 0 onto row 0's slot (same bytes, no race).
+    rows: the batch padded to its bucket (or the exact batch past the largest bucket). Bucketed
+    steps are decode steps and verify steps whose q_len (the same for every request) is at most
+    page_size; q_len is 1 for decode. A padded request has q_len tokens, reads q_len tokens of
+    page 0 (kv_len = q_len: the sequence-length fill value) and writes nothing of its own.
+    num_rows: token rows q must have (rows * q_len when bucketed; plan.num_tokens otherwise).
+    slot_mapping / write_src [num_rows] int64: where each row's K/V goes; padding rows copy row
+    0 onto row 0's slot (the same bytes, so no race and no other page touched).
     """
 
     plan: AttentionPlan
@@ -84,6 +88,7 @@ class DeviceStep:
     slot_mapping: torch.Tensor  # [num_rows] int64 device
     write_src: torch.Tensor  # [num_rows] int64 device
     groups: tuple[DeviceGroup, ...]
+    q_len: int = 1  # new tokens per request of a bucketed step
     scheduled: tuple = ()  # backend state, one per group (FlashInfer wrappers)
 
     @property
@@ -98,7 +103,9 @@ class GraphBufferPool:
     committed plan (commit raises PlanError beyond them). buckets: decode batch sizes that
     captured graphs serve; a decode batch is padded up to the smallest bucket that holds it.
     num_slots: 2 (double buffering); 1 makes every commit wait for the GPU to finish the last.
-    max_pages_per_request: the most pages one request may read (sizes dense page tables).
+    max_pages_per_request: the most pages one request may read through a backend that takes a
+    dense page table (FlashAttention; commit raises PlanError past it). Default 2048 (32k tokens
+    at page 16); set it to the longest context / page_size.
     scheduler_options go to every backend Scheduler the pool makes. A pool serves every backend
     its plans name (one Scheduler per backend module, made at the first plan that needs it, or
     all of them up front with `schedulers_for`); spec.backend="auto" lets the plan choose.
@@ -111,14 +118,20 @@ class GraphBufferPool:
         self.device = torch.device(device)
         self.buckets = tuple(sorted(b for b in buckets if b <= max_batch_size))
         self.max_num_pages = max_num_pages
-        # width of dense page tables (FlashAttention's page_table [rows, width]); None: max_num_pages
-        self.max_pages_per_request = min(max_pages_per_request or max_num_pages, max_num_pages)
+        # width of dense page tables (FlashAttention's page_table [rows, width])
+        self.max_pages_per_request = min(max_pages_per_request or DEFAULT_MAX_PAGES_PER_REQUEST, max_num_pages)
         # room for one page-0 entry per padded request after the real pages
-        self.layout = _Layout(max_batch_size, max(max_num_tokens, max_batch_size), max_num_pages + max(self.buckets, default=0), len(spec.groups))
+        # room for one page-0 entry per padded request after the real pages, and for padded
+        # verify rows (bucket * page_size tokens at most)
+        max_rows = max(self.buckets, default=0) * spec.page_size
+        self.layout = _Layout(max_batch_size, max(max_num_tokens, max_batch_size, max_rows), max_num_pages + max(self.buckets, default=0), len(spec.groups))
         self.host = [torch.empty(self.layout.size, dtype=torch.int32, pin_memory=True) for _ in range(num_slots)]
         self.host_np = [h.numpy() for h in self.host]
         self.dev = [torch.empty(self.layout.size, dtype=torch.int32, device=self.device) for _ in range(num_slots)]
-        self.ready = [None] * num_slots  # event after each slot's last commit: its staging may be rewritten
+        # recorded after each slot's commit: once it has run, the slot's staging may be rewritten
+        self.ready = [torch.cuda.Event() for _ in range(num_slots)]
+        self._views: dict[tuple, tuple] = {}  # (slot, rows, num_rows) -> fixed-size tensor views
+        self.arange_rows = np.arange(self.layout.max_tokens, dtype=np.int64)
         self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
         self.next_slot = 0
         self.scheduler_options = scheduler_options
@@ -139,7 +152,10 @@ class GraphBufferPool:
         return self.schedulers[module]
 
     def bucket_for(self, plan: AttentionPlan) -> int | None:
-        if plan.mode is not Mode.DECODE:
+        """The captured batch size serving `plan`, or None when it runs eagerly (see DeviceStep)."""
+        if plan.mode is not Mode.DECODE and not (
+                plan.mode is Mode.VERIFY and plan.max_q_len <= self.spec.page_size
+                and all(g.causal for g in self.spec.groups)):
             return None
         return next((b for b in self.buckets if b >= plan.batch_size), None)
 
@@ -157,56 +173,67 @@ class GraphBufferPool:
                             f"more than the pool's max_num_pages {self.max_num_pages}")
         s = self.next_slot if slot is None else slot
         self.next_slot = (s + 1) % self.num_slots
-        if self.ready[s] is not None and not self.ready[s].query():
+        if not self.ready[s].query():
             self.stalls += 1
             self.ready[s].synchronize()
-        host, dev = self.host[s], self.dev[s]
         h = self.host_np[s]
         B, T = plan.batch_size, plan.num_tokens
         bucket = self.bucket_for(plan)
         rows = bucket or B
-        num_rows = rows if plan.mode is Mode.DECODE else T
+        q_len = plan.max_q_len if bucket else 1
+        num_rows = rows * q_len if bucket else T
         pad = rows - B
 
         h[: B + 1] = plan.qo_indptr
-        h[B + 1 : rows + 1] = np.arange(T + 1, T + 1 + pad, dtype=np.int32)
+        if pad:
+            h[B + 1 : rows + 1] = np.arange(T + q_len, T + q_len * pad + 1, q_len, dtype=np.int32)
         end = 0
         for g, gp in enumerate(plan.groups):
             o_ptr, o_lpl, o_len, o_idx = L.group(g)
             n = gp.kv_indices.shape[0]
             h[o_ptr : o_ptr + B + 1] = gp.kv_indptr
-            h[o_ptr + B + 1 : o_ptr + rows + 1] = np.arange(n + 1, n + 1 + pad, dtype=np.int32)
             h[o_lpl : o_lpl + B] = gp.kv_last_page_len
             h[o_len : o_len + B] = gp.kv_lens
-            h[o_lpl + B : o_lpl + rows] = 1  # padding: one token ...
-            h[o_len + B : o_len + rows] = 1
             h[o_idx : o_idx + n] = gp.kv_indices
-            h[o_idx + n : o_idx + n + pad] = 0  # ... of page 0, read and never written
+            if pad:  # q_len tokens of page 0, read and never written
+                h[o_ptr + B + 1 : o_ptr + rows + 1] = np.arange(n + 1, n + 1 + pad, dtype=np.int32)
+                h[o_lpl + B : o_lpl + rows] = q_len
+                h[o_len + B : o_len + rows] = q_len
+                h[o_idx + n : o_idx + n + pad] = 0
             end = o_idx + n + pad
         wide = h[L.wide : L.wide + 4 * L.max_tokens].view(np.int64)
         wide[:T] = plan.slot_mapping
-        wide[T:num_rows] = plan.slot_mapping[0]
         src = wide[L.max_tokens : L.max_tokens + num_rows]
-        src[:T] = np.arange(T)
-        src[T:] = 0
+        src[:T] = self.arange_rows[:T]
+        if num_rows > T:
+            wide[T:num_rows] = plan.slot_mapping[0]
+            src[T:] = 0
         end = max(end, L.wide + 2 * (L.max_tokens + num_rows))
-        dev[:end].copy_(host[:end], non_blocking=True)
+        self.dev[s][:end].copy_(self.host[s][:end], non_blocking=True)
 
-        groups = []
-        for g in range(len(plan.groups)):
-            o_ptr, o_lpl, o_len, o_idx = L.group(g)
-            n = plan.groups[g].kv_indices.shape[0] + pad
-            groups.append(DeviceGroup(
-                dev[o_ptr : o_ptr + rows + 1], dev[o_idx : o_idx + n], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
-                host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows],
-            ))
-        dwide = dev[L.wide : L.wide + 4 * L.max_tokens].view(torch.int64)
-        step = DeviceStep(plan, s, rows, num_rows, bucket, dev[: rows + 1], host[: rows + 1],
-                          dwide[:num_rows], dwide[L.max_tokens : L.max_tokens + num_rows], tuple(groups))
+        v = self._views.get((s, rows, num_rows))
+        if v is None:
+            v = self._views[(s, rows, num_rows)] = self._make_views(s, rows, num_rows)
+        dev = self.dev[s]
+        groups = tuple([
+            DeviceGroup(ptr, dev[o_idx : o_idx + gp.kv_indices.shape[0] + pad], lpl, lens, h_ptr, h_lpl, h_lens)
+            for gp, (ptr, lpl, lens, h_ptr, h_lpl, h_lens, o_idx) in zip(plan.groups, v[4])
+        ])
+        step = DeviceStep(plan, s, rows, num_rows, bucket, v[0], v[1], v[2], v[3], groups, q_len)
         scheduler = self.scheduler_for(plan.backend)
         if scheduler is not None:
             step = attrs.evolve(step, scheduled=scheduler.schedule(step))
-        event = torch.cuda.Event()
-        event.record()
-        self.ready[s] = event
+        self.ready[s].record()
         return step
+
+    def _make_views(self, s: int, rows: int, num_rows: int) -> tuple:
+        """Slot s's fixed-size views for `rows` requests and `num_rows` token rows (made once)."""
+        L, dev, host = self.layout, self.dev[s], self.host[s]
+        groups = []
+        for g in range(L.num_groups):
+            o_ptr, o_lpl, o_len, o_idx = L.group(g)
+            groups.append((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
+                           host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows], o_idx))
+        dwide = dev[L.wide : L.wide + 4 * L.max_tokens].view(torch.int64)
+        return (dev[: rows + 1], host[: rows + 1], dwide[:num_rows],
+                dwide[L.max_tokens : L.max_tokens + num_rows], tuple(groups))

@@ -3,8 +3,8 @@
 Host-side scheduling (`wrapper.plan`) runs in `GraphBufferPool.commit`, through `Scheduler`,
 from pinned host arrays (indptr, last_page_len, kv lens) and the slot's device page indices:
 no device-to-host copy, never inside a graph. `run` and `write_kv` only launch kernels.
-Uses FlashInfer's public wrapper API only (pinned to 0.7.2; tests/kernels/test_flashinfer.py
-checks the signatures this module calls).
+Uses FlashInfer's public wrapper API (tests/kernels/test_flashinfer.py checks the signatures this
+module calls), except the re-plan of graph-mode decode wrappers in `_flashinfer_fast` (pinned).
 """
 
 from __future__ import annotations
@@ -14,86 +14,90 @@ import torch
 
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.capture.pool import DeviceStep, GraphBufferPool
+from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
+from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, supported
 from mstar_attn.metadata.plan import Mode
 
 FLOAT_WORKSPACE_BYTES = 256 << 20
 
 
 class Scheduler:
-    """The pool's FlashInfer wrappers, keyed by (kind, slot, group, rows), planned at commit.
+    """The pool's FlashInfer wrappers, planned at commit from pinned host arrays.
 
-    Decode wrappers for bucketed batches run in CUDA-graph mode over the slot's own device
-    buffers, so a graph captured on them replays whatever the latest commit planned. The float
+    Bucketed steps (decode, and verify with q_len <= page_size) use graph-mode decode wrappers
+    keyed by (slot, group, rows, q_len) over the slot's own device buffers, so a graph captured on
+    one replays whatever the latest commit planned; after a wrapper's first public plan() they
+    are re-planned through `FastDecodePlan` (the C++ planner alone). Verify uses tensor cores
+    (FlashInfer's multi-token decode: causal, bottom-right aligned). Other steps use eager
+    wrappers: decode past the largest bucket, paged prefill for prefill / extend / mixed /
+    unbucketed verify, ragged prefill when the plan names "flashinfer_ragged". The float
     workspace is shared (kernels of one stream never overlap); each wrapper keeps its own int
-    workspace, which holds its plan.
+    workspace and pinned mirror, which hold its plan, so wrappers are per slot.
     """
 
-    def __init__(self, pool: GraphBufferPool, ragged_prefill: bool = False):
+    def __init__(self, pool: GraphBufferPool, **_options):
         self.pool = pool
-        self.ragged_prefill = ragged_prefill
-        self.float_ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
-        self.tensor_cores = pool.spec.gqa_group >= 4  # FlashInfer's advice for decode
-        self.wrappers: dict[tuple, object] = {}
         spec = pool.spec
+        self.float_ws = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
+        self.tensor_cores = spec.gqa_group >= 4  # FlashInfer's advice for decode
+        self.wrappers: dict[tuple, object] = {}
+        self.fast: dict[tuple, FastDecodePlan] = {}
+        self.use_fast = supported(flashinfer)
         self.plan_kwargs = dict(  # the same for every plan() call of this pool
             logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.dtype,
             sm_scale=spec.sm_scale, non_blocking=True,
         )
 
-    def _wrapper(self, kind: str, step: DeviceStep, g: int):
-        graph = kind == "decode" and step.bucket is not None
-        key = (kind, step.slot, g, step.rows if graph else None)
-        w = self.wrappers.get(key)
-        if w is not None:
+    def schedule(self, step: DeviceStep) -> tuple:
+        return tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
+
+    def _plan(self, step: DeviceStep, g: int, dg):
+        spec, group = self.pool.spec, self.pool.spec.groups[g]
+        heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
+        if step.bucket is not None:
+            key = (step.slot, g, step.rows, step.q_len)
+            fast = self.fast.get(key)
+            if fast is not None:
+                fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
+                return fast.wrapper
+            w = self._graph_wrapper(step, g)
+            w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
+                   window_left=group.window_left, seq_lens=dg.host_kv_lens, q_len_per_req=step.q_len, **self.plan_kwargs)
+            if self.use_fast:
+                self.fast[key] = FastDecodePlan(w, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
+                                                head_dim=spec.head_dim, page_size=spec.page_size, q_len=step.q_len,
+                                                window_left=group.window_left, soft_cap=float(spec.soft_cap), dtype=spec.dtype)
             return w
-        if kind == "decode" and graph:
-            o_ptr, o_lpl, _, o_idx = self.pool.layout.group(g)
-            dev, rows = self.pool.dev[step.slot], step.rows
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.float_ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
-                paged_kv_indptr_buffer=dev[o_ptr : o_ptr + rows + 1],
-                paged_kv_indices_buffer=dev[o_idx : o_idx + self.pool.layout.max_pages],
-                paged_kv_last_page_len_buffer=dev[o_lpl : o_lpl + rows],
-            )
-        elif kind == "decode":
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.float_ws, "NHD", use_tensor_cores=self.tensor_cores)
-        elif kind == "ragged":
-            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.float_ws, "NHD")
+        if step.mode is Mode.DECODE:
+            w = self._eager(("decode", step.slot, g), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=self.tensor_cores)
+            w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
+                   window_left=group.window_left, seq_lens=dg.host_kv_lens, **self.plan_kwargs)
+        elif step.plan.backend == "flashinfer_ragged":
+            w = self._eager(("ragged", step.slot, g), flashinfer.BatchPrefillWithRaggedKVCacheWrapper)
+            w.plan(step.host_qo_indptr, step.host_qo_indptr, *heads, causal=group.causal,
+                   window_left=group.window_left, **self.plan_kwargs)
         else:
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.float_ws, "NHD")
-        self.wrappers[key] = w
+            w = self._eager(("prefill", step.slot, g), flashinfer.BatchPrefillWithPagedKVCacheWrapper)
+            w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads,
+                   spec.page_size, causal=group.causal, window_left=group.window_left, seq_lens=dg.host_kv_lens,
+                   **self.plan_kwargs)
         return w
 
-    def schedule(self, step: DeviceStep) -> tuple:
-        spec, common = self.pool.spec, self.plan_kwargs
-        out = []
-        for g, (group, dg) in enumerate(zip(spec.groups, step.groups)):
-            if step.mode is Mode.DECODE:
-                w = self._wrapper("decode", step, g)
-                w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, spec.num_qo_heads, spec.num_kv_heads,
-                       spec.head_dim, spec.page_size, window_left=group.window_left, seq_lens=dg.host_kv_lens, **common)
-            elif step.mode is Mode.PREFILL and self.ragged_prefill:
-                w = self._wrapper("ragged", step, g)
-                w.plan(step.host_qo_indptr, step.host_qo_indptr, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
-                       causal=group.causal, window_left=group.window_left, **common)
-            else:
-                w = self._wrapper("prefill", step, g)
-                w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, spec.num_qo_heads,
-                       spec.num_kv_heads, spec.head_dim, spec.page_size, causal=group.causal,
-                       window_left=group.window_left, seq_lens=dg.host_kv_lens, **common)
-            out.append(w)
-        return tuple(out)
+    def _eager(self, key: tuple, cls, **kw):
+        w = self.wrappers.get(key)
+        if w is None:
+            w = self.wrappers[key] = cls(self.float_ws, "NHD", **kw)
+        return w
 
-
-def write_kv(step: DeviceStep, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
-    """Store the step's new K/V: k, v [T or num_rows, kv_heads, head_dim] on the cache's device.
-
-    Row t goes to slot step.slot_mapping[t]; padding rows rewrite row 0's values onto row 0's
-    slot, so the write is graph-safe at a fixed bucket size and never touches another page.
-    """
-    k_flat, v_flat = cache.flat()
-    k_flat.index_copy_(0, step.slot_mapping, k.index_select(0, step.write_src))
-    v_flat.index_copy_(0, step.slot_mapping, v.index_select(0, step.write_src))
+    def _graph_wrapper(self, step: DeviceStep, g: int):
+        o_ptr, o_lpl, _, o_idx = self.pool.layout.group(g)
+        dev, rows = self.pool.dev[step.slot], step.rows
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.float_ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores or step.q_len > 1,
+            paged_kv_indptr_buffer=dev[o_ptr : o_ptr + rows + 1],
+            paged_kv_indices_buffer=dev[o_idx : o_idx + self.pool.layout.max_pages],
+            paged_kv_last_page_len_buffer=dev[o_lpl : o_lpl + rows],
+        )
 
 
 def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
@@ -107,7 +111,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
     w = step.scheduled[group]
     if isinstance(w, flashinfer.BatchPrefillWithRaggedKVCacheWrapper):
         if k is None or v is None:
-            raise ValueError("run: this pool plans prefill as ragged attention; pass the step's k and v")
+            raise ValueError("run: this step is planned as ragged attention (flashinfer_ragged); pass its k and v")
         return w.run(q, k, v)
     rows = q.shape[0]
     if rows < step.num_rows:  # eager call on a bucket-padded decode step

@@ -1,16 +1,220 @@
 """select_backend: which kernel backend serves a step, for specs with backend="auto".
 
-Pure host code. The policy is a measured table (see `mstar_attn.tuning`); where the table says
-nothing, FlashInfer paged serves the step.
+Pure host code, run by `build_plan` once per step. The policy is a measured dispatch table
+(`mstar_attn/backend_table.json`, written by `python -m mstar_attn bench --write-table`, see
+`mstar_attn.tuning`): it maps a step's features to the backend that measured fastest there.
+Where the table says nothing, FlashInfer paged ("flashinfer") serves the step.
+
+Features (`table_key`): the mode class ("decode"; "prefill" = no cached prefix; "extend" =
+extend, mixed and verify, i.e. new tokens over a cached prefix), the bucket of the batch size,
+of the mean new tokens per request (ceil(num_tokens / batch_size)) and of the cached prefix
+(max_kv_len - max_q_len; 0 for prefill), and the spec's head_dim, GQA ratio and page_size.
+A bucket is an index into sorted upper bounds: with bounds (1, 4, 16) the buckets are 1 | 2-4 |
+5-16 | >16 (`bucket_labels`).
+
+The table is read once: `load_table()` is lru-cached and returns a frozen `DispatchTable`
+whose lookup dict is keyed by the bucketed features, so a lookup is a few bisects and one dict
+get. `select_backend` never returns a backend that cannot serve the step: compiling a table
+drops entries whose backend is unknown, is not installed, cannot serve the entry's mode class or
+head_dim, and each hit is checked against the step (mode, prefix_free, dtype, head_dim). The
+table is measured on causal full-attention layers without logit soft-capping, so specs with
+window or non-causal groups or a soft cap always get FlashInfer.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import json
+import os
+from bisect import bisect_left
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import attrs
+
+from mstar_attn.metadata.spec import Kind
+
 DEFAULT = "flashinfer"
+TABLE_VERSION = 1
+TABLE_PATH = Path(__file__).resolve().parent.parent / "backend_table.json"  # package data
+
+# Mode value -> mode class of the table.
+MODE_CLASS = {"decode": "decode", "prefill": "prefill", "extend": "extend", "mixed": "extend", "verify": "extend"}
+MODE_CLASSES = ("decode", "prefill", "extend")
+_CLASS_MODES = {c: frozenset(m for m, k in MODE_CLASS.items() if k == c) for c in MODE_CLASSES}
+# Bucket upper bounds (inclusive), per feature: coarse, about 4x apart, so a small grid of
+# measured shapes can cover them.
+BOUNDS = {"batch": (1, 4, 16, 64, 256), "tokens": (1, 8, 64, 512, 4096), "prefix": (0, 1024, 4096, 16384)}
+FEATURES = ("mode", "batch", "tokens", "prefix", "head_dim", "gqa", "page_size")
+
+# The third-party package each backend module needs (checked without importing it).
+_PACKAGES = {"mstar_attn.kernels.flashinfer": "flashinfer", "mstar_attn.kernels.flash_attn": "flash_attn"}
+
+
+def bucket_labels(bounds) -> list[str]:
+    """Human labels of the len(bounds) + 1 buckets: ["1", "2-4", "5-16", ">16"] for (1, 4, 16)."""
+    labels, lo = [], None
+    for b in bounds:
+        labels.append(str(b) if lo is None or lo == b else f"{lo}-{b}")
+        lo = b + 1
+    return labels + [f">{bounds[-1]}"]
+
+
+def step_features(mode: str, batch_size: int, num_tokens: int, max_q_len: int, max_kv_len: int) -> tuple[str, int, int, int]:
+    """(mode class, batch size, mean new tokens per request (ceil), cached prefix length), unbucketed."""
+    cls = MODE_CLASS[mode]
+    b = max(int(batch_size), 1)
+    prefix = 0 if cls == "prefill" else max(int(max_kv_len) - int(max_q_len), 0)
+    return cls, b, -(-int(num_tokens) // b), prefix
+
+
+def table_key(mode: str, batch_size: int, num_tokens: int, max_q_len: int, max_kv_len: int, head_dim: int, gqa: int,
+              page_size: int, bounds: Mapping | None = None) -> tuple:
+    """The dispatch-table key of one step: FEATURES, with batch, tokens and prefix bucketed."""
+    bounds = BOUNDS if bounds is None else bounds
+    cls, b, t, p = step_features(mode, batch_size, num_tokens, max_q_len, max_kv_len)
+    return (cls, bisect_left(bounds["batch"], b), bisect_left(bounds["tokens"], t), bisect_left(bounds["prefix"], p),
+            int(head_dim), int(gqa), int(page_size))
+
+
+@functools.lru_cache(maxsize=None)
+def installed(backend: str) -> bool:
+    """Whether `backend`'s module and the package it needs can be found (nothing is imported)."""
+    from mstar_attn.kernels import BACKENDS
+
+    module = BACKENDS[backend].module
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in (module, _PACKAGES.get(module, module)))
+    except (ImportError, ValueError):
+        return False
+
+
+@attrs.frozen
+class DispatchTable:
+    """A compiled dispatch table. choices: key (see `table_key`) -> backend name, for every
+    measured key whose backend passed the capability and availability checks; caps: that
+    backend's Capabilities. entries and source are the table file's, for reports."""
+
+    bounds: Mapping = attrs.field(eq=False)
+    choices: Mapping = attrs.field(eq=False)
+    caps: Mapping = attrs.field(eq=False, repr=False)
+    entries: tuple = attrs.field(default=(), eq=False, repr=False)
+    source: Mapping = attrs.field(factory=dict, eq=False, repr=False)
+    margin: float | None = None
+
+    def key(self, mode: str, batch_size: int, num_tokens: int, max_q_len: int, max_kv_len: int, head_dim: int, gqa: int,
+            page_size: int) -> tuple:
+        return table_key(mode, batch_size, num_tokens, max_q_len, max_kv_len, head_dim, gqa, page_size, self.bounds)
+
+
+def empty_table_data() -> dict:
+    """The JSON content of a table with no entries (FlashInfer everywhere)."""
+    return {"version": TABLE_VERSION, "features": list(FEATURES), "bounds": {k: list(v) for k, v in BOUNDS.items()},
+            "default": DEFAULT, "margin": None, "source": {}, "entries": []}
+
+
+def _bounds(data: Mapping) -> dict:
+    raw = data.get("bounds", BOUNDS)
+    out = {}
+    for name in ("batch", "tokens", "prefix"):
+        b = raw.get(name) if isinstance(raw, Mapping) else None
+        if not isinstance(b, (list, tuple)) or not b or not all(isinstance(x, int) and not isinstance(x, bool) for x in b) \
+                or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"dispatch table: bounds[{name!r}] must be a non-empty increasing list of ints, got {b!r}")
+        out[name] = tuple(b)
+    return out
+
+
+def compile_table(data: Mapping, available: Callable[[str], bool] | None = None) -> DispatchTable:
+    """A DispatchTable from a table's JSON content (see `empty_table_data`, `tuning.derive_table`).
+
+    Entries are dropped (the step then gets FlashInfer) when their backend is unknown, not
+    `available` (default: `installed`), cannot serve the entry's mode class (a prefix-free
+    backend outside "prefill", a backend without decode for "decode") or its head_dim.
+    Raises ValueError on a malformed table.
+    """
+    from mstar_attn.kernels import BACKENDS
+
+    if not isinstance(data, Mapping) or data.get("version") != TABLE_VERSION:
+        raise ValueError(f"dispatch table: expected a mapping with version {TABLE_VERSION}, "
+                         f"got version {data.get('version') if isinstance(data, Mapping) else type(data).__name__!r}")
+    available = installed if available is None else available
+    bounds = _bounds(data)
+    entries = data.get("entries", [])
+    if not isinstance(entries, list):
+        raise ValueError("dispatch table: 'entries' must be a list")
+    choices, caps = {}, {}
+    for i, e in enumerate(entries):
+        try:
+            cls, name = e["mode"], e["backend"]
+            key = (cls, int(e["batch"]), int(e["tokens"]), int(e["prefix"]), int(e["head_dim"]), int(e["gqa"]),
+                   int(e["page_size"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"dispatch table: entries[{i}] needs {', '.join(FEATURES)} and backend ({err!r})") from None
+        if cls not in _CLASS_MODES:
+            raise ValueError(f"dispatch table: entries[{i}].mode must be one of {MODE_CLASSES}, got {cls!r}")
+        c = BACKENDS.get(name)
+        if c is None or not (_CLASS_MODES[cls] & c.modes) or (c.prefix_free and cls != "prefill") \
+                or (c.head_dims is not None and key[4] not in c.head_dims) or not available(name):
+            continue
+        choices[key] = name
+        caps[name] = c
+    margin = data.get("margin")
+    return DispatchTable(bounds, choices, caps, tuple(entries), dict(data.get("source") or {}),
+                         None if margin is None else float(margin))
+
+
+@functools.lru_cache(maxsize=8)
+def load_table(path: str | None = None) -> DispatchTable:
+    """The compiled table in `path` (default: the package's backend_table.json), read once and cached.
+
+    A missing default table means no entries; a missing explicit path raises FileNotFoundError.
+    """
+    if path is None:
+        if not TABLE_PATH.is_file():
+            return compile_table(empty_table_data())
+        path = str(TABLE_PATH)
+    with open(path) as f:
+        return compile_table(json.load(f))
+
+
+def as_table(table) -> DispatchTable:
+    """A DispatchTable from a DispatchTable, a table's JSON content (compiled now, uncached) or a path."""
+    if isinstance(table, DispatchTable):
+        return table
+    if isinstance(table, Mapping):
+        return compile_table(table)
+    if isinstance(table, (str, os.PathLike)):
+        return load_table(os.fspath(table))
+    raise TypeError(f"table: expected a DispatchTable, a mapping or a path, got {type(table).__name__}")
+
+
+def _serves(caps, spec, mode: str, prefix_free: bool) -> bool:
+    return (mode in caps.modes and (prefix_free or not caps.prefix_free) and spec.dtype in caps.dtypes
+            and (caps.head_dims is None or spec.head_dim in caps.head_dims)
+            and not spec.soft_cap and all(g.kind is Kind.CAUSAL for g in spec.groups))
 
 
 def select_backend(spec, mode: str, batch_size: int, num_tokens: int, max_q_len: int, max_kv_len: int,
                    prefix_free: bool, table=None) -> str:
     """The backend name for one step. mode: a Mode value ("decode", "prefill", ...); prefix_free:
-    every request's KV is new this step (ragged / varlen kernels may serve it)."""
-    return DEFAULT
+    every request's KV is new this step (ragged / varlen kernels may serve it). table: None for
+    the package's table (`load_table()`), else anything `as_table` takes (pass a DispatchTable
+    on a hot path: a mapping is compiled on every call)."""
+    t = load_table() if table is None else as_table(table)
+    choices = t.choices
+    if not choices:
+        return DEFAULT
+    cls = MODE_CLASS.get(mode)
+    if cls is None:
+        return DEFAULT
+    b = batch_size if batch_size > 0 else 1
+    bounds = t.bounds
+    key = (cls, bisect_left(bounds["batch"], b), bisect_left(bounds["tokens"], -(-num_tokens // b)),
+           bisect_left(bounds["prefix"], 0 if cls == "prefill" else max(max_kv_len - max_q_len, 0)),
+           spec.head_dim, spec.num_qo_heads // spec.num_kv_heads, spec.page_size)
+    name = choices.get(key)
+    if name is None or not _serves(t.caps[name], spec, mode, prefix_free):
+        return DEFAULT
+    return name

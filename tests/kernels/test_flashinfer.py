@@ -2,11 +2,12 @@
 
 import inspect
 
+import attrs
 import numpy as np
 import pytest
 import torch
 
-from mstar_attn import LayerGroup, Mode, build_plan
+from mstar_attn import AttentionSpec, LayerGroup, Mode, PagedKVCache, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import make_step, random_batch
 
@@ -89,8 +90,11 @@ def test_every_mode_matches_the_reference(q_lens, kv_lens, mode, heads):
 def test_ragged_prefill_matches_the_reference():
     seed = int(np.random.SeedSequence().entropy % 2**31)
     spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [64, 300, 7], [64, 300, 7])
-    pool = make_pool(spec, ragged_prefill=True)
+    spec = attrs.evolve(spec, backend="flashinfer_ragged")
+    plan = attrs.evolve(plan, spec=spec, backend="flashinfer_ragged")
+    pool = make_pool(spec)
     step = pool.commit(plan)
+    assert isinstance(step.scheduled[0], flashinfer.BatchPrefillWithRaggedKVCacheWrapper)
     fi.write_kv(step, k_new, v_new, cache)
     for g in range(len(spec.groups)):
         out = fi.run(step, q, cache, group=g, k=k_new, v=v_new)
@@ -98,23 +102,28 @@ def test_ragged_prefill_matches_the_reference():
 
 
 def test_hundreds_of_steps_eager_and_replayed():
-    """Changing batch sizes (across buckets and past the largest), lengths and pages, 200 steps."""
+    """Changing batch sizes (across buckets and past the largest), lengths and pages, 200 steps:
+    decode and verify (q_len 4, captured) replayed, other modes eager."""
     rng = np.random.default_rng()
-    from mstar_attn import AttentionSpec, PagedKVCache
 
     spec = AttentionSpec(32, 8, 128, 16, 6000, groups=GROUPS[:2])
     cache = PagedKVCache(torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16),
                          torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16))
     pool = GraphBufferPool(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32))
-    q_static = torch.zeros(32, 32, 128, device="cuda", dtype=torch.bfloat16)
+    q_static = torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)
     graphs = {g: DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g), {"q": q_static}) for g in range(2)}
     for gr in graphs.values():
-        gr.capture()
-    replayed = 0
+        gr.capture(q_lens=(1, 4))
+    replayed = {1: 0, 4: 0}
     for i in range(200):
         B = int(rng.choice([1, 3, 4, 9, 16, 31, 32, 33, 70]))
-        kv = rng.integers(1, 1200, B)
-        q_lens = np.ones(B, np.int32) if i % 5 else np.minimum(kv, rng.integers(1, 6, B))
+        kv = rng.integers(5, 1200, B)
+        if i % 5 == 0:
+            q_lens = np.minimum(kv, rng.integers(1, 6, B))
+        elif i % 5 == 1:
+            q_lens = np.full(B, 4, np.int32)  # verify
+        else:
+            q_lens = np.ones(B, np.int32)
         plan = build_plan(random_batch(rng, q_lens, kv, 16, 6000), spec)
         step = pool.commit(plan)
         q = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -122,10 +131,11 @@ def test_hundreds_of_steps_eager_and_replayed():
             want = reference.run(plan, q, cache, group=g)
             eager = fi.run(step, q, cache, group=g)
             graph = graphs[g](step, q=q)
-            replayed += (step.slot, step.bucket) in graphs[g].graphs and plan.mode is Mode.DECODE
-            assert rel_err(eager, want) < TOL, (i, B, g)
-            assert torch.equal(graph, eager), (i, B, g)  # same kernel, same inputs: bit-identical
-    assert replayed > 150
+            if graphs[g].serves(step):
+                replayed[step.q_len] += 1
+            assert rel_err(eager, want) < TOL, (i, B, g, plan.mode)
+            assert torch.equal(graph, eager), (i, B, g, plan.mode)  # same kernel, same inputs: bit-identical
+    assert replayed[1] > 150 and replayed[4] > 30, replayed
 
 
 def test_double_buffering_lets_the_host_run_ahead():
@@ -174,3 +184,40 @@ def test_no_device_sync_on_the_step_path():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("heads, q_len", [((32, 8), 1), ((8, 8), 1), ((32, 8), 4)], ids=["tensor-cores", "cuda-cores", "verify"])
+def test_fast_replan_matches_public_plan(heads, q_len):
+    """The internals _flashinfer_fast reads: the fast re-plan must leave a graph-mode wrapper in
+    the state public plan() leaves it (plan info, int workspace, output). Fails loudly when
+    FlashInfer moves them."""
+    from mstar_attn.kernels._flashinfer_fast import VERSIONS
+
+    assert flashinfer.__version__ in VERSIONS, f"re-check _flashinfer_fast against FlashInfer {flashinfer.__version__}"
+    rng = np.random.default_rng()
+    B, ps = 16, 16
+    spec = AttentionSpec(*heads, 128, ps, 512)
+    cache = PagedKVCache(torch.randn(spec.num_pages, ps, heads[1], 128, device="cuda", dtype=torch.bfloat16),
+                         torch.randn(spec.num_pages, ps, heads[1], 128, device="cuda", dtype=torch.bfloat16))
+    pools = [make_pool(spec, buckets=(B,)), make_pool(spec, buckets=(B,))]
+    for pool in pools:
+        pool.scheduler_for("flashinfer").use_fast = pool is pools[1]
+    first = build_plan(random_batch(rng, [q_len] * B, [q_len + 1] * B, ps, spec.num_pages), spec)
+    wrappers = [pool.commit(first, slot=0).scheduled[0] for pool in pools]  # public plan() in both
+    torch.cuda.synchronize()  # the planners' copies out of the pinned workspaces have run
+    for w in wrappers:
+        w._pin_memory_int_workspace_buffer.zero_()  # stale bytes past what the planner writes
+    for i in range(6):
+        kv = rng.integers(q_len + 1, 6 * ps, B)
+        plan = build_plan(random_batch(rng, [q_len] * B, kv, ps, spec.num_pages), spec)
+        public, fast = (pool.commit(plan, slot=0) for pool in pools)
+        wp, wf = public.scheduled[0], fast.scheduled[0]
+        assert wp is not wf and (0, 0, B, q_len) in pools[1].scheduler_for("flashinfer").fast
+        assert (0, 0, B, q_len) not in pools[0].scheduler_for("flashinfer").fast
+        torch.cuda.synchronize()
+        assert list(wp._plan_info) == list(wf._plan_info), i
+        assert torch.equal(wp._pin_memory_int_workspace_buffer, wf._pin_memory_int_workspace_buffer), i
+        q = torch.randn(B * q_len, heads[0], 128, device="cuda", dtype=torch.bfloat16)
+        out_p, out_f = fi.run(public, q, cache), fi.run(fast, q, cache)
+        assert torch.equal(out_p, out_f), i
+        assert rel_err(out_f, reference.run(plan, q, cache)) < TOL, i

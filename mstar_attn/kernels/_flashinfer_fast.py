@@ -1,0 +1,64 @@
+"""Re-planning FlashInfer graph-mode decode wrappers without plan()'s Python overhead.
+
+The one place mstar_attn reaches into FlashInfer internals, pinned to the versions in VERSIONS
+(elsewhere every wrapper is planned through its public plan()). A graph-mode wrapper's shapes and
+options are frozen after its first plan(), which goes through the public API: it resolves the
+backend, loads the JIT module, and records the dtypes, window, scale and soft-cap run() reads.
+Each later plan only has to refresh the split-KV schedule, so `FastDecodePlan` calls the module's
+C++ planner directly with the pool's pinned host arrays. What public plan() does on top is
+redundant here: copying indptr / last_page_len / indices into buffers that *are* the pool
+slot's device arrays (commit's one copy already filled them), re-deriving kv lengths, and
+resolving the backend and module again (about 100 µs of host time per call on an H100 host).
+
+tests/kernels/test_flashinfer.py::test_fast_replan_matches_public_plan compares this path with
+public plan() (plan info, the int workspace it writes, and the attention output) and fails
+loudly when these internals move.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VERSIONS = ("0.7.2", "0.7.2.post1")  # the FlashInfer releases whose internals this module reads
+
+
+def supported(flashinfer_module) -> bool:
+    """Whether the installed FlashInfer is one this module was written against (else: public plan())."""
+    return flashinfer_module.__version__ in VERSIONS
+
+
+class FastDecodePlan:
+    """The frozen planner call of one graph-mode BatchDecodeWithPagedKVCacheWrapper.
+
+    Build it right after the wrapper's first public plan(); then `replan(qo_indptr, kv_indptr,
+    kv_lens)` with pinned CPU int32 tensors ([rows+1], [rows+1], [rows]) re-plans the wrapper
+    for a new step of the same batch size. kv_lens are only read by the tensor-core planner.
+    """
+
+    def __init__(self, wrapper, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 q_len: int, window_left: int, soft_cap: float, dtype: torch.dtype):
+        w = wrapper
+        backend = getattr(w, "_backend", None)
+        if not w.is_cuda_graph_enabled or getattr(w, "_jit_module", True) is not None or w._uses_cudnn \
+                or getattr(w, "_plan_info", None) is None or backend not in ("fa2", "fa3", "auto"):
+            raise RuntimeError("FastDecodePlan: FlashInfer's decode wrapper internals are not the ones this module "
+                               f"reads (backend={backend!r}); use the public plan()")
+        self.wrapper, self.module, self.q_len = w, w._cached_module, q_len
+        self.tensor_cores = w.use_tensor_cores
+        self.head = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+        if self.tensor_cores:  # the prefill planner, as _plan_impl calls it
+            self.tail = (num_qo_heads, num_kv_heads, page_size, True, head_dim, head_dim, q_len > 1, window_left)
+            if backend == "fa2":  # fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
+                self.tail += (-1, False, 0, q_len if q_len > 1 else 0)
+        else:  # the CUDA-core decode planner
+            device = w._float_workspace_buffer.device
+            self.tail = (num_qo_heads, num_kv_heads, page_size, True, window_left, soft_cap, head_dim, head_dim,
+                         torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device))
+
+    def replan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        rows = kv_lens.shape[0]
+        if self.tensor_cores:
+            info = self.module.plan(*self.head, qo_indptr, kv_indptr, kv_lens, rows * self.q_len, rows, *self.tail)
+        else:
+            info = self.module.plan(*self.head, kv_indptr, rows, *self.tail)
+        self.wrapper._plan_info = info

@@ -1,0 +1,147 @@
+"""FlashAttention-4 backend, on `flash_attn.cute.flash_attn_varlen_func` (flash-attn-4 4.0.0b36).
+
+Two registry names share this module; `step.plan.backend` picks the call:
+  "flash_attn"         every mode, over the paged cache: a dense page table [rows, width] int32
+                       and seqused_k (the group's kv_lens), cu_seqlens_q = step.qo_indptr.
+  "flash_attn_varlen"  prefill with no cached prefix, over the step's new k and v:
+                       cu_seqlens_q = cu_seqlens_k = step.qo_indptr.
+
+Host work (the page tables) runs in `GraphBufferPool.commit` through `Scheduler`; `run` and
+`write_kv` only launch kernels: no host sync, no allocation outside FA4's own `out`. What this
+relies on in FA4 (interface.py, read for 4.0.0b36; notes/library_apis.md section 6):
+  - num_splits=1 always: SM90 asserts "SplitKV not supported", and num_splits < 1 runs a
+    heuristic that may pick > 1.
+  - Compile key (`_flash_attn_fwd.compile_cache`): dtype, head dim, GQA ratio, causal, whether a
+    window is set (not its size), the soft-cap value, which of cu_seqlens / seqused / page_table
+    are given, pack_gqa, paged_kv_tma (page_size == tile_n, 128 for head dim 128), batch > 256,
+    and is_static_persistent, which turns on when max_seqlen_q is given and max_seqlen_q * gqa
+    fits one query tile (tile_m: 128 at head dim 128). Shapes and strides are dynamic. run
+    passes max_seqlen_q = plan.max_q_len (1 for decode, the q_len a bucketed verify graph was
+    captured with), so a group needs at most two kernels: short steps and long ones.
+    Warm up every variant before capture (DecodeGraphs does).
+  - The paged TMA loader reads whole pages, so rows past seqused_k must be finite:
+    `PagedKVCache.allocate` zero-fills.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mstar_attn.cache import PagedKVCache
+from mstar_attn.capture.pool import DeviceStep, GraphBufferPool
+from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
+from mstar_attn.metadata.spec import Kind, LayerGroup, PlanError
+
+VARLEN = "flash_attn_varlen"
+
+
+def _varlen_func():
+    """flash_attn.cute.flash_attn_varlen_func, imported on first use (sys.modules caches it)."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as e:
+        raise ImportError("mstar_attn backends 'flash_attn' and 'flash_attn_varlen' need FlashAttention-4 "
+                          "(module flash_attn.cute): pip install flash-attn-4") from e
+    return flash_attn_varlen_func
+
+
+class Scheduler:
+    """Dense page tables for the pool's paged FlashAttention steps, filled at commit.
+
+    Per pool slot and per table: a zeroed pinned host int32 buffer [max_batch * max_pages_per_request]
+    and its device twin. Layer groups that read the plan's own pages (full and non-causal) share
+    table 0; each window group, whose plan trims front pages, has its own. A step's table is the
+    buffer's first rows * width entries viewed [rows, width]: width = max_pages_per_request for
+    bucketed steps (decode, short verify: the shape graphs were captured with), the step's widest
+    request otherwise. Padding requests of a bucketed step read page 0 (their seqused_k, q_len,
+    fits one page).
+    The pool records the slot's event after `schedule`, so a slot's pinned buffer is rewritten
+    only once its last copy has run. Every entry ever written is a valid page id (the buffers
+    start at 0), so columns past a request's pages are never out of the pool either.
+
+    Cost: 2 * num_slots * tables * max_batch * max_pages_per_request * 4 bytes (pinned + device),
+    and a bucketed commit copies rows * max_pages_per_request * 4 bytes per table. Size
+    the pool's max_pages_per_request to the longest context / page_size, not the whole pool.
+    """
+
+    def __init__(self, pool: GraphBufferPool, **_ignored):
+        _varlen_func()  # fail at pool construction, not at the first step
+        self.pool = pool
+        kinds = [g.kind for g in pool.spec.groups]
+        shared = 0 if any(k is not Kind.WINDOW for k in kinds) else -1
+        self.table_of, n = [], shared + 1
+        for k in kinds:
+            self.table_of.append(shared if k is not Kind.WINDOW else n)
+            n += k is Kind.WINDOW
+        size = pool.layout.max_batch * pool.max_pages_per_request
+        pin = pool.device.type == "cuda"
+        self.host = [[torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(n)] for _ in range(pool.num_slots)]
+        self.host_np = [[h.numpy() for h in hs] for hs in self.host]
+        self.dev = [[torch.zeros(size, dtype=torch.int32, device=pool.device) for _ in range(n)] for _ in range(pool.num_slots)]
+
+    def schedule(self, step: DeviceStep) -> tuple:
+        """One entry per layer group: its page table, int32 device [rows, width] (None for varlen).
+
+        Raises PlanError, before writing anything, if a request reads more pages than the pool's
+        max_pages_per_request.
+        """
+        plan = step.plan
+        if plan.backend == VARLEN:
+            return (None,) * len(plan.groups)
+        limit, B, rows = self.pool.max_pages_per_request, plan.batch_size, step.rows
+        firsts = {}  # table -> the first group that reads it (groups sharing a table read the same pages)
+        for g, t in enumerate(self.table_of):
+            firsts.setdefault(t, g)
+        counts = {t: np.diff(plan.groups[g].kv_indptr) for t, g in firsts.items()}
+        for t, c in counts.items():
+            if c.max() > limit:
+                i = int(np.argmax(c))
+                raise PlanError(f"commit: group {firsts[t]}, request {i} reads {c[i]} pages, more than the pool's "
+                                f"max_pages_per_request {limit}")
+        tables = {}
+        for t, g in firsts.items():
+            gp, c = plan.groups[g], counts[t]
+            width = limit if step.bucket is not None else int(c.max())
+            n = rows * width
+            table = self.host_np[step.slot][t][:n].reshape(rows, width)
+            row = np.repeat(np.arange(B), c)
+            table[row, np.arange(gp.kv_indices.shape[0]) - gp.kv_indptr[row]] = gp.kv_indices
+            table[B:, 0] = 0  # bucket padding: one token of page 0
+            dev = self.dev[step.slot][t][:n]
+            dev.copy_(self.host[step.slot][t][:n], non_blocking=True)
+            tables[t] = dev.view(rows, width)
+        return tuple(tables[self.table_of[g]] for g in range(len(plan.groups)))
+
+
+def _mask(group: LayerGroup) -> dict:
+    """FA4's causal / window_size for a layer group: window W -> (W - 1, 0), bottom-right aligned."""
+    return dict(causal=group.causal, window_size=(None, None) if group.window is None else (group.window_left, 0))
+
+
+def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
+        k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention for one layer of layer group `group`. Returns [q rows, qo_heads, head_dim], q.dtype.
+
+    q: [rows, qo_heads, head_dim], spec.dtype (fp16 / bf16), on the cache's device. rows is
+    plan.num_tokens; a bucketed step (decode, or verify of q_len step.q_len) also takes the
+    padding requests' rows: any b * q_len rows with plan.batch_size <= b <= step.rows (a captured
+    graph passes step.num_rows, an eager caller the real tokens). k, v: [T, kv_heads, head_dim],
+    the step's new keys and values, read only by "flash_attn_varlen" (the paged path reads the
+    cache, so write_kv must run first).
+    """
+    plan = step.plan
+    spec = plan.spec
+    kw = dict(softmax_scale=spec.sm_scale, softcap=spec.soft_cap, num_splits=1, max_seqlen_q=plan.max_q_len,
+              **_mask(spec.groups[group]))
+    if plan.backend == VARLEN:
+        if k is None or v is None:
+            raise ValueError("run: 'flash_attn_varlen' attends over the step's new K/V; pass k and v")
+        return _varlen_func()(q, k, v, cu_seqlens_q=step.qo_indptr, cu_seqlens_k=step.qo_indptr,
+                              max_seqlen_k=plan.max_q_len, **kw)[0]
+    b, extra = divmod(q.shape[0], step.q_len) if step.bucket is not None else (plan.batch_size, 0)
+    if extra or not plan.batch_size <= b <= step.rows or (step.bucket is None and q.shape[0] != plan.num_tokens):
+        raise ValueError(f"run: q has {q.shape[0]} rows; this {plan.mode.value} step takes "
+                         + (f"b * {step.q_len} for b in {plan.batch_size}..{step.rows}" if step.bucket else f"{plan.num_tokens}"))
+    return _varlen_func()(q, cache.k, cache.v, cu_seqlens_q=step.qo_indptr[: b + 1], seqused_k=step.groups[group].kv_lens[:b],
+                          page_table=step.scheduled[group][:b], **kw)[0]

@@ -1,0 +1,421 @@
+"""FlashAttention-4 backend through GraphBufferPool, against the reference backend.
+
+CPU tests run the real pool and Scheduler with FA4 replaced by `fake_varlen`, a plain-torch model
+of the contract FA4's interface.py documents (page table rows, seqused_k, bottom-right masks):
+they check the page tables, lengths and arguments this backend passes. GPU tests (marker gpu)
+run the real kernels, eagerly and replayed through DecodeGraphs.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import AttentionSpec, LayerGroup, Mode, PagedKVCache, PlanError, build_plan
+from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.kernels import flash_attn as fa
+from mstar_attn.kernels import reference
+from tests.helpers import make_step, random_batch
+
+
+def _why_no_fa4():
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError as e:
+        return f"needs flash_attn.cute (pip install flash-attn-4): {e}"
+    return None
+
+
+NO_FA4 = _why_no_fa4()
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(NO_FA4 is not None, reason=NO_FA4 or "")(test))
+
+
+GROUPS = (LayerGroup(), LayerGroup("window", window=40), LayerGroup("noncausal"))
+# Both sides see identical bf16/fp16 inputs. FA4 rounds P to the input dtype before P@V and the
+# output once (each <= 2^-9 relative for bf16, 2^-12 for fp16) and accumulates in float32, as
+# the reference does: the norm-relative error stays a few 2^-9 ~ 4e-3 at worst, under 1e-2.
+TOL = 1e-2
+MODES = [
+    ([1] * 5, [1, 17, 64, 300, 4100], Mode.DECODE),  # 5 rows, bucket 8: three padding rows
+    ([5, 33, 200], [5, 33, 200], Mode.PREFILL),
+    ([7, 20], [90, 21], Mode.EXTEND),
+    ([1, 30, 1, 4], [50, 30, 2, 100], Mode.MIXED),
+    ([4, 4, 4], [5, 40, 129], Mode.VERIFY),
+]
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def fresh_seed():
+    return int(np.random.SeedSequence().entropy % 2**31)
+
+
+# ---------------------------------------------------------------------------------------------
+# A plain-torch model of flash_attn.cute.flash_attn_varlen_func, for the CPU tests.
+
+
+def fake_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+                page_table=None, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, num_splits=1,
+                **unexpected):
+    """FA4's documented forward: bottom-right aligned causal / window masks, paged or varlen K/V.
+
+    Asserts the input contract the backend must meet (int32 stride-1 lengths, one page-table row
+    and one seqused_k per sequence, cu_seqlens_k only without a page table, num_splits=1 for SM90).
+    """
+    assert not unexpected, unexpected
+    assert num_splits == 1 and softmax_scale is not None
+    B = cu_seqlens_q.shape[0] - 1
+    for t in (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
+        assert t is None or (t.dtype == torch.int32 and t.stride(-1) == 1)
+    cu_q = cu_seqlens_q.tolist()
+    assert cu_q[0] == 0 and cu_q[-1] == q.shape[0]
+    if page_table is not None:
+        assert cu_seqlens_k is None and seqused_k.shape == (B,) and page_table.shape[0] == B and page_table.is_contiguous()
+        page_size = k.shape[1]
+        used = seqused_k.tolist()
+        assert max(used) <= page_table.shape[1] * page_size
+    else:
+        assert seqused_k is None and cu_seqlens_k.shape == (B + 1,)
+        cu_k = cu_seqlens_k.tolist()
+        used = [cu_k[b + 1] - cu_k[b] for b in range(B)]
+    left, right = window_size
+    if causal:
+        right = 0
+    rep = q.shape[1] // k.shape[-2]
+    out = torch.empty_like(q)
+    for b in range(B):
+        sq, sk = cu_q[b + 1] - cu_q[b], used[b]
+        assert max_seqlen_q is None or sq <= max_seqlen_q
+        assert max_seqlen_k is None or sk <= max_seqlen_k
+        if page_table is not None:
+            pages = page_table[b, : (sk + page_size - 1) // page_size].long()
+            kb, vb = (x[pages].flatten(0, 1)[:sk] for x in (k, v))
+        else:
+            kb, vb = k[cu_k[b] : cu_k[b + 1]], v[cu_k[b] : cu_k[b + 1]]
+        kb, vb = (x.float().repeat_interleave(rep, dim=1) for x in (kb, vb))
+        logits = torch.einsum("qhd,khd->hqk", q[cu_q[b] : cu_q[b + 1]].float(), kb) * softmax_scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        i = torch.arange(sq)[:, None] + (sk - sq)
+        j = torch.arange(sk)[None, :]
+        hidden = torch.zeros(sq, sk, dtype=torch.bool)
+        if right is not None:
+            hidden |= j > i + right
+        if left is not None:
+            hidden |= j < i - left
+        logits = logits.masked_fill(hidden, float("-inf"))
+        out[cu_q[b] : cu_q[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, -1), vb).to(q.dtype)
+    return out, None
+
+
+class _DoneEvent:
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def cpu_pool(monkeypatch):
+    """make(spec, **pool_kw): a real GraphBufferPool on the CPU, with pinned memory and CUDA events
+    stubbed out (they need a GPU) and FA4 replaced by fake_varlen."""
+    monkeypatch.setattr(fa, "_varlen_func", lambda: fake_varlen)
+    monkeypatch.setattr(torch.cuda, "Event", _DoneEvent)
+    real_empty = torch.empty
+
+    def make(spec, **kw):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+            return GraphBufferPool(spec, max_batch_size=kw.pop("max_batch_size", 64), max_num_tokens=1024,
+                                   max_num_pages=spec.num_pages, device="cpu", **kw)
+
+    return make
+
+
+def cpu_step(seed, q_lens, kv_lens, page_size=16, heads=(8, 2), soft_cap=0.0, backend="flash_attn", groups=GROUPS):
+    return make_step(seed, q_lens, kv_lens, page_size, torch.bfloat16, groups=groups, heads=heads, head_dim=64,
+                     backend=backend, soft_cap=soft_cap, write=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: plan-time capability errors, the ImportError, and the backend's plumbing through the pool.
+
+
+def test_what_the_backend_cannot_serve_fails_at_plan_time():
+    with pytest.raises(PlanError, match="spec.dtype"):
+        AttentionSpec(8, 2, 128, 16, 64, dtype=torch.float32, backend="flash_attn")
+    with pytest.raises(PlanError, match="spec.head_dim"):
+        AttentionSpec(8, 2, 256, 16, 64, dtype=torch.bfloat16, backend="flash_attn")
+    with pytest.raises(PlanError, match="spec.head_dim"):
+        AttentionSpec(8, 2, 80, 16, 64, dtype=torch.float16, backend="flash_attn_varlen")
+    spec = AttentionSpec(8, 2, 128, 16, 64, backend="flash_attn_varlen")
+    rng = np.random.default_rng(0)
+    for q_lens, kv_lens, mode in [([1, 1], [5, 9], "decode"), ([3, 4], [10, 4], "extend"), ([2, 2], [9, 9], "verify")]:
+        with pytest.raises(PlanError, match=f"not this {mode} step"):
+            build_plan(random_batch(rng, q_lens, kv_lens, 16, 64), spec)
+    assert build_plan(random_batch(rng, [3, 4], [3, 4], 16, 64), spec).backend == "flash_attn_varlen"
+
+
+@pytest.mark.skipif(NO_FA4 is None, reason="flash_attn.cute is installed")
+def test_missing_fa4_names_the_package():
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install flash-attn-4"):
+            fa._varlen_func()
+    else:
+        pytest.skip("flash_attn.cute imports here")
+
+
+@pytest.mark.parametrize("page_size, heads, soft_cap", [(16, (8, 2), 0.0), (64, (4, 4), 20.0)], ids=["p16-gqa4", "p64-mha-cap"])
+@pytest.mark.parametrize("q_lens, kv_lens, mode", MODES)
+def test_cpu_every_mode_through_the_pool(cpu_pool, q_lens, kv_lens, mode, page_size, heads, soft_cap):
+    seed = fresh_seed()
+    spec, plan, cache, q, _, _, k_new, v_new = cpu_step(seed, q_lens, kv_lens, page_size, heads, soft_cap)
+    assert plan.mode is mode
+    pool = cpu_pool(spec, buckets=(1, 2, 8))
+    step = pool.commit(plan)
+    fa.write_kv(step, k_new, v_new, cache)
+    ref_cache = PagedKVCache(cache.k.clone(), cache.v.clone())
+    reference.write_kv(plan, k_new, v_new, ref_cache)
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+    if mode is Mode.DECODE:  # bucketed: the captured shape, padding rows on page 0
+        assert step.rows == 8 and all(t.shape == (8, pool.max_pages_per_request) for t in step.scheduled)
+        assert all((t[5:, 0] == 0).all() for t in step.scheduled)
+    for g in range(len(spec.groups)):
+        want = reference.run(plan, q, cache, group=g)
+        out = fa.run(step, q, cache, group=g)
+        assert out.shape == q.shape and rel_err(out, want) < TOL, (seed, mode, spec.groups[g])
+        if mode is Mode.DECODE:  # as a captured graph calls it: all 8 rows
+            padded = fa.run(step, torch.cat([q, q[:1].expand(3, -1, -1)]), cache, group=g)
+            assert torch.equal(padded[:5], out) and torch.isfinite(padded).all()
+
+
+def test_cpu_varlen_prefill_reads_the_new_kv(cpu_pool):
+    seed = fresh_seed()
+    spec, plan, cache, q, _, _, k_new, v_new = cpu_step(seed, [64, 300, 7], [64, 300, 7], backend="flash_attn_varlen")
+    step = cpu_pool(spec).commit(plan)
+    assert step.scheduled == (None,) * 3
+    fa.write_kv(step, k_new, v_new, cache)
+    for g in range(3):
+        out = fa.run(step, q, cache, group=g, k=k_new, v=v_new)
+        assert rel_err(out, reference.run(plan, q, cache, group=g)) < TOL
+    with pytest.raises(ValueError, match="pass k and v"):
+        fa.run(step, q, cache)
+
+
+def test_cpu_bucketed_verify_takes_padded_rows(cpu_pool):
+    """Verify steps with q_len <= page_size and causal groups are bucketed: padding requests have
+    q_len rows each and read page 0; run takes the real rows or whole padded requests."""
+    seed = fresh_seed()
+    spec, plan, cache, q, _, _, k_new, v_new = cpu_step(seed, [4, 4, 4], [5, 40, 129], groups=GROUPS[:2])
+    step = cpu_pool(spec, buckets=(1, 2, 8)).commit(plan)
+    assert (step.bucket, step.q_len, step.num_rows) == (8, 4, 32)
+    assert all(t.shape == (8, step.plan.spec.num_pages) and (t[3:, 0] == 0).all() for t in step.scheduled)
+    fa.write_kv(step, k_new, v_new, cache)
+    for g in range(2):
+        out = fa.run(step, q, cache, group=g)
+        assert rel_err(out, reference.run(plan, q, cache, group=g)) < TOL, seed
+        padded = fa.run(step, torch.cat([q, q[:4].repeat(5, 1, 1)]), cache, group=g)
+        assert torch.equal(padded[:12], out) and torch.isfinite(padded).all()
+    with pytest.raises(ValueError, match=r"b \* 4 for b in 3..8"):
+        fa.run(step, q[:11], cache)
+
+
+def test_cpu_page_tables_keep_their_memory_and_shape_per_slot_and_bucket(cpu_pool):
+    """What graph replay needs: every bucketed decode commit to a slot fills the same [rows, width]
+    view; window groups (trimmed front pages) get a table of their own, full and non-causal share one."""
+    rng = np.random.default_rng(fresh_seed())
+    spec = AttentionSpec(8, 2, 64, 16, 4000, groups=GROUPS, backend="flash_attn")
+    pool = cpu_pool(spec, buckets=(4, 16), max_pages_per_request=100)
+    seen = {}
+    for _ in range(12):
+        B = int(rng.integers(5, 17))
+        plan = build_plan(random_batch(rng, np.ones(B), rng.integers(1, 1500, B), 16, 4000), spec)
+        step = pool.commit(plan)
+        ptrs = tuple(t.data_ptr() for t in step.scheduled)
+        assert ptrs[0] == ptrs[2] != ptrs[1]
+        assert seen.setdefault(step.slot, (ptrs, step.scheduled[0].shape)) == (ptrs, (16, 100))
+        for g, gp in enumerate(plan.groups):  # row i holds exactly the group's pages of request i
+            table = step.scheduled[g]
+            for i in range(B):
+                pages = gp.kv_indices[gp.kv_indptr[i] : gp.kv_indptr[i + 1]]
+                assert np.array_equal(table[i, : len(pages)].numpy(), pages)
+    extend = build_plan(random_batch(rng, [3, 9], [40, 9], 16, 4000), spec)
+    step = pool.commit(extend)  # eager: as wide as the widest request
+    assert step.scheduled[0].shape == (2, 3) and step.scheduled[0].is_contiguous()
+
+
+def test_cpu_request_past_max_pages_per_request_fails_at_commit(cpu_pool):
+    spec, plan, *_ = cpu_step(fresh_seed(), [1, 1], [5, 16 * 9 + 1])
+    pool = cpu_pool(spec, max_pages_per_request=9)
+    with pytest.raises(PlanError, match=r"group 0, request 1 reads 10 pages, more than the pool's max_pages_per_request 9"):
+        pool.commit(plan)
+    # the limit is on the pages a group reads: a window group's trimmed list (2 of 12 pages) fits
+    spec, plan, *_ = cpu_step(fresh_seed(), [1, 1], [5, 16 * 12], groups=(LayerGroup("window", window=20),))
+    assert cpu_pool(spec, max_pages_per_request=9).commit(plan).scheduled[0].shape == (2, 9)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the real FA4 kernels.
+
+
+def gpu_step(seed, q_lens, kv_lens, page_size=16, dtype=torch.bfloat16, heads=(32, 8), soft_cap=0.0,
+             backend="flash_attn", groups=GROUPS):
+    return make_step(seed, q_lens, kv_lens, page_size, dtype, groups=groups, heads=heads, head_dim=128,
+                     device="cuda", backend=backend, soft_cap=soft_cap, write=False)
+
+
+def gpu_pool(spec, **kw):
+    return GraphBufferPool(spec, max_batch_size=kw.pop("max_batch_size", 300), max_num_tokens=4096,
+                           max_num_pages=spec.num_pages, device="cuda", **kw)
+
+
+# Kernel variants compile once each (seconds): the combos are chosen to cover the features
+# with few of them. Page 16 and 64 use FA4's cp.async page loader, page 128 its TMA loader.
+COMBOS = {
+    "bf16-gqa4-p16": dict(page_size=16, dtype=torch.bfloat16, heads=(32, 8)),
+    "fp16-mha-p64-cap": dict(page_size=64, dtype=torch.float16, heads=(8, 8), soft_cap=20.0),
+    "bf16-gqa8-p128-tma": dict(page_size=128, dtype=torch.bfloat16, heads=(16, 2)),
+}
+GPU_CASES = [(c, *m) for c in COMBOS for m in MODES if c != "bf16-gqa8-p128-tma" or m[2] in (Mode.DECODE, Mode.VERIFY)]
+
+
+@gpu
+@pytest.mark.parametrize("combo, q_lens, kv_lens, mode", GPU_CASES)
+def test_every_mode_matches_the_reference(combo, q_lens, kv_lens, mode):
+    seed = fresh_seed()
+    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, q_lens, kv_lens, **COMBOS[combo])
+    assert plan.mode is mode
+    pool = gpu_pool(spec)
+    step = pool.commit(plan)
+    fa.write_kv(step, k_new, v_new, cache)
+    ref_cache = PagedKVCache(cache.k.clone(), cache.v.clone())
+    reference.write_kv(plan, k_new, v_new, ref_cache)
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+    for g in range(len(spec.groups)):
+        out = fa.run(step, q, cache, group=g)
+        want = reference.run(plan, q, cache, group=g)
+        assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
+        assert rel_err(out, want) < TOL, (seed, combo, mode, spec.groups[g])
+
+
+@gpu
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_decode_replay_equals_eager(combo):
+    """Every group kind, dtype, page loader and soft-cap captured through DecodeGraphs (bucket 8,
+    both slots) and replayed on a 5-request step: equal to the eager call on the 5 real rows."""
+    from mstar_attn.capture.graphs import DecodeGraphs
+
+    seed = fresh_seed()
+    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [1] * 5, [1, 17, 64, 300, 4100], **COMBOS[combo])
+    pool = gpu_pool(spec, buckets=(8,))
+    static = torch.zeros(8, spec.num_qo_heads, spec.head_dim, device="cuda", dtype=spec.dtype)
+    graphs = [DecodeGraphs(pool, lambda step, x, g=g: fa.run(step, x["q"], cache, group=g), {"q": static})
+              for g in range(len(spec.groups))]
+    for gr in graphs:
+        gr.capture()
+    for _ in range(2):  # one step per slot
+        step = pool.commit(plan)
+        fa.write_kv(step, k_new, v_new, cache)
+        for g, gr in enumerate(graphs):
+            eager = fa.run(step, q, cache, group=g)
+            assert torch.equal(gr(step, q=q), eager), (seed, combo, g)
+            assert rel_err(eager, reference.run(plan, q, cache, group=g)) < TOL, (seed, combo, g)
+
+
+@gpu
+def test_varlen_prefill_matches_the_reference():
+    seed = fresh_seed()
+    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [64, 300, 7], [64, 300, 7], backend="flash_attn_varlen")
+    step = gpu_pool(spec).commit(plan)
+    fa.write_kv(step, k_new, v_new, cache)
+    for g in range(len(spec.groups)):
+        out = fa.run(step, q, cache, group=g, k=k_new, v=v_new)
+        assert rel_err(out, reference.run(plan, q, cache, group=g)) < TOL, (seed, spec.groups[g])
+
+
+@gpu
+def test_hundreds_of_steps_eager_and_replayed():
+    """Changing batch sizes (across buckets and past the largest), lengths and pages, 200 steps:
+    decode and verify (q_len 4, captured) replayed, other modes (short steps: one kernel) eager."""
+    from mstar_attn.capture.graphs import DecodeGraphs
+
+    rng = np.random.default_rng()
+    spec = AttentionSpec(32, 8, 128, 16, 6000, groups=GROUPS[:2], backend="flash_attn")
+    cache = PagedKVCache(torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16),
+                         torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16))
+    pool = GraphBufferPool(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32),
+                           max_pages_per_request=128)
+    q_static = torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    graphs = {g: DecodeGraphs(pool, lambda step, x, g=g: fa.run(step, x["q"], cache, group=g), {"q": q_static}) for g in range(2)}
+    for gr in graphs.values():
+        gr.capture(q_lens=(1, 4))
+    replayed = {1: 0, 4: 0}
+    for i in range(200):
+        B = int(rng.choice([1, 3, 4, 9, 16, 31, 32, 33, 70]))
+        kv = rng.integers(5, 1200, B)
+        if i % 5 == 0:
+            q_lens = np.minimum(kv, rng.integers(1, 6, B))
+        elif i % 5 == 1:
+            q_lens = np.full(B, 4, np.int32)  # verify
+        else:
+            q_lens = np.ones(B, np.int32)
+        plan = build_plan(random_batch(rng, q_lens, kv, 16, 6000), spec)
+        step = pool.commit(plan)
+        q = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
+        for g in range(2):
+            want = reference.run(plan, q, cache, group=g)
+            eager = fa.run(step, q, cache, group=g)
+            graph = graphs[g](step, q=q)
+            if graphs[g].serves(step):
+                replayed[step.q_len] += 1
+            assert rel_err(eager, want) < TOL, (i, B, g, plan.mode)
+            # one kernel per (group, short/long), the same table rows, no split-KV: each row is
+            # computed the same way eagerly (the real rows) and replayed (all bucket rows)
+            assert torch.equal(graph, eager), (i, B, g, plan.mode)
+    assert replayed[1] > 150 and replayed[4] > 30, replayed
+
+
+@gpu
+def test_request_past_max_pages_per_request_fails_at_commit():
+    spec, plan, *_ = gpu_step(fresh_seed(), [1, 1], [5, 16 * 9 + 1])
+    with pytest.raises(PlanError, match="request 1 reads 10 pages"):
+        gpu_pool(spec, max_pages_per_request=9).commit(plan)
+
+
+@gpu
+def test_no_device_sync_on_the_step_path():
+    from mstar_attn.capture.graphs import DecodeGraphs
+
+    seed = fresh_seed()
+    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [1] * 6, [10, 20, 30, 40, 50, 4000])
+    pool = gpu_pool(spec)
+    static = torch.zeros(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    graphs = DecodeGraphs(pool, lambda step, x: fa.run(step, x["q"], cache), {"q": static})
+    graphs.capture((8,))
+    prefill = build_plan(random_batch(np.random.default_rng(seed), [5, 9], [5, 30], 16, spec.num_pages), spec)
+    for p in (plan, prefill):  # warm (compile) both paths
+        fa.run(pool.commit(p), torch.randn(p.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step = pool.commit(build_plan(random_batch(np.random.default_rng(seed), [1] * 6, [10, 20, 30, 40, 50, 4000], 16, spec.num_pages), spec))
+            fa.write_kv(step, k_new, v_new, cache)
+            graphs(step, q=q)
+            step = pool.commit(prefill)
+            fa.run(step, torch.ones(prefill.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
