@@ -151,7 +151,6 @@ class PoolAttention(StepAttention):
         super().__init__(name)
         self.device = torch.device(device)
         self.pool = self.graphs = None
-        self.captured: dict[tuple, str] = {}  # graph_key -> the backend the graph was captured on
 
     def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int) -> None:
         super().bind(spec, max_batch, max_tokens)
@@ -176,27 +175,16 @@ class PoolAttention(StepAttention):
     def capture(self, fn: Callable[[Any, dict], torch.Tensor], static: dict[str, torch.Tensor]) -> int:
         from mstar_attn.capture.graphs import DecodeGraphs
 
-        def recording(step, inputs):  # host side only: runs at warm-up and at capture, not in a replay
-            self.captured[graph_key(step)] = step.plan.backend
-            return fn(step, inputs)
-
-        self.graphs = DecodeGraphs(self.pool, recording, static)
-        self.graphs.capture()
-        return len(self.captured)
+        self.graphs = DecodeGraphs(self.pool, fn, static)
+        self.graphs.capture()  # per bucket and slot; with --backend auto, per paged backend too
+        return len(self.graphs.graphs)
 
     def replays(self, ctx) -> bool:
-        """A decode step whose (slot, bucket) has a graph captured on the backend this step's plan names:
-        with spec.backend "auto" a live step may pick another backend than the warm-up plan did, and
-        the graph then holds the other backend's kernels and scheduled state (so the step runs eagerly)."""
-        return ctx.mode is Mode.DECODE and self.captured.get(graph_key(ctx)) == ctx.plan.backend
+        """A decode step with a graph captured for its bucket, slot and backend (see DecodeGraphs.serves)."""
+        return ctx.mode is Mode.DECODE and self.graphs.serves(ctx)
 
     def replay(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.graphs(ctx, **inputs)
-
-
-def graph_key(step) -> tuple[int, int | None, int]:
-    """(pool slot, bucket, new tokens per request) of a committed step: what DecodeGraphs captures per."""
-    return step.slot, step.bucket, getattr(step, "q_len", 1)
 
 
 def make_attention(cfg: DemoConfig) -> StepAttention:

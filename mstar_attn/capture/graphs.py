@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
+import attrs
 import numpy as np
 import torch
 
 from mstar_attn.capture.pool import DeviceStep, GraphBufferPool
 from mstar_attn.metadata.batch import StepBatch
+from mstar_attn.kernels import AUTO, BACKENDS
 from mstar_attn.metadata.plan import build_plan
+from mstar_attn.metadata.select import installed
 
 
 def warmup_plan(pool: GraphBufferPool, batch_size: int, q_len: int = 1):
@@ -37,12 +40,21 @@ class DecodeGraphs:
     def __init__(self, pool: GraphBufferPool, fn: Callable[[DeviceStep, dict], torch.Tensor], inputs: dict[str, torch.Tensor]):
         self.pool, self.fn, self.inputs = pool, fn, inputs
         self.memory = torch.cuda.graph_pool_handle()
-        # (slot, bucket, q_len) -> (graph, output, the backend it was captured on)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, str]] = {}
+        # (slot, bucket, q_len, backend) -> (graph, its output)
+        self.graphs: dict[tuple[int, int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def capture(self, buckets: tuple[int, ...] | None = None, q_lens: tuple[int, ...] = (1,)) -> None:
-        for bucket, q_len, slot in itertools.product(buckets or self.pool.buckets, q_lens, range(self.pool.num_slots)):
-            step = self.pool.commit(warmup_plan(self.pool, bucket, q_len), slot=slot)
+    def capture(self, buckets: tuple[int, ...] | None = None, q_lens: tuple[int, ...] = (1,),
+                backends: tuple[str, ...] | None = None) -> None:
+        """Capture every (bucket, q_len, backend, slot). backends: default the spec's backend; with
+        spec.backend "auto", every installed paged backend the table may pick for a step."""
+        spec = self.pool.spec
+        if backends is None:
+            backends = (spec.backend,) if spec.backend != AUTO else tuple(
+                n for n, c in BACKENDS.items() if n != "reference" and not c.prefix_free and installed(n))
+        for bucket, q_len, backend, slot in itertools.product(buckets or self.pool.buckets, q_lens, backends,
+                                                               range(self.pool.num_slots)):
+            plan = attrs.evolve(warmup_plan(self.pool, bucket, q_len), backend=backend)
+            step = self.pool.commit(plan, slot=slot)
             if step.bucket is None:
                 raise ValueError(f"capture: the pool does not bucket q_len {q_len} steps (verify needs q_len <= page_size "
                                  "and causal groups)")
@@ -55,19 +67,17 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory):
                 out = self.fn(step, static)
-            self.graphs[(slot, bucket, q_len)] = (graph, out, step.plan.backend)
+            self.graphs[(slot, bucket, q_len, backend)] = (graph, out)
         torch.cuda.synchronize()
 
     def serves(self, step: DeviceStep) -> bool:
-        """Whether `step` replays a graph: bucketed, captured, and planned on the captured backend
-        (with spec.backend "auto" a live step may pick another backend than the capture did)."""
-        entry = self.graphs.get((step.slot, step.bucket, step.q_len)) if step.bucket is not None else None
-        return entry is not None and entry[2] == step.plan.backend
+        """Whether `step` replays a graph: bucketed, and captured for its q_len and its backend."""
+        return step.bucket is not None and (step.slot, step.bucket, step.q_len, step.plan.backend) in self.graphs
 
     def __call__(self, step: DeviceStep, **inputs: torch.Tensor) -> torch.Tensor:
         if not self.serves(step):
             return self.fn(step, inputs)
-        graph, out, _ = self.graphs[(step.slot, step.bucket, step.q_len)]
+        graph, out = self.graphs[(step.slot, step.bucket, step.q_len, step.plan.backend)]
         for name, t in inputs.items():
             self.inputs[name][: t.shape[0]].copy_(t)
         graph.replay()

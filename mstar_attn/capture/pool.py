@@ -219,10 +219,11 @@ class GraphBufferPool:
             DeviceGroup(ptr, dev[o_idx : o_idx + gp.kv_indices.shape[0] + pad], lpl, lens, h_ptr, h_lpl, h_lens)
             for gp, (ptr, lpl, lens, h_ptr, h_lpl, h_lens, o_idx) in zip(plan.groups, v[4])
         ])
-        step = DeviceStep(plan, s, rows, num_rows, bucket, v[0], v[1], v[2], v[3], groups, q_len)
+        fields = (plan, s, rows, num_rows, bucket, v[0], v[1], v[2], v[3], groups, q_len)
+        step = DeviceStep(*fields)
         scheduler = self.scheduler_for(plan.backend)
-        if scheduler is not None:
-            step = attrs.evolve(step, scheduled=scheduler.schedule(step))
+        if scheduler is not None:  # (a second constructor call is cheaper than attrs.evolve)
+            step = DeviceStep(*fields, scheduler.schedule(step))
         self.ready[s].record()
         return step
 

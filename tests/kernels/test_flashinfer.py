@@ -189,8 +189,9 @@ def test_no_device_sync_on_the_step_path():
 @pytest.mark.parametrize("heads, q_len", [((32, 8), 1), ((8, 8), 1), ((32, 8), 4)], ids=["tensor-cores", "cuda-cores", "verify"])
 def test_fast_replan_matches_public_plan(heads, q_len):
     """The internals _flashinfer_fast reads: the fast re-plan must leave a graph-mode wrapper in
-    the state public plan() leaves it (plan info, int workspace, output). Fails loudly when
-    FlashInfer moves them."""
+    the state public plan() leaves it: the same plan info and a bit-identical output over the
+    same cache, on changing lengths. (The int workspace itself is not compared: the CUDA-core
+    planner leaves unwritten gaps in it.) Fails loudly when FlashInfer moves them."""
     from mstar_attn.kernels._flashinfer_fast import VERSIONS
 
     assert flashinfer.__version__ in VERSIONS, f"re-check _flashinfer_fast against FlashInfer {flashinfer.__version__}"
@@ -203,10 +204,8 @@ def test_fast_replan_matches_public_plan(heads, q_len):
     for pool in pools:
         pool.scheduler_for("flashinfer").use_fast = pool is pools[1]
     first = build_plan(random_batch(rng, [q_len] * B, [q_len + 1] * B, ps, spec.num_pages), spec)
-    wrappers = [pool.commit(first, slot=0).scheduled[0] for pool in pools]  # public plan() in both
-    torch.cuda.synchronize()  # the planners' copies out of the pinned workspaces have run
-    for w in wrappers:
-        w._pin_memory_int_workspace_buffer.zero_()  # stale bytes past what the planner writes
+    for pool in pools:
+        pool.commit(first, slot=0)  # public plan() in both
     for i in range(6):
         kv = rng.integers(q_len + 1, 6 * ps, B)
         plan = build_plan(random_batch(rng, [q_len] * B, kv, ps, spec.num_pages), spec)
@@ -214,9 +213,7 @@ def test_fast_replan_matches_public_plan(heads, q_len):
         wp, wf = public.scheduled[0], fast.scheduled[0]
         assert wp is not wf and (0, 0, B, q_len) in pools[1].scheduler_for("flashinfer").fast
         assert (0, 0, B, q_len) not in pools[0].scheduler_for("flashinfer").fast
-        torch.cuda.synchronize()
         assert list(wp._plan_info) == list(wf._plan_info), i
-        assert torch.equal(wp._pin_memory_int_workspace_buffer, wf._pin_memory_int_workspace_buffer), i
         q = torch.randn(B * q_len, heads[0], 128, device="cuda", dtype=torch.bfloat16)
         out_p, out_f = fi.run(public, q, cache), fi.run(fast, q, cache)
         assert torch.equal(out_p, out_f), i
