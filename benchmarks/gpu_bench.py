@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flashinfer as fi
+from mstar_attn.tuning import event_median_us, host_median_us
 
 import flashinfer  # noqa: E402
 
@@ -30,31 +30,13 @@ DEV = "cuda"
 
 
 def host_median(fn, n=300, warmup=30):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-        if len(ts) % 50 == 0:
-            torch.cuda.synchronize()
-    return statistics.median(ts) * 1e6
+    return host_median_us(fn, n, warmup, sync_every=50)
 
 
 def gpu_median(fn, n=50, warmup=5):
-    for _ in range(warmup):
+    for _ in range(warmup - 1):
         fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    return event_median_us(fn, n)  # one more warm-up call, then n timed
 
 
 def copy_bandwidth():

@@ -495,7 +495,8 @@ def _versions() -> dict:
     return out
 
 
-def _event_median_us(fn, n: int = 10) -> float:
+def event_median_us(fn, n: int = 10) -> float:
+    """Median µs of n CUDA-event-timed calls of fn after one warm-up call."""
     import torch
 
     fn()
@@ -518,11 +519,11 @@ def _ceilings() -> dict:
     def copy_us():
         x = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")
         y = torch.empty_like(x)
-        return _event_median_us(lambda: y.copy_(x))
+        return event_median_us(lambda: y.copy_(x))
 
     def matmul_us():
         a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        return _event_median_us(lambda: a @ b)
+        return event_median_us(lambda: a @ b)
 
     copy_us, mm_us = copy_us(), matmul_us()
     torch.cuda.empty_cache()
@@ -561,14 +562,20 @@ class _Timer:
         return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)], queued
 
 
-def _host_median_us(fn, n: int, warmup: int = 3) -> float:
+def host_median_us(fn, n: int, warmup: int = 3, sync_every: int = 0) -> float:
+    """Median host µs of n calls of fn after `warmup` calls; sync_every > 0 lets the GPU catch up
+    (outside the timed calls) every that many calls, so queued work never throttles the host."""
     for _ in range(warmup):
         fn()
     ts = []
-    for _ in range(n):
+    for i in range(1, n + 1):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
+        if sync_every and i % sync_every == 0:
+            import torch
+
+            torch.cuda.synchronize()
     return statistics.median(ts) * 1e6
 
 
@@ -787,7 +794,7 @@ def _prepare(name, pool, spec, batch, q, k, v, cache, ref, cfg: BenchConfig, T: 
     if not err < cfg.tol:
         rec["status"] = f"mismatch: norm-relative error {err:.2e} vs the float32 reference (tol {cfg.tol:.0e})"
         return rec, None
-    rec["commit_us"] = round(_host_median_us(lambda: pool.commit(plan), cfg.commit_reps), 2)
+    rec["commit_us"] = round(host_median_us(lambda: pool.commit(plan), cfg.commit_reps), 2)
     step = pool.commit(plan)
     _sync(device)
 

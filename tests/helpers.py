@@ -83,3 +83,19 @@ def make_step(seed, q_lens, kv_lens, page_size, dtype=torch.float32, groups=(Lay
         reference.write_kv(plan, k_new, v_new, cache)
     q = torch.randn((plan.num_tokens, spec.num_qo_heads, spec.head_dim), generator=gen).to(dtype).to(device)
     return spec, plan, cache, q, k_seqs, v_seqs, k_new, v_new
+
+
+class DoneEvent:
+    """Stands in for torch.cuda.Event in CPU tests of GPU code paths: always already done."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass

@@ -13,6 +13,7 @@ from mstar_attn.kernels import flash_attn as fa
 from mstar_attn.metadata import select
 from mstar_attn import tuning
 from mstar_attn.tuning import BenchConfig, Shape, bench_main, derive_table, make_batch, render_markdown
+from tests.helpers import DoneEvent
 
 ALL = lambda name: True  # noqa: E731
 
@@ -203,20 +204,6 @@ def fake_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None
     return out, None
 
 
-class _DoneEvent:
-    def __init__(self, *a, **k):
-        pass
-
-    def record(self):
-        pass
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
 class HostTimer:
     can_sleep = False
 
@@ -231,7 +218,7 @@ class HostTimer:
 
 def test_the_pipeline_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(fa, "_varlen_func", lambda: fake_varlen)
-    monkeypatch.setattr(torch.cuda, "Event", _DoneEvent)
+    monkeypatch.setattr(torch.cuda, "Event", DoneEvent)
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
     kw = dict(heads=(4, 2), head_dim=64, page_size=16)

@@ -14,7 +14,7 @@ from mstar_attn import AttentionSpec, LayerGroup, Mode, PagedKVCache, PlanError,
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flash_attn as fa
 from mstar_attn.kernels import reference
-from tests.helpers import make_step, random_batch
+from tests.helpers import DoneEvent, make_step, random_batch
 
 
 def _why_no_fa4():
@@ -114,23 +114,12 @@ def fake_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None
     return out, None
 
 
-class _DoneEvent:
-    def record(self):
-        pass
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
 @pytest.fixture
 def cpu_pool(monkeypatch):
     """make(spec, **pool_kw): a real GraphBufferPool on the CPU, with pinned memory and CUDA events
     stubbed out (they need a GPU) and FA4 replaced by fake_varlen."""
     monkeypatch.setattr(fa, "_varlen_func", lambda: fake_varlen)
-    monkeypatch.setattr(torch.cuda, "Event", _DoneEvent)
+    monkeypatch.setattr(torch.cuda, "Event", DoneEvent)
     real_empty = torch.empty
 
     def make(spec, **kw):
