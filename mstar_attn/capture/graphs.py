@@ -11,9 +11,9 @@ import torch
 
 from mstar_attn.capture.pool import DeviceStep, GraphBufferPool
 from mstar_attn.metadata.batch import StepBatch
-from mstar_attn.kernels import AUTO, BACKENDS
+from mstar_attn.kernels import AUTO
 from mstar_attn.metadata.plan import build_plan
-from mstar_attn.metadata.select import installed
+from mstar_attn.metadata.select import graph_backends
 
 
 def warmup_plan(pool: GraphBufferPool, batch_size: int, q_len: int = 1):
@@ -34,7 +34,9 @@ class DecodeGraphs:
     inputs into their first rows and replays. q_len 1 is decode; q_len > 1 serves verify steps
     of that q_len (capture them with `capture(q_lens=...)`). Steps the pool does not bucket
     (past the largest bucket, other modes) and uncaptured q_lens run `fn` eagerly. All graphs
-    share one memory pool. Capture before serving: warm-up and capture write page 0.
+    share one memory pool, so a replay's output is valid until the next replay of any graph of
+    this DecodeGraphs: read or copy it first. Capture before serving: warm-up and capture write
+    page 0.
     """
 
     def __init__(self, pool: GraphBufferPool, fn: Callable[[DeviceStep, dict], torch.Tensor], inputs: dict[str, torch.Tensor]):
@@ -46,11 +48,11 @@ class DecodeGraphs:
     def capture(self, buckets: tuple[int, ...] | None = None, q_lens: tuple[int, ...] = (1,),
                 backends: tuple[str, ...] | None = None) -> None:
         """Capture every (bucket, q_len, backend, slot). backends: default the spec's backend; with
-        spec.backend "auto", every installed paged backend the table may pick for a step."""
+        spec.backend "auto", every backend the dispatch table may pick for this spec's decode and
+        verify steps (select.graph_backends)."""
         spec = self.pool.spec
         if backends is None:
-            backends = (spec.backend,) if spec.backend != AUTO else tuple(
-                n for n, c in BACKENDS.items() if n != "reference" and not c.prefix_free and installed(n))
+            backends = (spec.backend,) if spec.backend != AUTO else graph_backends(spec)
         for bucket, q_len, backend, slot in itertools.product(buckets or self.pool.buckets, q_lens, backends,
                                                                range(self.pool.num_slots)):
             plan = attrs.evolve(warmup_plan(self.pool, bucket, q_len), backend=backend)

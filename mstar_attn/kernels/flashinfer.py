@@ -60,13 +60,18 @@ class Scheduler:
             if fast is not None:
                 fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
                 return fast.wrapper
-            w = self._graph_wrapper(step, g)
+            w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
+            if w is None:
+                w = self.wrappers[("graph",) + key] = self._graph_wrapper(step, g)
             w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
                    window_left=group.window_left, seq_lens=dg.host_kv_lens, q_len_per_req=step.q_len, **self.plan_kwargs)
             if self.use_fast:
-                self.fast[key] = FastDecodePlan(w, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
-                                                head_dim=spec.head_dim, page_size=spec.page_size, q_len=step.q_len,
-                                                window_left=group.window_left, soft_cap=float(spec.soft_cap), dtype=spec.dtype)
+                try:
+                    self.fast[key] = FastDecodePlan(w, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
+                                                    head_dim=spec.head_dim, page_size=spec.page_size, q_len=step.q_len,
+                                                    window_left=group.window_left, soft_cap=float(spec.soft_cap), dtype=spec.dtype)
+                except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
+                    pass
             return w
         if step.mode is Mode.DECODE:
             w = self._eager(("decode", step.slot, g), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=self.tensor_cores)

@@ -49,7 +49,8 @@ BOUNDS = {"batch": (1, 4, 16, 64, 256), "tokens": (1, 8, 64, 512, 4096), "prefix
 FEATURES = ("mode", "batch", "tokens", "prefix", "head_dim", "gqa", "page_size")
 
 # The third-party package each backend module needs (checked without importing it).
-_PACKAGES = {"mstar_attn.kernels.flashinfer": "flashinfer", "mstar_attn.kernels.flash_attn": "flash_attn"}
+# (flash_attn.cute, not flash_attn: FlashAttention-2 installs a flash_attn package without it.)
+_PACKAGES = {"mstar_attn.kernels.flashinfer": "flashinfer", "mstar_attn.kernels.flash_attn": "flash_attn.cute"}
 
 
 def bucket_labels(bounds) -> list[str]:
@@ -188,6 +189,15 @@ def as_table(table) -> DispatchTable:
     if isinstance(table, (str, os.PathLike)):
         return load_table(os.fspath(table))
     raise TypeError(f"table: expected a DispatchTable, a mapping or a path, got {type(table).__name__}")
+
+
+def graph_backends(spec, table=None) -> tuple[str, ...]:
+    """The backends an "auto" spec's decode and verify steps may get from the table (FlashInfer
+    first): what DecodeGraphs captures for. table: as in select_backend."""
+    t = load_table() if table is None else as_table(table)
+    picks = {n for n in t.choices.values()
+             if n != DEFAULT and any(_serves(t.caps[n], spec, m, False) for m in ("decode", "verify"))}
+    return (DEFAULT, *sorted(picks))
 
 
 def _serves(caps, spec, mode: str, prefix_free: bool) -> bool:

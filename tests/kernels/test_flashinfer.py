@@ -218,3 +218,24 @@ def test_fast_replan_matches_public_plan(heads, q_len):
         out_p, out_f = fi.run(public, q, cache), fi.run(fast, q, cache)
         assert torch.equal(out_p, out_f), i
         assert rel_err(out_f, reference.run(plan, q, cache)) < TOL, i
+
+
+def test_replay_follows_new_plans_on_the_public_plan_path():
+    """Without the pinned fast path (another FlashInfer version) every bucketed commit re-plans the
+    same graph-mode wrapper through public plan(), so captured graphs still follow each commit."""
+    rng = np.random.default_rng()
+    spec = AttentionSpec(32, 8, 128, 16, 2000)
+    cache = PagedKVCache(torch.randn(2000, 16, 8, 128, device="cuda", dtype=torch.bfloat16),
+                         torch.randn(2000, 16, 8, 128, device="cuda", dtype=torch.bfloat16))
+    pool = GraphBufferPool(spec, max_batch_size=16, max_num_tokens=256, max_num_pages=2000, buckets=(8, 16))
+    pool.scheduler_for("flashinfer").use_fast = False
+    graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache), {"q": torch.zeros(16, 32, 128, device="cuda", dtype=torch.bfloat16)})
+    graphs.capture()
+    for i in range(20):
+        B = int(rng.integers(1, 17))
+        plan = build_plan(random_batch(rng, np.ones(B, np.int32), rng.integers(1, 900, B), 16, 2000), spec)
+        step = pool.commit(plan)
+        q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
+        assert graphs.serves(step)
+        assert rel_err(graphs(step, q=q), reference.run(plan, q, cache)) < TOL, i
+    assert not pool.scheduler_for("flashinfer").fast

@@ -13,7 +13,7 @@ from mstar_attn import AttentionSpec, LayerGroup, StepBatch, build_plan
 from mstar_attn.kernels import BACKENDS
 from mstar_attn.metadata import select
 from mstar_attn.metadata.select import (
-    DEFAULT, DispatchTable, bucket_labels, compile_table, empty_table_data, load_table, select_backend,
+    DEFAULT, DispatchTable, bucket_labels, compile_table, empty_table_data, graph_backends, load_table, select_backend,
     table_key,
 )
 
@@ -215,3 +215,12 @@ def test_build_plan_with_auto_takes_the_backend_from_the_table(monkeypatch):
     assert build_plan(batch([1] * 5, [100] * 5), s).backend == DEFAULT  # B 5: another bucket
     assert build_plan(batch([100, 90], [100, 90]), s).backend == "flash_attn_varlen"  # prefill, 95 tokens each
     assert build_plan(batch([100, 90], [150, 90]), s).backend == DEFAULT  # extend: not in the table
+
+
+def test_graph_backends_are_the_ones_the_table_can_pick_for_decode_and_verify():
+    table = compile_table(json.loads(select.TABLE_PATH.read_text()), available=ALL)
+    assert graph_backends(spec(), table) == ("flashinfer", "flash_attn")  # the H100 table picks FA4 for some decodes
+    assert graph_backends(spec(d=256), table) == ("flashinfer",)  # FA4 does not serve head_dim 256
+    windowed = spec(groups=(LayerGroup(), LayerGroup("window", window=64)))
+    assert graph_backends(windowed, table) == ("flashinfer",)  # the table measured plain causal layers only
+    assert graph_backends(spec(), compile_table(empty_table_data(), available=ALL)) == ("flashinfer",)
