@@ -22,7 +22,7 @@ from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flashinfer as fi
-from mstar_attn.tuning import event_median_us, host_median_us
+from mstar_attn.tuning import copy_TBps, event_median_us, host_median_us
 
 import flashinfer  # noqa: E402
 
@@ -40,10 +40,7 @@ def gpu_median(fn, n=50, warmup=5):
 
 
 def copy_bandwidth():
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV).random_(0, 255)
-    y = torch.empty_like(x)
-    us = gpu_median(lambda: y.copy_(x), n=20)
-    return 2 * x.numel() / (us * 1e-6) / 1e12  # TB/s, read + write
+    return copy_TBps(n=20)
 
 
 def raw_decode_wrapper(ws, plan, spec, q_len=1, graph=False):

@@ -516,18 +516,22 @@ def _ceilings() -> dict:
     """Copy bandwidth (1 GiB, read + write) and bf16 matmul rate (8192^3), on random data."""
     import torch
 
-    def copy_us():
-        x = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")
-        y = torch.empty_like(x)
-        return event_median_us(lambda: y.copy_(x))
-
     def matmul_us():
         a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         return event_median_us(lambda: a @ b)
 
-    copy_us, mm_us = copy_us(), matmul_us()
+    copy, mm_us = copy_TBps(), matmul_us()
     torch.cuda.empty_cache()
-    return {"copy_TBps": 2 * (1 << 30) / (copy_us * 1e-6) / 1e12, "matmul_TFLOPs": 2 * 8192**3 / (mm_us * 1e-6) / 1e12}
+    return {"copy_TBps": copy, "matmul_TFLOPs": 2 * 8192**3 / (mm_us * 1e-6) / 1e12}
+
+
+def copy_TBps(n: int = 10) -> float:
+    """Device copy bandwidth, TB/s counting bytes read plus written: 1 GiB of random bytes."""
+    import torch
+
+    x = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (event_median_us(lambda: y.copy_(x), n) * 1e-6) / 1e12
 
 
 class _Timer:

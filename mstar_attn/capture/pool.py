@@ -108,7 +108,7 @@ class GraphBufferPool:
     at page 16); set it to the longest context / page_size.
     scheduler_options go to every backend Scheduler the pool makes. A pool serves every backend
     its plans name (one Scheduler per backend module, made at the first plan that needs it, or
-    all of them up front with `schedulers_for`); spec.backend="auto" lets the plan choose.
+    made ahead with `scheduler_for`); spec.backend="auto" lets the plan choose.
     """
 
     def __init__(self, spec: AttentionSpec, *, max_batch_size: int, max_num_tokens: int, max_num_pages: int,
@@ -120,11 +120,13 @@ class GraphBufferPool:
         self.max_num_pages = max_num_pages
         # width of dense page tables (FlashAttention's page_table [rows, width])
         self.max_pages_per_request = min(max_pages_per_request or DEFAULT_MAX_PAGES_PER_REQUEST, max_num_pages)
-        # room for one page-0 entry per padded request after the real pages
         # room for one page-0 entry per padded request after the real pages, and for padded
         # verify rows (bucket * page_size tokens at most)
         max_rows = max(self.buckets, default=0) * spec.page_size
         self.layout = _Layout(max_batch_size, max(max_num_tokens, max_batch_size, max_rows), max_num_pages + max(self.buckets, default=0), len(spec.groups))
+        self.offsets = tuple(self.layout.group(g) for g in range(len(spec.groups)))  # per group, fixed
+        self.wide = self.layout.wide
+        self.verify_buckets = all(g.causal for g in spec.groups)  # verify steps can be bucketed
         self.host = [torch.empty(self.layout.size, dtype=torch.int32, pin_memory=True) for _ in range(num_slots)]
         self.host_np = [h.numpy() for h in self.host]
         self.dev = [torch.empty(self.layout.size, dtype=torch.int32, device=self.device) for _ in range(num_slots)]
@@ -154,8 +156,7 @@ class GraphBufferPool:
     def bucket_for(self, plan: AttentionPlan) -> int | None:
         """The captured batch size serving `plan`, or None when it runs eagerly (see DeviceStep)."""
         if plan.mode is not Mode.DECODE and not (
-                plan.mode is Mode.VERIFY and plan.max_q_len <= self.spec.page_size
-                and all(g.causal for g in self.spec.groups)):
+                plan.mode is Mode.VERIFY and self.verify_buckets and plan.max_q_len <= self.spec.page_size):
             return None
         return next((b for b in self.buckets if b >= plan.batch_size), None)
 
@@ -188,8 +189,7 @@ class GraphBufferPool:
         if pad:
             h[B + 1 : rows + 1] = np.arange(T + q_len, T + q_len * pad + 1, q_len, dtype=np.int32)
         end = 0
-        for g, gp in enumerate(plan.groups):
-            o_ptr, o_lpl, o_len, o_idx = L.group(g)
+        for gp, (o_ptr, o_lpl, o_len, o_idx) in zip(plan.groups, self.offsets):
             n = gp.kv_indices.shape[0]
             h[o_ptr : o_ptr + B + 1] = gp.kv_indptr
             h[o_lpl : o_lpl + B] = gp.kv_last_page_len
@@ -201,14 +201,14 @@ class GraphBufferPool:
                 h[o_len + B : o_len + rows] = q_len
                 h[o_idx + n : o_idx + n + pad] = 0
             end = o_idx + n + pad
-        wide = h[L.wide : L.wide + 4 * L.max_tokens].view(np.int64)
+        wide = h[self.wide : self.wide + 4 * L.max_tokens].view(np.int64)
         wide[:T] = plan.slot_mapping
         src = wide[L.max_tokens : L.max_tokens + num_rows]
         src[:T] = self.arange_rows[:T]
         if num_rows > T:
             wide[T:num_rows] = plan.slot_mapping[0]
             src[T:] = 0
-        end = max(end, L.wide + 2 * (L.max_tokens + num_rows))
+        end = max(end, self.wide + 2 * (L.max_tokens + num_rows))
         self.dev[s][:end].copy_(self.host[s][:end], non_blocking=True)
 
         v = self._views.get((s, rows, num_rows))
@@ -217,7 +217,7 @@ class GraphBufferPool:
         dev = self.dev[s]
         groups = tuple([
             DeviceGroup(ptr, dev[o_idx : o_idx + gp.kv_indices.shape[0] + pad], lpl, lens, h_ptr, h_lpl, h_lens)
-            for gp, (ptr, lpl, lens, h_ptr, h_lpl, h_lens, o_idx) in zip(plan.groups, v[4])
+            for gp, (ptr, lpl, lens, h_ptr, h_lpl, h_lens), (_, _, _, o_idx) in zip(plan.groups, v[4], self.offsets)
         ])
         fields = (plan, s, rows, num_rows, bucket, v[0], v[1], v[2], v[3], groups, q_len)
         step = DeviceStep(*fields)
@@ -231,10 +231,9 @@ class GraphBufferPool:
         """Slot s's fixed-size views for `rows` requests and `num_rows` token rows (made once)."""
         L, dev, host = self.layout, self.dev[s], self.host[s]
         groups = []
-        for g in range(L.num_groups):
-            o_ptr, o_lpl, o_len, o_idx = L.group(g)
+        for o_ptr, o_lpl, o_len, _ in self.offsets:
             groups.append((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
-                           host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows], o_idx))
-        dwide = dev[L.wide : L.wide + 4 * L.max_tokens].view(torch.int64)
+                           host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows]))
+        dwide = dev[self.wide : self.wide + 4 * L.max_tokens].view(torch.int64)
         return (dev[: rows + 1], host[: rows + 1], dwide[:num_rows],
                 dwide[L.max_tokens : L.max_tokens + num_rows], tuple(groups))

@@ -26,13 +26,15 @@ ALL_MODES = frozenset({"decode", "prefill", "verify", "mixed", "extend"})
 @attrs.frozen
 class Capabilities:
     """module: the backend's module path. modes: Mode values it serves. prefix_free: it attends
-    over the step's new K/V only (ragged / varlen), so every request's KV must be new this step."""
+    over the step's new K/V only (ragged / varlen), so every request's KV must be new this step.
+    package: what it imports (flash_attn.cute, not flash_attn: FlashAttention-2 has no cute)."""
 
     module: str
     dtypes: frozenset
     head_dims: frozenset | None = None  # None: any
     modes: frozenset = ALL_MODES
     prefix_free: bool = False
+    package: str | None = None  # the third-party module it imports (None: torch only)
 
     def check(self, spec: AttentionSpec, name: str) -> None:
         if spec.dtype not in self.dtypes:
@@ -45,10 +47,10 @@ _FA = "mstar_attn.kernels.flash_attn"
 _FI = "mstar_attn.kernels.flashinfer"
 BACKENDS: dict[str, Capabilities] = {
     "reference": Capabilities("mstar_attn.kernels.reference", _HALF | {torch.float32, torch.float64}),
-    "flashinfer": Capabilities(_FI, _HALF, frozenset({64, 128, 256})),
-    "flashinfer_ragged": Capabilities(_FI, _HALF, frozenset({64, 128, 256}), frozenset({"prefill"}), True),
-    "flash_attn": Capabilities(_FA, _HALF, frozenset({64, 96, 128})),
-    "flash_attn_varlen": Capabilities(_FA, _HALF, frozenset({64, 96, 128}), frozenset({"prefill"}), True),
+    "flashinfer": Capabilities(_FI, _HALF, frozenset({64, 128, 256}), package="flashinfer"),
+    "flashinfer_ragged": Capabilities(_FI, _HALF, frozenset({64, 128, 256}), frozenset({"prefill"}), True, "flashinfer"),
+    "flash_attn": Capabilities(_FA, _HALF, frozenset({64, 96, 128}), package="flash_attn.cute"),
+    "flash_attn_varlen": Capabilities(_FA, _HALF, frozenset({64, 96, 128}), frozenset({"prefill"}), True, "flash_attn.cute"),
 }
 AUTO = "auto"  # spec.backend: build_plan picks per step with metadata.select.select_backend
 

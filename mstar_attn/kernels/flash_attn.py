@@ -74,6 +74,9 @@ class Scheduler:
         for k in kinds:
             self.table_of.append(shared if k is not Kind.WINDOW else n)
             n += k is Kind.WINDOW
+        self.firsts = {}  # table -> the first group that reads it (groups sharing a table read the same pages)
+        for g, t in enumerate(self.table_of):
+            self.firsts.setdefault(t, g)
         size = pool.layout.max_batch * pool.max_pages_per_request
         pin = pool.device.type == "cuda"
         self.host = [[torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(n)] for _ in range(pool.num_slots)]
@@ -90,9 +93,7 @@ class Scheduler:
         if plan.backend == VARLEN:
             return (None,) * len(plan.groups)
         limit, B, rows = self.pool.max_pages_per_request, plan.batch_size, step.rows
-        firsts = {}  # table -> the first group that reads it (groups sharing a table read the same pages)
-        for g, t in enumerate(self.table_of):
-            firsts.setdefault(t, g)
+        firsts = self.firsts
         counts = {t: np.diff(plan.groups[g].kv_indptr) for t, g in firsts.items()}
         for t, c in counts.items():
             if c.max() > limit:

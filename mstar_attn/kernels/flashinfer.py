@@ -95,7 +95,7 @@ class Scheduler:
         return w
 
     def _graph_wrapper(self, step: DeviceStep, g: int):
-        o_ptr, o_lpl, _, o_idx = self.pool.layout.group(g)
+        o_ptr, o_lpl, _, o_idx = self.pool.offsets[g]
         dev, rows = self.pool.dev[step.slot], step.rows
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.float_ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores or step.q_len > 1,

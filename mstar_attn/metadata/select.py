@@ -48,10 +48,6 @@ _CLASS_MODES = {c: frozenset(m for m, k in MODE_CLASS.items() if k == c) for c i
 BOUNDS = {"batch": (1, 4, 16, 64, 256), "tokens": (1, 8, 64, 512, 4096), "prefix": (0, 1024, 4096, 16384)}
 FEATURES = ("mode", "batch", "tokens", "prefix", "head_dim", "gqa", "page_size")
 
-# The third-party package each backend module needs (checked without importing it).
-# (flash_attn.cute, not flash_attn: FlashAttention-2 installs a flash_attn package without it.)
-_PACKAGES = {"mstar_attn.kernels.flashinfer": "flashinfer", "mstar_attn.kernels.flash_attn": "flash_attn.cute"}
-
 
 def bucket_labels(bounds) -> list[str]:
     """Human labels of the len(bounds) + 1 buckets: ["1", "2-4", "5-16", ">16"] for (1, 4, 16)."""
@@ -84,9 +80,9 @@ def installed(backend: str) -> bool:
     """Whether `backend`'s module and the package it needs can be found (nothing is imported)."""
     from mstar_attn.kernels import BACKENDS
 
-    module = BACKENDS[backend].module
+    caps = BACKENDS[backend]
     try:
-        return all(importlib.util.find_spec(m) is not None for m in (module, _PACKAGES.get(module, module)))
+        return all(importlib.util.find_spec(m) is not None for m in (caps.module, caps.package or caps.module))
     except (ImportError, ValueError):
         return False
 
