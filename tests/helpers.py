@@ -85,6 +85,96 @@ def make_step(seed, q_lens, kv_lens, page_size, dtype=torch.float32, groups=(Lay
     return spec, plan, cache, q, k_seqs, v_seqs, k_new, v_new
 
 
+# the layer groups the GPU backend tests cover: full causal, a sliding window, non-causal
+GPU_GROUPS = (LayerGroup(), LayerGroup("window", window=40), LayerGroup("noncausal"))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-relative error of a against b, in float32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def gpu_pool(spec, **kw):
+    """A GraphBufferPool on CUDA sized for the GPU tests' steps."""
+    from mstar_attn.capture.pool import GraphBufferPool
+
+    return GraphBufferPool(spec, max_batch_size=kw.pop("max_batch_size", 300), max_num_tokens=4096,
+                           max_num_pages=spec.num_pages, device="cuda", **kw)
+
+
+def many_steps(run, backend: str, tol: float, **pool_kw) -> None:
+    """200 changing steps through one GPU backend, eager and replayed, against the reference.
+
+    run(step, q, cache, group=g): the backend's run. Batch sizes cross buckets and go past the
+    largest; decode and verify (q_len 4) steps replay captured graphs, other modes run eagerly.
+    Every output is within tol of the reference, and a replay equals the eager call bit for bit
+    (same kernel, same inputs).
+    """
+    from mstar_attn.capture.graphs import DecodeGraphs
+    from mstar_attn.capture.pool import GraphBufferPool
+
+    rng = np.random.default_rng()
+    spec = AttentionSpec(32, 8, 128, 16, 6000, groups=GPU_GROUPS[:2], backend=backend)
+    cache = PagedKVCache(torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16),
+                         torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16))
+    pool = GraphBufferPool(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32), **pool_kw)
+    q_static = torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    graphs = {g: DecodeGraphs(pool, lambda step, x, g=g: run(step, x["q"], cache, group=g), {"q": q_static}) for g in range(2)}
+    for gr in graphs.values():
+        gr.capture(q_lens=(1, 4))
+    replayed = {1: 0, 4: 0}
+    for i in range(200):
+        B = int(rng.choice([1, 3, 4, 9, 16, 31, 32, 33, 70]))
+        kv = rng.integers(5, 1200, B)
+        if i % 5 == 0:
+            q_lens = np.minimum(kv, rng.integers(1, 6, B))
+        elif i % 5 == 1:
+            q_lens = np.full(B, 4, np.int32)  # verify
+        else:
+            q_lens = np.ones(B, np.int32)
+        plan = build_plan(random_batch(rng, q_lens, kv, 16, 6000), spec)
+        step = pool.commit(plan)
+        q = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
+        for g in range(2):
+            want = reference.run(plan, q, cache, group=g)
+            eager = run(step, q, cache, group=g)
+            graph = graphs[g](step, q=q)
+            if graphs[g].serves(step):
+                replayed[step.q_len] += 1
+            assert rel_err(eager, want) < tol, (i, B, g, plan.mode)
+            assert torch.equal(graph, eager), (i, B, g, plan.mode)
+    assert replayed[1] > 150 and replayed[4] > 30, replayed
+
+
+def no_sync_on_the_step_path(backend, gpu_step, seed: int) -> None:
+    """Commits, write_kv, a replayed decode and an eager prefill through `backend` (a kernels
+    module) under torch.cuda.set_sync_debug_mode("error"): any device sync raises.
+    gpu_step(seed, q_lens, kv_lens) -> make_step's tuple for this backend on CUDA."""
+    from mstar_attn.capture.graphs import DecodeGraphs
+
+    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [1] * 6, [10, 20, 30, 40, 50, 4000])
+    pool = gpu_pool(spec)
+    static = torch.zeros(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    graphs = DecodeGraphs(pool, lambda step, x: backend.run(step, x["q"], cache), {"q": static})
+    graphs.capture((8,))
+    prefill = build_plan(random_batch(np.random.default_rng(seed), [5, 9], [5, 30], 16, spec.num_pages), spec)
+    for p in (plan, prefill):  # warm (compile) both paths
+        backend.run(pool.commit(p), torch.randn(p.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            decode = build_plan(random_batch(np.random.default_rng(seed), [1] * 6, [10, 20, 30, 40, 50, 4000], 16, spec.num_pages), spec)
+            step = pool.commit(decode)
+            backend.write_kv(step, k_new, v_new, cache)
+            graphs(step, q=q)
+            step = pool.commit(prefill)
+            backend.run(step, torch.ones(prefill.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
 class DoneEvent:
     """Stands in for torch.cuda.Event in CPU tests of GPU code paths: always already done."""
 

@@ -14,7 +14,9 @@ from mstar_attn import AttentionSpec, LayerGroup, Mode, PagedKVCache, PlanError,
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flash_attn as fa
 from mstar_attn.kernels import reference
-from tests.helpers import DoneEvent, make_step, random_batch
+from tests.helpers import (
+    GPU_GROUPS, DoneEvent, gpu_pool, make_step, many_steps, no_sync_on_the_step_path, random_batch, rel_err,
+)
 
 
 def _why_no_fa4():
@@ -34,7 +36,7 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(NO_FA4 is not None, reason=NO_FA4 or "")(test))
 
 
-GROUPS = (LayerGroup(), LayerGroup("window", window=40), LayerGroup("noncausal"))
+GROUPS = GPU_GROUPS
 # Both sides see identical bf16/fp16 inputs. FA4 rounds P to the input dtype before P@V and the
 # output once (each <= 2^-9 relative for bf16, 2^-12 for fp16) and accumulates in float32, as
 # the reference does: the norm-relative error stays a few 2^-9 ~ 4e-3 at worst, under 1e-2.
@@ -46,10 +48,6 @@ MODES = [
     ([1, 30, 1, 4], [50, 30, 2, 100], Mode.MIXED),
     ([4, 4, 4], [5, 40, 129], Mode.VERIFY),
 ]
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def fresh_seed():
@@ -265,11 +263,6 @@ def gpu_step(seed, q_lens, kv_lens, page_size=16, dtype=torch.bfloat16, heads=(3
                      device="cuda", backend=backend, soft_cap=soft_cap, write=False)
 
 
-def gpu_pool(spec, **kw):
-    return GraphBufferPool(spec, max_batch_size=kw.pop("max_batch_size", 300), max_num_tokens=4096,
-                           max_num_pages=spec.num_pages, device="cuda", **kw)
-
-
 # Kernel variants compile once each (seconds): the combos are chosen to cover the features
 # with few of them. Page 16 and 64 use FA4's cp.async page loader, page 128 its TMA loader.
 COMBOS = {
@@ -338,42 +331,9 @@ def test_varlen_prefill_matches_the_reference():
 def test_hundreds_of_steps_eager_and_replayed():
     """Changing batch sizes (across buckets and past the largest), lengths and pages, 200 steps:
     decode and verify (q_len 4, captured) replayed, other modes (short steps: one kernel) eager."""
-    from mstar_attn.capture.graphs import DecodeGraphs
-
-    rng = np.random.default_rng()
-    spec = AttentionSpec(32, 8, 128, 16, 6000, groups=GROUPS[:2], backend="flash_attn")
-    cache = PagedKVCache(torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16),
-                         torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16))
-    pool = GraphBufferPool(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32),
-                           max_pages_per_request=128)
-    q_static = torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)
-    graphs = {g: DecodeGraphs(pool, lambda step, x, g=g: fa.run(step, x["q"], cache, group=g), {"q": q_static}) for g in range(2)}
-    for gr in graphs.values():
-        gr.capture(q_lens=(1, 4))
-    replayed = {1: 0, 4: 0}
-    for i in range(200):
-        B = int(rng.choice([1, 3, 4, 9, 16, 31, 32, 33, 70]))
-        kv = rng.integers(5, 1200, B)
-        if i % 5 == 0:
-            q_lens = np.minimum(kv, rng.integers(1, 6, B))
-        elif i % 5 == 1:
-            q_lens = np.full(B, 4, np.int32)  # verify
-        else:
-            q_lens = np.ones(B, np.int32)
-        plan = build_plan(random_batch(rng, q_lens, kv, 16, 6000), spec)
-        step = pool.commit(plan)
-        q = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
-        for g in range(2):
-            want = reference.run(plan, q, cache, group=g)
-            eager = fa.run(step, q, cache, group=g)
-            graph = graphs[g](step, q=q)
-            if graphs[g].serves(step):
-                replayed[step.q_len] += 1
-            assert rel_err(eager, want) < TOL, (i, B, g, plan.mode)
-            # one kernel per (group, short/long), the same table rows, no split-KV: each row is
-            # computed the same way eagerly (the real rows) and replayed (all bucket rows)
-            assert torch.equal(graph, eager), (i, B, g, plan.mode)
-    assert replayed[1] > 150 and replayed[4] > 30, replayed
+    # FA4: one kernel per (group, short/long), the same table rows, no split-KV: each row is
+    # computed the same way eagerly (the real rows) and replayed (all bucket rows)
+    many_steps(fa.run, "flash_attn", TOL, max_pages_per_request=128)
 
 
 @gpu
@@ -385,26 +345,4 @@ def test_request_past_max_pages_per_request_fails_at_commit():
 
 @gpu
 def test_no_device_sync_on_the_step_path():
-    from mstar_attn.capture.graphs import DecodeGraphs
-
-    seed = fresh_seed()
-    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [1] * 6, [10, 20, 30, 40, 50, 4000])
-    pool = gpu_pool(spec)
-    static = torch.zeros(8, 32, 128, device="cuda", dtype=torch.bfloat16)
-    graphs = DecodeGraphs(pool, lambda step, x: fa.run(step, x["q"], cache), {"q": static})
-    graphs.capture((8,))
-    prefill = build_plan(random_batch(np.random.default_rng(seed), [5, 9], [5, 30], 16, spec.num_pages), spec)
-    for p in (plan, prefill):  # warm (compile) both paths
-        fa.run(pool.commit(p), torch.randn(p.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            step = pool.commit(build_plan(random_batch(np.random.default_rng(seed), [1] * 6, [10, 20, 30, 40, 50, 4000], 16, spec.num_pages), spec))
-            fa.write_kv(step, k_new, v_new, cache)
-            graphs(step, q=q)
-            step = pool.commit(prefill)
-            fa.run(step, torch.ones(prefill.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    no_sync_on_the_step_path(fa, gpu_step, fresh_seed())

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, LayerGroup, Mode, PagedKVCache, build_plan
+from mstar_attn import AttentionSpec, Mode, PagedKVCache, build_plan
 from mstar_attn.kernels import reference
-from tests.helpers import make_step, random_batch
+from tests.helpers import (
+    GPU_GROUPS, gpu_pool, make_step, many_steps, no_sync_on_the_step_path, random_batch, rel_err,
+)
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -20,24 +22,15 @@ from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
 from mstar_attn.capture.pool import GraphBufferPool  # noqa: E402
 from mstar_attn.kernels import flashinfer as fi  # noqa: E402
 
-GROUPS = (LayerGroup(), LayerGroup("window", window=40), LayerGroup("noncausal"))
+GROUPS = GPU_GROUPS
 # bf16 inputs on both sides; the kernel rounds P to bf16 before P@V and the output to bf16
 # (each ~2^-9 relative), the reference works in float32: norm-relative error well under 1e-2.
 TOL = 1e-2
 
 
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def gpu_step(seed, q_lens, kv_lens, page_size=16, groups=GROUPS, heads=(32, 8), head_dim=128, soft_cap=0.0):
     return make_step(seed, q_lens, kv_lens, page_size, torch.bfloat16, groups=groups, heads=heads, head_dim=head_dim,
                      device="cuda", backend="flashinfer", soft_cap=soft_cap, write=False)
-
-
-def make_pool(spec, **kw):
-    return GraphBufferPool(spec, max_batch_size=kw.pop("max_batch_size", 300), max_num_tokens=4096,
-                           max_num_pages=spec.num_pages, device="cuda", **kw)
 
 
 def test_flashinfer_signatures_are_the_ones_we_call():
@@ -74,7 +67,7 @@ def test_every_mode_matches_the_reference(q_lens, kv_lens, mode, heads):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, q_lens, kv_lens, heads=heads, soft_cap=20.0 if heads[0] == 8 else 0.0)
     assert plan.mode is mode
-    pool = make_pool(spec)
+    pool = gpu_pool(spec)
     step = pool.commit(plan)
     fi.write_kv(step, k_new, v_new, cache)
     ref_cache = type(cache)(cache.k.clone(), cache.v.clone())
@@ -92,7 +85,7 @@ def test_ragged_prefill_matches_the_reference():
     spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [64, 300, 7], [64, 300, 7])
     spec = attrs.evolve(spec, backend="flashinfer_ragged")
     plan = attrs.evolve(plan, spec=spec, backend="flashinfer_ragged")
-    pool = make_pool(spec)
+    pool = gpu_pool(spec)
     step = pool.commit(plan)
     assert isinstance(step.scheduled[0], flashinfer.BatchPrefillWithRaggedKVCacheWrapper)
     fi.write_kv(step, k_new, v_new, cache)
@@ -104,38 +97,7 @@ def test_ragged_prefill_matches_the_reference():
 def test_hundreds_of_steps_eager_and_replayed():
     """Changing batch sizes (across buckets and past the largest), lengths and pages, 200 steps:
     decode and verify (q_len 4, captured) replayed, other modes eager."""
-    rng = np.random.default_rng()
-
-    spec = AttentionSpec(32, 8, 128, 16, 6000, groups=GROUPS[:2])
-    cache = PagedKVCache(torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16),
-                         torch.randn(6000, 16, 8, 128, device="cuda", dtype=torch.bfloat16))
-    pool = GraphBufferPool(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32))
-    q_static = torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)
-    graphs = {g: DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g), {"q": q_static}) for g in range(2)}
-    for gr in graphs.values():
-        gr.capture(q_lens=(1, 4))
-    replayed = {1: 0, 4: 0}
-    for i in range(200):
-        B = int(rng.choice([1, 3, 4, 9, 16, 31, 32, 33, 70]))
-        kv = rng.integers(5, 1200, B)
-        if i % 5 == 0:
-            q_lens = np.minimum(kv, rng.integers(1, 6, B))
-        elif i % 5 == 1:
-            q_lens = np.full(B, 4, np.int32)  # verify
-        else:
-            q_lens = np.ones(B, np.int32)
-        plan = build_plan(random_batch(rng, q_lens, kv, 16, 6000), spec)
-        step = pool.commit(plan)
-        q = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
-        for g in range(2):
-            want = reference.run(plan, q, cache, group=g)
-            eager = fi.run(step, q, cache, group=g)
-            graph = graphs[g](step, q=q)
-            if graphs[g].serves(step):
-                replayed[step.q_len] += 1
-            assert rel_err(eager, want) < TOL, (i, B, g, plan.mode)
-            assert torch.equal(graph, eager), (i, B, g, plan.mode)  # same kernel, same inputs: bit-identical
-    assert replayed[1] > 150 and replayed[4] > 30, replayed
+    many_steps(fi.run, "flashinfer", TOL)
 
 
 def test_double_buffering_lets_the_host_run_ahead():
@@ -148,7 +110,7 @@ def test_double_buffering_lets_the_host_run_ahead():
     spec, plan_a, cache, q_a, *_ = gpu_step(seed, [1] * 8, list(range(100, 108)), groups=GROUPS[:1])
     plan_b = build_plan(random_batch(np.random.default_rng(seed + 1), [1] * 8, list(range(107, 99, -1)), 16, spec.num_pages), spec)
     for slots, stalls in [(2, 0), (1, 1)]:
-        pool = make_pool(spec, num_slots=slots)
+        pool = gpu_pool(spec, num_slots=slots)
         for _ in range(2):  # warm up the wrappers
             fi.run(pool.commit(plan_a), q_a, cache)
         torch.cuda.synchronize()
@@ -163,27 +125,7 @@ def test_double_buffering_lets_the_host_run_ahead():
 
 
 def test_no_device_sync_on_the_step_path():
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [1] * 6, [10, 20, 30, 40, 50, 4000])
-    pool = make_pool(spec)
-    static = torch.zeros(8, 32, 128, device="cuda", dtype=torch.bfloat16)
-    graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache), {"q": static})
-    graphs.capture((8,))
-    prefill = build_plan(random_batch(np.random.default_rng(seed), [5, 9], [5, 30], 16, spec.num_pages), spec)
-    for p in (plan, prefill):  # warm both paths
-        fi.run(pool.commit(p), torch.randn(p.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            step = pool.commit(build_plan(random_batch(np.random.default_rng(seed), [1] * 6, [10, 20, 30, 40, 50, 4000], 16, spec.num_pages), spec))
-            fi.write_kv(step, k_new, v_new, cache)
-            graphs(step, q=q)
-            step = pool.commit(prefill)
-            fi.run(step, torch.ones(prefill.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    no_sync_on_the_step_path(fi, gpu_step, int(np.random.SeedSequence().entropy % 2**31))
 
 
 @pytest.mark.parametrize("heads, q_len", [((32, 8), 1), ((8, 8), 1), ((32, 8), 4)], ids=["tensor-cores", "cuda-cores", "verify"])
@@ -200,7 +142,7 @@ def test_fast_replan_matches_public_plan(heads, q_len):
     spec = AttentionSpec(*heads, 128, ps, 512)
     cache = PagedKVCache(torch.randn(spec.num_pages, ps, heads[1], 128, device="cuda", dtype=torch.bfloat16),
                          torch.randn(spec.num_pages, ps, heads[1], 128, device="cuda", dtype=torch.bfloat16))
-    pools = [make_pool(spec, buckets=(B,)), make_pool(spec, buckets=(B,))]
+    pools = [gpu_pool(spec, buckets=(B,)), gpu_pool(spec, buckets=(B,))]
     for pool in pools:
         pool.scheduler_for("flashinfer").use_fast = pool is pools[1]
     first = build_plan(random_batch(rng, [q_len] * B, [q_len + 1] * B, ps, spec.num_pages), spec)
