@@ -9,30 +9,78 @@ from __future__ import annotations
 import attrs
 import torch
 
+from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.spec import AttentionSpec
+
+_CHECK_CHUNK_BYTES = 64 << 20  # the finiteness check reads the cache in chunks of this size
+
+
+def _tensor(name: str):
+    def check(inst, attribute, value):
+        if not isinstance(value, torch.Tensor):
+            raise PlanError(f"PagedKVCache.{name}: expected a tensor, got {type(value).__name__}")
+        if value.dim() != 4 or not value.is_contiguous():
+            raise PlanError(f"PagedKVCache.{name}: expected a contiguous [pages, page_size, kv_heads, head_dim] tensor, "
+                            f"got shape {tuple(value.shape)}{'' if value.is_contiguous() else ' (not contiguous)'}")
+    return attrs.field(validator=check)
 
 
 @attrs.frozen
 class PagedKVCache:
-    """k, v: [num_pages, page_size, num_kv_heads, head_dim], spec.dtype, on the compute device.
+    """k, v: [pages, page_size, num_kv_heads, head_dim], one dtype, one device.
 
-    Token at slot s (= page * page_size + offset) lives at k.view(-1, H, D)[s].
+    Token at slot s (= page * page_size + offset) lives at k.view(-1, H, D)[s]. A cache for an
+    AttentionSpec has spec.cache_shape: the engine's num_pages pages plus the scratch page.
+    finite: every element is known finite (zero-filled by `allocate`, or checked by
+    `from_tensors`). Backends whose kernel reads whole pages, rows past each sequence's length
+    included ("flash_attn"), refuse a cache not known finite: an uninitialised row times a zero
+    probability is still NaN.
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor = _tensor("k")
+    v: torch.Tensor = _tensor("v")
+    finite: bool = attrs.field(default=False, kw_only=True)
+
+    def __attrs_post_init__(self):
+        k, v = self.k, self.v
+        if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            raise PlanError(f"PagedKVCache: k and v differ: {tuple(k.shape)} {k.dtype} {k.device} vs "
+                            f"{tuple(v.shape)} {v.dtype} {v.device}")
 
     @classmethod
     def allocate(cls, spec: AttentionSpec, device: torch.device | str = "cpu") -> PagedKVCache:
-        """Zero-filled: FlashAttention-4's paged TMA loader reads whole pages, rows past a sequence's
-        length included, and multiplies them by P = 0; they must be finite, never uninitialised."""
-        shape = (spec.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-        return cls(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+        """Zero-filled, spec.cache_shape, spec.dtype: finite from the start."""
+        return cls(torch.zeros(spec.cache_shape, dtype=spec.dtype, device=device),
+                   torch.zeros(spec.cache_shape, dtype=spec.dtype, device=device), finite=True)
+
+    @classmethod
+    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor) -> PagedKVCache:
+        """Wrap tensors the engine allocated, after checking every element is finite (reads the
+        whole cache once, in chunks, with one device sync; PlanError if any is not)."""
+        cache = cls(k, v)
+        ok = torch.ones((), dtype=torch.bool, device=k.device)
+        for t in (k, v):
+            pages = max(1, _CHECK_CHUNK_BYTES // max(1, t[0].numel() * t.element_size()))
+            for i in range(0, t.shape[0], pages):
+                ok &= torch.isfinite(t[i : i + pages]).all()
+        if not ok.item():
+            raise PlanError("PagedKVCache.from_tensors: the cache holds non-finite values (uninitialised memory?); "
+                            "zero it first or use PagedKVCache.allocate")
+        return attrs.evolve(cache, finite=True)
 
     @property
     def page_size(self) -> int:
         return self.k.shape[1]
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as [num_pages * page_size, H, D] views indexed by slot."""
+        """K and V as [pages * page_size, H, D] views indexed by slot."""
         return self.k.view(-1, *self.k.shape[2:]), self.v.view(-1, *self.v.shape[2:])
+
+    def check(self, spec: AttentionSpec, where: str) -> None:
+        """PlanError unless this cache fits `spec`: dtype, page_size, heads, head_dim, and a page
+        for every page id plus the scratch page. Host-side metadata only."""
+        k = self.k
+        if k.dtype != spec.dtype or k.shape[1:] != spec.cache_shape[1:] or k.shape[0] < spec.cache_shape[0]:
+            raise PlanError(f"{where}: cache is {tuple(k.shape)} {k.dtype}; the spec needs at least "
+                            f"{spec.cache_shape} {spec.dtype} (num_pages + 1: the last page is the scratch page; "
+                            "PagedKVCache.allocate(spec) makes one)")

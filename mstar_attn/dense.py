@@ -16,15 +16,12 @@ import attrs
 import numpy as np
 import torch
 
-from mstar_attn.kernels import BACKENDS
-from mstar_attn.metadata.spec import PlanError
+from mstar_attn.capture.pool import FLOAT_WORKSPACE_BYTES
+from mstar_attn.metadata._arrays import array_field
+from mstar_attn.metadata.backends import BACKENDS
+from mstar_attn.metadata.errors import PlanError
 
 DENSE_BACKENDS = ("reference", "flash_attn_varlen", "flashinfer_ragged")
-FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's advice for its float workspace
-
-
-def _arr():
-    return attrs.field(eq=attrs.cmp_using(eq=np.array_equal), repr=lambda a: f"array{a.shape}")
 
 
 @attrs.frozen
@@ -36,8 +33,8 @@ class DensePlan:
     disables capping (logits -> cap * tanh(logits / cap)). dtype: of q, k, v and the output.
     """
 
-    seq_lens: np.ndarray = _arr()
-    cu_seqlens: np.ndarray = _arr()
+    seq_lens: np.ndarray = array_field()
+    cu_seqlens: np.ndarray = array_field()
     max_seqlen: int
     num_tokens: int
     num_qo_heads: int
@@ -119,7 +116,7 @@ class DenseAttention:
     wrapper is planned once; calls then launch kernels only (no sync, capture-safe: call once
     eagerly before capturing, FA4 compiles a kernel per new configuration on its first call).
     float_workspace: FlashInfer's float workspace (uint8 on device), shareable between
-    instances that never run concurrently; allocated (128 MiB) when not given.
+    instances that never run concurrently; allocated (FLOAT_WORKSPACE_BYTES, as a pool's) when not given.
     """
 
     def __init__(self, plan: DensePlan, device: torch.device | str = "cuda", float_workspace: torch.Tensor | None = None):

@@ -13,7 +13,6 @@ from mstar_attn.kernels import flash_attn as fa
 from mstar_attn.metadata import select
 from mstar_attn import tuning
 from mstar_attn.tuning import BenchConfig, Shape, bench_main, derive_table, make_batch, render_markdown
-from tests.helpers import DoneEvent
 
 ALL = lambda name: True  # noqa: E731
 
@@ -122,7 +121,7 @@ def test_plot_only_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
 
 def test_plot_only_write_table_installs_the_table(tmp_path, monkeypatch):
     target = tmp_path / "pkg" / "backend_table.json"
-    monkeypatch.setattr(tuning, "PACKAGE_TABLE", target)
+    monkeypatch.setattr(tuning.cli, "PACKAGE_TABLE", target)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     path = tmp_path / "grid.json"
     path.write_text(json.dumps(results(rec("d", "decode", 8, 8, 1, 3000, flashinfer=100, flash_attn=80))))
@@ -155,7 +154,7 @@ def test_backend_grid_script_passes_its_folder(monkeypatch):
                          ids=["default", "quick", "other-heads"])
 def test_grid_shapes_plan_as_their_kind_each_in_its_own_bucket(grid):
     keys = set()
-    for group in tuning._groups(grid).values():
+    for group in tuning.grid._groups(grid).values():
         hq, hkv, d, ps, dtype = group[0].group
         num_pages = 1 + max(s.max_pages for s in group) + 8
         spec = AttentionSpec(hq, hkv, d, ps, num_pages, dtype=getattr(torch, dtype), backend="reference")
@@ -218,9 +217,6 @@ class HostTimer:
 
 def test_the_pipeline_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(fa, "_varlen_func", lambda: fake_varlen)
-    monkeypatch.setattr(torch.cuda, "Event", DoneEvent)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
     kw = dict(heads=(4, 2), head_dim=64, page_size=16)
     shapes = [Shape("decode", 4, 1, 40, **kw), Shape("prefill", 2, 24, 0, **kw), Shape("verify", 2, 3, 30, **kw),
               Shape("extend", 2, 10, 30, **kw), Shape("mixed", 2, 10, 30, decodes=3, **kw)]

@@ -1,5 +1,6 @@
-"""Device side: the double-buffered GraphBufferPool and CUDA-graph capture."""
+"""The one stateful layer: the double-buffered GraphBufferPool, the committed DeviceStep, CUDA-graph capture."""
 
-from mstar_attn.capture.pool import DeviceStep, GraphBufferPool
+from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
 
-__all__ = ["DeviceStep", "GraphBufferPool"]
+__all__ = ["DeviceGroup", "DeviceStep", "GraphBufferPool", "MemoryReport"]

@@ -1,4 +1,4 @@
-"""CUDA-graph capture of a decode / verify forward per (slot, bucket, q_len), replayed after each commit."""
+"""CUDA-graph capture of a decode / verify forward per (slot, bucket, q_len, backend), replayed after each commit."""
 
 from __future__ import annotations
 
@@ -6,60 +6,79 @@ import itertools
 from typing import Callable
 
 import attrs
-import numpy as np
 import torch
 
-from mstar_attn.capture.pool import DeviceStep, GraphBufferPool
-from mstar_attn.metadata.batch import StepBatch
-from mstar_attn.kernels import AUTO
-from mstar_attn.metadata.plan import build_plan
+from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.capture.step import DeviceStep
+from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
 from mstar_attn.metadata.select import graph_backends
 
 
-def warmup_plan(pool: GraphBufferPool, batch_size: int, q_len: int = 1):
-    """A plan of `batch_size` requests on page 0 only, for warm-up and capture: decode (q_len 1,
-    kv_len 1) or verify (q_len new tokens after one cached token). Running it writes page 0."""
-    ps = pool.spec.page_size
-    kv = 1 if q_len == 1 else q_len + 1
-    per = -(-kv // ps)
-    q_lens, kv_lens = np.full(batch_size, q_len, np.int32), np.full(batch_size, kv, np.int32)
-    batch = StepBatch.from_csr(q_lens, kv_lens, np.arange(batch_size + 1) * per, np.zeros(batch_size * per), ps)
-    return build_plan(batch, pool.spec, check_ownership=False)
-
-
 class DecodeGraphs:
-    """fn(step, inputs) -> Tensor [num_rows, ...], captured once per (pool slot, bucket, q_len).
+    """fn(step, inputs) -> Tensor [num_rows, ...], captured once per (pool slot, bucket, q_len, backend).
 
     inputs: static device buffers, each [max bucket * max q_len, ...]; a call copies the live
     inputs into their first rows and replays. q_len 1 is decode; q_len > 1 serves verify steps
     of that q_len (capture them with `capture(q_lens=...)`). Steps the pool does not bucket
     (past the largest bucket, other modes) and uncaptured q_lens run `fn` eagerly. All graphs
     share one memory pool, so a replay's output is valid until the next replay of any graph of
-    this DecodeGraphs: read or copy it first. Capture before serving: warm-up and capture write
-    page 0.
+    this DecodeGraphs: read or copy it first.
+
+    Capture warms up and records on `scratch_plan` steps, which write only the scratch page, so it
+    may run while requests hold KV; it commits into every pool slot, so steps committed before it
+    are stale afterwards.
     """
 
     def __init__(self, pool: GraphBufferPool, fn: Callable[[DeviceStep, dict], torch.Tensor], inputs: dict[str, torch.Tensor]):
-        self.pool, self.fn, self.inputs = pool, fn, inputs
-        self.memory = torch.cuda.graph_pool_handle()
+        if not isinstance(pool, GraphBufferPool):
+            raise PlanError(f"DecodeGraphs: pool must be a GraphBufferPool, got {type(pool).__name__}")
+        for name, t in inputs.items():
+            if not isinstance(t, torch.Tensor) or t.dim() < 1:
+                raise PlanError(f"DecodeGraphs: inputs[{name!r}] must be a tensor with a row dimension")
+        self.pool, self.fn, self.inputs = pool, fn, dict(inputs)
+        self.memory = None  # the graphs' shared memory pool, made at the first capture
         # (slot, bucket, q_len, backend) -> (graph, its output)
         self.graphs: dict[tuple[int, int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
+    def _check_capture(self, buckets, q_lens, backends) -> None:
+        pool = self.pool
+        if pool.device.type != "cuda":
+            raise PlanError(f"DecodeGraphs.capture: CUDA graphs need a CUDA pool, not {pool.device}")
+        bad = [b for b in buckets if b not in pool.buckets]
+        if bad:
+            raise PlanError(f"DecodeGraphs.capture: buckets {bad} are not the pool's buckets {pool.buckets}: "
+                            "no step is ever padded to them, so their graphs could never replay")
+        for q in q_lens:
+            if not (isinstance(q, int) and 1 <= q <= MAX_VERIFY_Q_LEN) or (q > 1 and not pool.verify_buckets):
+                raise PlanError(f"DecodeGraphs.capture: q_len {q!r} is not bucketed by this pool (decode is 1; verify "
+                                f"2..{MAX_VERIFY_Q_LEN}, with causal layer groups only)")
+        for name in backends:
+            caps = BACKENDS.get(name)
+            if caps is None or "decode" not in caps.modes or caps.prefix_free:
+                raise PlanError(f"DecodeGraphs.capture: backend {name!r} does not serve decode steps over a paged cache")
+            caps.check(pool.spec, name)
+        rows = max(buckets) * max(q_lens)
+        short = [n for n, t in self.inputs.items() if t.shape[0] < rows]
+        if short:
+            raise PlanError(f"DecodeGraphs.capture: inputs {short} have fewer than {rows} rows (largest bucket x q_len)")
+
     def capture(self, buckets: tuple[int, ...] | None = None, q_lens: tuple[int, ...] = (1,),
                 backends: tuple[str, ...] | None = None) -> None:
-        """Capture every (bucket, q_len, backend, slot). backends: default the spec's backend; with
-        spec.backend "auto", every backend the dispatch table may pick for this spec's decode and
-        verify steps (select.graph_backends)."""
+        """Capture every (bucket, q_len, backend, slot). buckets: default the pool's; backends: default
+        the spec's backend; with spec.backend "auto", every backend the dispatch table may pick for
+        this spec's decode and verify steps (select.graph_backends)."""
         spec = self.pool.spec
+        buckets = tuple(self.pool.buckets if buckets is None else buckets)
         if backends is None:
             backends = (spec.backend,) if spec.backend != AUTO else graph_backends(spec)
-        for bucket, q_len, backend, slot in itertools.product(buckets or self.pool.buckets, q_lens, backends,
-                                                               range(self.pool.num_slots)):
-            plan = attrs.evolve(warmup_plan(self.pool, bucket, q_len), backend=backend)
+        self._check_capture(buckets, tuple(q_lens), tuple(backends))
+        if self.memory is None:
+            self.memory = torch.cuda.graph_pool_handle()
+        for bucket, q_len, backend, slot in itertools.product(buckets, q_lens, backends, range(self.pool.num_slots)):
+            plan = attrs.evolve(scratch_plan(spec, bucket, q_len), backend=backend)
             step = self.pool.commit(plan, slot=slot)
-            if step.bucket is None:
-                raise ValueError(f"capture: the pool does not bucket q_len {q_len} steps (verify needs q_len <= page_size "
-                                 "and causal groups)")
             static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -77,10 +96,18 @@ class DecodeGraphs:
         return step.bucket is not None and (step.slot, step.bucket, step.q_len, step.plan.backend) in self.graphs
 
     def __call__(self, step: DeviceStep, **inputs: torch.Tensor) -> torch.Tensor:
+        """fn(step, inputs), replayed when a graph serves the step; returns [plan.num_tokens, ...] rows."""
+        if not isinstance(step, DeviceStep):
+            raise PlanError(f"DecodeGraphs: step must be a DeviceStep, got {type(step).__name__}")
+        step.check("DecodeGraphs")
         if not self.serves(step):
             return self.fn(step, inputs)
+        if inputs.keys() != self.inputs.keys():
+            raise PlanError(f"DecodeGraphs: inputs {sorted(inputs)} differ from the captured {sorted(self.inputs)}")
         graph, out = self.graphs[(step.slot, step.bucket, step.q_len, step.plan.backend)]
         for name, t in inputs.items():
+            if not step.accepts_rows(t.shape[0]):
+                raise PlanError(f"DecodeGraphs: inputs[{name!r}] has {t.shape[0]} rows; this step takes {step.rows_expected()}")
             self.inputs[name][: t.shape[0]].copy_(t)
         graph.replay()
         return out[: step.plan.num_tokens]

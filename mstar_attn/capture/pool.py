@@ -1,142 +1,107 @@
 """GraphBufferPool: persistent, double-buffered device copies of plans, and the committed step.
 
-State lives here and nowhere else: per slot, one pinned int32 host staging buffer and its
-device twin (both laid out by `_Layout`), plus the backend's scheduler state (FlashInfer
-wrappers) bound to that slot's tensors. `commit(plan)` fills the next slot's staging from the
-plan's host arrays, issues one non-blocking host-to-device copy, runs the backend's host-side
-scheduling, and returns a `DeviceStep`. Two slots let the host commit step N+1 while the GPU
-still copies or reads step N; a slot is reused only once the copy out of its staging (and the
-backend's own pinned planning buffers) has run, which an event recorded at commit proves.
+State lives here and nowhere else: per slot, one pinned int32 host staging buffer and its device
+twin (laid out by `Layout`), plus each backend's scheduler state (FlashInfer wrappers, FA4 page
+tables) bound to that slot's tensors. `commit(plan)` checks everything first (a commit that raises
+changes nothing), fills the next slot's staging from the plan's host arrays, issues one
+non-blocking host-to-device copy per layer group of exactly the bytes the step uses, runs the
+backend's host-side scheduling, and returns a `DeviceStep`. Two slots let the host commit step
+N+1 while the GPU still copies or reads step N; a slot's staging is rewritten only once the
+copies out of it (and the backend's own pinned planning buffers) have run, which an event
+recorded at commit proves.
+
+Everything the pool keeps is bounded by its constructor's arguments: views are cached only for
+bucketed shapes (slots x buckets x q_lens), schedulers keep one state per slot, group, bucket
+and q_len. `memory_report()` lists the bytes.
 """
 
 from __future__ import annotations
 
-import attrs
+import contextlib
+
 import numpy as np
 import torch
 
-from mstar_attn.kernels import AUTO, BACKENDS, get_backend
-from mstar_attn.metadata.plan import AttentionPlan, Mode
-from mstar_attn.metadata.spec import AttentionSpec, PlanError
+from mstar_attn.capture.layout import Layout
+from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
+from mstar_attn.metadata._arrays import positive_int
+from mstar_attn.metadata.backends import AUTO, BACKENDS, load
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, AttentionPlan, Mode
+from mstar_attn.metadata.spec import AttentionSpec
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_MAX_PAGES_PER_REQUEST = 2048
+FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch, shared by every wrapper of a pool
 
 
-@attrs.frozen
-class _Layout:
-    """Offsets (in int32 elements) of every array inside one slot's flat buffer.
+class _HostEvent:
+    """The event of a CPU pool: CPU copies are synchronous, so every commit is done at once."""
 
-    Per group g: indptr [B+1], last_page_len [B], kv_lens [B], indices [P]; shared: qo_indptr
-    [B+1]; slots and write_src as int64 (two int32 each) [T]. B = max batch, P = max pages,
-    T = max tokens.
-    """
+    def record(self, stream=None) -> None:
+        pass
 
-    max_batch: int
-    max_tokens: int
-    max_pages: int
-    num_groups: int
+    def query(self) -> bool:
+        return True
 
-    def group(self, g: int) -> tuple[int, int, int, int]:
-        b = self.max_batch
-        base = (b + 1) + g * (3 * b + 1)
-        return base, base + b + 1, base + 2 * b + 1, self.wide + 4 * self.max_tokens + g * self.max_pages
-
-    @property
-    def wide(self) -> int:  # start of the int64 region (slot_mapping, write_src), 8-byte aligned
-        end = (self.max_batch + 1) + self.num_groups * (3 * self.max_batch + 1)
-        return end + (end & 1)
-
-    @property
-    def size(self) -> int:
-        return self.wide + 4 * self.max_tokens + self.num_groups * self.max_pages
-
-
-@attrs.frozen
-class DeviceGroup:
-    """One layer group's committed arrays: device int32 views, and pinned host views of the small ones."""
-
-    kv_indptr: torch.Tensor  # [rows+1] device
-    kv_indices: torch.Tensor  # [n] device
-    kv_last_page_len: torch.Tensor  # [rows] device
-    kv_lens: torch.Tensor  # [rows] device
-    host_kv_indptr: torch.Tensor  # [rows+1] pinned CPU
-    host_last_page_len: torch.Tensor  # [rows] pinned CPU
-    host_kv_lens: torch.Tensor  # [rows] pinned CPU
-
-
-@attrs.frozen
-class DeviceStep:
-    """What `run` and `write_kv` read for one committed plan.
-
-    rows: the batch padded to its bucket (or the exact batch past the largest bucket). Bucketed
-    steps are decode steps and verify steps whose q_len (the same for every request) is at most
-    page_size; q_len is 1 for decode. A padded request has q_len tokens, reads q_len tokens of
-    page 0 (kv_len = q_len: the sequence-length fill value) and writes nothing of its own.
-    num_rows: token rows q must have (rows * q_len when bucketed; plan.num_tokens otherwise).
-    slot_mapping / write_src [num_rows] int64: where each row's K/V goes; padding rows copy row
-    0 onto row 0's slot (the same bytes, so no race and no other page touched).
-    """
-
-    plan: AttentionPlan
-    slot: int
-    rows: int
-    num_rows: int
-    bucket: int | None
-    qo_indptr: torch.Tensor  # [rows+1] device
-    host_qo_indptr: torch.Tensor  # [rows+1] pinned
-    slot_mapping: torch.Tensor  # [num_rows] int64 device
-    write_src: torch.Tensor  # [num_rows] int64 device
-    groups: tuple[DeviceGroup, ...]
-    q_len: int = 1  # new tokens per request of a bucketed step
-    scheduled: tuple = ()  # backend state, one per group (FlashInfer wrappers)
-
-    @property
-    def mode(self) -> Mode:
-        return self.plan.mode
+    def synchronize(self) -> None:
+        pass
 
 
 class GraphBufferPool:
     """Persistent device buffers for every plan field the backends read, double-buffered.
 
-    spec: the model's AttentionSpec; max_batch_size, max_num_tokens, max_num_pages bound every
-    committed plan (commit raises PlanError beyond them). buckets: decode batch sizes that
-    captured graphs serve; a decode batch is padded up to the smallest bucket that holds it.
-    num_slots: 2 (double buffering); 1 makes every commit wait for the GPU to finish the last.
-    max_pages_per_request: the most pages one request may read through a backend that takes a
-    dense page table (FlashAttention; commit raises PlanError past it). Default 2048 (32k tokens
-    at page 16); set it to the longest context / page_size.
-    scheduler_options go to every backend Scheduler the pool makes. A pool serves every backend
-    its plans name (one Scheduler per backend module, made at the first plan that needs it, or
-    made ahead with `scheduler_for`); spec.backend="auto" lets the plan choose.
+    spec: the model's AttentionSpec. max_batch_size, max_num_tokens, max_num_pages bound every
+    committed plan: commit raises PlanError beyond them (max_num_pages bounds the pages one layer
+    group of one step reads; the buffers also hold bucket padding and a whole capture-time
+    scratch plan, so a step may use that room too). buckets: decode / verify batch sizes that captured graphs serve; such
+    a step is padded up to the smallest bucket that holds it. num_slots: 2 (double buffering); 1
+    makes every commit wait for the GPU to finish the last. max_pages_per_request: the most pages
+    one request may read through a backend that takes a dense page table (FlashAttention; commit
+    raises PlanError past it), default 2048 (32k tokens at page 16): set it to the longest context
+    / page_size. float_workspace_bytes: FlashInfer's float workspace (its split-KV partial outputs).
+    device: "cuda" (or a CUDA device); "cpu" runs the bookkeeping on the host (tests, the
+    reference backend). A pool serves every backend its plans name (one Scheduler per backend
+    module, made at the first plan that needs it, or ahead with `scheduler_for`).
     """
 
     def __init__(self, spec: AttentionSpec, *, max_batch_size: int, max_num_tokens: int, max_num_pages: int,
                  device: torch.device | str = "cuda", buckets: tuple[int, ...] = DEFAULT_BUCKETS, num_slots: int = 2,
-                 max_pages_per_request: int | None = None, **scheduler_options):
+                 max_pages_per_request: int | None = None, float_workspace_bytes: int = FLOAT_WORKSPACE_BYTES):
+        if not isinstance(spec, AttentionSpec):
+            raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.spec = spec
         self.device = torch.device(device)
-        self.buckets = tuple(sorted(b for b in buckets if b <= max_batch_size))
-        self.max_num_pages = max_num_pages
-        # width of dense page tables (FlashAttention's page_table [rows, width])
-        self.max_pages_per_request = min(max_pages_per_request or DEFAULT_MAX_PAGES_PER_REQUEST, max_num_pages)
-        # room for one page-0 entry per padded request after the real pages, and for padded
-        # verify rows (bucket * page_size tokens at most)
-        max_rows = max(self.buckets, default=0) * spec.page_size
-        self.layout = _Layout(max_batch_size, max(max_num_tokens, max_batch_size, max_rows), max_num_pages + max(self.buckets, default=0), len(spec.groups))
-        self.offsets = tuple(self.layout.group(g) for g in range(len(spec.groups)))  # per group, fixed
-        self.wide = self.layout.wide
-        self.verify_buckets = all(g.causal for g in spec.groups)  # verify steps can be bucketed
-        self.host = [torch.empty(self.layout.size, dtype=torch.int32, pin_memory=True) for _ in range(num_slots)]
+        max_batch = positive_int("max_batch_size", max_batch_size)
+        self.max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
+        self.max_num_pages = positive_int("max_num_pages", max_num_pages)
+        self.buckets = tuple(sorted({positive_int("buckets", b) for b in buckets if b <= max_batch}))
+        self.float_workspace_bytes = positive_int("float_workspace_bytes", float_workspace_bytes)
+        self.max_pages_per_request = min(positive_int("max_pages_per_request", max_pages_per_request
+                                                      or DEFAULT_MAX_PAGES_PER_REQUEST), max_num_pages)
+        ps, top = spec.page_size, max(self.buckets, default=0)
+        self.verify_buckets = all(g.causal for g in spec.groups)  # verify steps can be padded (causal kernels)
+        max_q = MAX_VERIFY_Q_LEN if self.verify_buckets else 1
+        # room for padding requests' scratch entries, and for a whole scratch plan (capture: one
+        # cached token and q_len new ones per request) besides max_num_pages real pages
+        self.layout = Layout(max_batch, max(self.max_num_tokens, top * max_q),
+                             max_num_pages + top * -(-(max_q + 1) // ps), len(spec.groups))
+        cuda = self.device.type == "cuda"
+        slots = positive_int("num_slots", num_slots)
+        self.host = [torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=cuda) for _ in range(slots)]
         self.host_np = [h.numpy() for h in self.host]
-        self.dev = [torch.empty(self.layout.size, dtype=torch.int32, device=self.device) for _ in range(num_slots)]
+        self.dev = [torch.zeros(self.layout.size, dtype=torch.int32, device=self.device) for _ in range(slots)]
         # recorded after each slot's commit: once it has run, the slot's staging may be rewritten
-        self.ready = [torch.cuda.Event() for _ in range(num_slots)]
-        self._views: dict[tuple, tuple] = {}  # (slot, rows, num_rows) -> fixed-size tensor views
-        self.arange_rows = np.arange(self.layout.max_tokens, dtype=np.int64)
+        self.ready = [torch.cuda.Event() if cuda else _HostEvent() for _ in range(slots)]
+        self.generations = [0] * slots  # commits per slot: a DeviceStep is live while its count is current
+        self.consumers: list = [None] * slots  # the stream that waited for the slot's step (side-stream commits)
+        self._reuse = [torch.cuda.Event() if cuda else _HostEvent() for _ in range(slots)]
+        self._views: dict[tuple[int, int, int], tuple] = {}  # (slot, rows, num_rows) of bucketed steps only
+        self._scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
         self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
+        self.bytes_to_device = 0  # host-to-device bytes the pool and its schedulers issued, all commits
+        self.last_commit_bytes = 0
         self.next_slot = 0
-        self.scheduler_options = scheduler_options
         self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
         if spec.backend != AUTO:
             self.scheduler_for(spec.backend)
@@ -147,93 +112,165 @@ class GraphBufferPool:
 
     def scheduler_for(self, backend: str):
         """The Scheduler of `backend`'s module for this pool (made once; None for host-only backends)."""
-        module = BACKENDS[backend].module
-        if module not in self.schedulers:
-            mod = get_backend(backend)
-            self.schedulers[module] = mod.Scheduler(self, **self.scheduler_options) if hasattr(mod, "Scheduler") else None
-        return self.schedulers[module]
+        caps = BACKENDS.get(backend)
+        if caps is None:
+            raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
+        if caps.module not in self.schedulers:
+            mod = load(backend)
+            self.schedulers[caps.module] = mod.Scheduler(self) if hasattr(mod, "Scheduler") else None
+        return self.schedulers[caps.module]
 
     def bucket_for(self, plan: AttentionPlan) -> int | None:
-        """The captured batch size serving `plan`, or None when it runs eagerly (see DeviceStep)."""
-        if plan.mode is not Mode.DECODE and not (
-                plan.mode is Mode.VERIFY and self.verify_buckets and plan.max_q_len <= self.spec.page_size):
+        """The captured batch size serving `plan`, or None when it runs unpadded (see DeviceStep)."""
+        if plan.mode is not Mode.DECODE and not (plan.mode is Mode.VERIFY and self.verify_buckets):
             return None
         return next((b for b in self.buckets if b >= plan.batch_size), None)
 
-    def commit(self, plan: AttentionPlan, *, slot: int | None = None) -> DeviceStep:
-        """Copy `plan` into the next slot (in place, non-blocking) and schedule the backend. No device sync."""
-        L = self.layout
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst.copy_(src) without blocking, counted in bytes_to_device (schedulers use it too)."""
+        dst.copy_(src, non_blocking=True)
+        self.last_commit_bytes += src.numel() * src.element_size()
+
+    def _validate(self, plan: AttentionPlan) -> None:
+        """PlanError unless `plan` fits this pool: its spec, its batch, tokens and pages (bucketed
+        steps: with their padding, which the layout makes room for)."""
+        if not isinstance(plan, AttentionPlan):
+            raise PlanError(f"commit: expected an AttentionPlan, got {type(plan).__name__}")
         if plan.spec is not self.spec and plan.spec != self.spec:
             raise PlanError("commit: the plan was built for another AttentionSpec than this pool's")
-        if plan.batch_size > L.max_batch or plan.num_tokens > L.max_tokens:
+        if plan.backend not in BACKENDS:
+            raise PlanError(f"commit: plan.backend {plan.backend!r} is not a backend (known: {sorted(BACKENDS)})")
+        L = self.layout
+        bucket = self.bucket_for(plan)
+        if plan.batch_size > L.max_rows or plan.num_tokens > L.max_tokens:
             raise PlanError(f"commit: batch {plan.batch_size} / tokens {plan.num_tokens} exceed the pool's "
-                            f"max_batch_size {L.max_batch} / max_num_tokens {L.max_tokens}")
-        too_many = [g for g, gp in enumerate(plan.groups) if gp.kv_indices.shape[0] > self.max_num_pages]
-        if too_many:
-            raise PlanError(f"commit: group {too_many[0]} reads {plan.groups[too_many[0]].kv_indices.shape[0]} pages, "
-                            f"more than the pool's max_num_pages {self.max_num_pages}")
+                            f"max_batch_size {L.max_rows} / max_num_tokens {L.max_tokens}")
+        pad = (bucket - plan.batch_size) * -(-plan.max_q_len // self.spec.page_size) if bucket else 0
+        for g, gp in enumerate(plan.groups):
+            if gp.kv_indices.shape[0] + pad > L.index_capacity:
+                raise PlanError(f"commit: group {g} reads {gp.kv_indices.shape[0]} pages, more than the pool holds "
+                                f"(max_num_pages {self.max_num_pages}, plus room for bucket padding: {L.index_capacity})")
+
+    def commit(self, plan: AttentionPlan, *, stream: torch.cuda.Stream | None = None, slot: int | None = None) -> DeviceStep:
+        """Copy `plan` into the next slot (in place, non-blocking) and schedule its backend. No device sync.
+
+        Runs on the caller's current stream, or on `stream`: then the stream that runs the step
+        must call `step.wait()` first (see DeviceStep.wait). Every check runs before any state
+        changes: a commit that raises PlanError leaves the pool and its live steps as they were.
+        The step of the slot this commit reuses (two commits ago with two slots) becomes stale.
+        slot: commit into this slot instead of the next one (graph capture does, once per slot).
+        """
+        self._validate(plan)
+        if slot is not None and slot not in range(self.num_slots):
+            raise PlanError(f"commit: slot {slot!r} is not one of the pool's {self.num_slots} slots")
+        scheduler = self.scheduler_for(plan.backend)
+        bucket = self.bucket_for(plan)
+        if scheduler is not None:
+            scheduler.check(plan, bucket)
         s = self.next_slot if slot is None else slot
-        self.next_slot = (s + 1) % self.num_slots
         if not self.ready[s].query():
             self.stalls += 1
             self.ready[s].synchronize()
-        h = self.host_np[s]
         B, T = plan.batch_size, plan.num_tokens
-        bucket = self.bucket_for(plan)
-        rows = bucket or B
-        q_len = plan.max_q_len if bucket else 1
+        rows, q_len = (bucket, plan.max_q_len) if bucket else (B, 1)
         num_rows = rows * q_len if bucket else T
-        pad = rows - B
+        views = self._views.get((s, rows, num_rows)) if bucket else None
+        if views is None:
+            views = self._make_views(s, rows, num_rows)
+            if bucket:
+                self._views[(s, rows, num_rows)] = views
+        ranges = self._stage(s, plan, views[0], rows, q_len, num_rows)
 
+        side = None
+        if stream is not None and self.device.type == "cuda" and stream != torch.cuda.current_stream(self.device):
+            side = stream
+        self.generations[s] += 1  # from here on the slot's previous step is stale
+        self.next_slot = (s + 1) % self.num_slots
+        self.last_commit_bytes = 0
+        host, dev = self.host[s], self.dev[s]
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            try:
+                self._after_consumer(s)
+                for a, b in self._copy_ranges(ranges):
+                    self.upload(dev[a:b], host[a:b])
+                offsets, qo, h_qo, slots, group_views = views
+                groups = tuple(DeviceGroup(ptr, dev[o_idx:end], lpl, lens, h_ptr, h_lpl, h_lens)
+                               for (ptr, lpl, lens, h_ptr, h_lpl, h_lens), (*_, o_idx), (_, end)
+                               in zip(group_views, offsets.groups, ranges))
+                fields = (plan, s, rows, num_rows, bucket, q_len, qo, h_qo, slots, groups, self.generations[s], self, side)
+                step = DeviceStep(*fields)
+                if scheduler is not None:  # (a second constructor call is cheaper than attrs.evolve)
+                    step = DeviceStep(*fields, scheduler.schedule(step))
+            finally:
+                self.ready[s].record()
+                self.bytes_to_device += self.last_commit_bytes
+        return step
+
+    def _after_consumer(self, s: int) -> None:
+        """If a step of slot s was waited for on another stream, make this commit's stream wait (on
+        the GPU) for what that stream has queued so far: kernels that may still read the slot."""
+        consumer, self.consumers[s] = self.consumers[s], None
+        if consumer is not None and self.device.type == "cuda":
+            here = torch.cuda.current_stream(self.device)
+            if consumer != here:
+                self._reuse[s].record(consumer)
+                here.wait_event(self._reuse[s])
+
+    def _stage(self, s: int, plan: AttentionPlan, offsets, rows: int, q_len: int, num_rows: int) -> list[tuple[int, int]]:
+        """Write the step into slot s's pinned staging. Returns one int32 range per group: group g's
+        used index entries (its pages, then the padding requests' scratch entries); group 0's range
+        starts at 0, so it also carries every O(rows) array and slot_mapping."""
+        h = self.host_np[s]
+        B, T, ps = plan.batch_size, plan.num_tokens, self.spec.page_size
+        pad = rows - B
+        per = -(-q_len // ps)  # scratch entries per padding request
         h[: B + 1] = plan.qo_indptr
         if pad:
             h[B + 1 : rows + 1] = np.arange(T + q_len, T + q_len * pad + 1, q_len, dtype=np.int32)
-        end = 0
-        for gp, (o_ptr, o_lpl, o_len, o_idx) in zip(plan.groups, self.offsets):
+        ranges = []
+        for gp, (o_ptr, o_lpl, o_len, o_idx) in zip(plan.groups, offsets.groups):
             n = gp.kv_indices.shape[0]
             h[o_ptr : o_ptr + B + 1] = gp.kv_indptr
             h[o_lpl : o_lpl + B] = gp.kv_last_page_len
             h[o_len : o_len + B] = gp.kv_lens
             h[o_idx : o_idx + n] = gp.kv_indices
-            if pad:  # q_len tokens of page 0, read and never written
-                h[o_ptr + B + 1 : o_ptr + rows + 1] = np.arange(n + 1, n + 1 + pad, dtype=np.int32)
-                h[o_lpl + B : o_lpl + rows] = q_len
+            if pad:  # q_len tokens of the scratch page, read and written by no request
+                h[o_ptr + B + 1 : o_ptr + rows + 1] = np.arange(n + per, n + per * pad + 1, per, dtype=np.int32)
+                h[o_lpl + B : o_lpl + rows] = q_len - (per - 1) * ps
                 h[o_len + B : o_len + rows] = q_len
-                h[o_idx + n : o_idx + n + pad] = 0
-            end = o_idx + n + pad
-        wide = h[self.wide : self.wide + 4 * L.max_tokens].view(np.int64)
+                h[o_idx + n : o_idx + n + per * pad] = self.spec.scratch_page
+            ranges.append((o_idx, o_idx + n + per * pad))
+        wide = h[offsets.slots : offsets.head_end].view(np.int64)
         wide[:T] = plan.slot_mapping
-        src = wide[L.max_tokens : L.max_tokens + num_rows]
-        src[:T] = self.arange_rows[:T]
         if num_rows > T:
-            wide[T:num_rows] = plan.slot_mapping[0]
-            src[T:] = 0
-        end = max(end, self.wide + 2 * (L.max_tokens + num_rows))
-        self.dev[s][:end].copy_(self.host[s][:end], non_blocking=True)
+            wide[T:num_rows] = self._scratch_slots[: num_rows - T]
+        return ranges
 
-        v = self._views.get((s, rows, num_rows))
-        if v is None:
-            v = self._views[(s, rows, num_rows)] = self._make_views(s, rows, num_rows)
-        dev = self.dev[s]
-        groups = tuple([
-            DeviceGroup(ptr, dev[o_idx : o_idx + gp.kv_indices.shape[0] + pad], lpl, lens, h_ptr, h_lpl, h_lens)
-            for gp, (ptr, lpl, lens, h_ptr, h_lpl, h_lens), (_, _, _, o_idx) in zip(plan.groups, v[4], self.offsets)
-        ])
-        fields = (plan, s, rows, num_rows, bucket, v[0], v[1], v[2], v[3], groups, q_len)
-        step = DeviceStep(*fields)
-        scheduler = self.scheduler_for(plan.backend)
-        if scheduler is not None:  # (a second constructor call is cheaper than attrs.evolve)
-            step = DeviceStep(*fields, scheduler.schedule(step))
-        self.ready[s].record()
-        return step
+    def _copy_ranges(self, ranges):
+        return [(0, ranges[0][1]), *ranges[1:]]
 
     def _make_views(self, s: int, rows: int, num_rows: int) -> tuple:
-        """Slot s's fixed-size views for `rows` requests and `num_rows` token rows (made once)."""
-        L, dev, host = self.layout, self.dev[s], self.host[s]
-        groups = []
-        for o_ptr, o_lpl, o_len, _ in self.offsets:
-            groups.append((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
-                           host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows]))
-        dwide = dev[self.wide : self.wide + 4 * L.max_tokens].view(torch.int64)
-        return (dev[: rows + 1], host[: rows + 1], dwide[:num_rows],
-                dwide[L.max_tokens : L.max_tokens + num_rows], tuple(groups))
+        """Slot s's fixed views for `rows` requests and `num_rows` token rows."""
+        offsets = self.layout.at(rows, num_rows)
+        dev, host = self.dev[s], self.host[s]
+        groups = tuple((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
+                        host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows])
+                       for o_ptr, o_lpl, o_len, _ in offsets.groups)
+        slots = dev[offsets.slots : offsets.head_end].view(torch.int64)
+        return offsets, dev[: rows + 1], host[: rows + 1], slots, groups
+
+    def index_buffer(self, step: DeviceStep, group: int) -> torch.Tensor:
+        """The whole index region [index_capacity] of `group` for the step's slot and shape: what a
+        FlashInfer graph-mode wrapper is built over (its buffers must outlive every plan)."""
+        o_idx = self.layout.at(step.rows, step.num_rows).groups[group][3]
+        return self.dev[step.slot][o_idx : o_idx + self.layout.index_capacity]
+
+    def memory_report(self) -> MemoryReport:
+        """Device and pinned bytes this pool and its schedulers hold, by component."""
+        slot_bytes = self.layout.size * 4 * self.num_slots
+        pinned = slot_bytes if self.device.type == "cuda" else 0
+        parts = {"pool staging (pinned)": (0, pinned), "pool slot buffers": (slot_bytes, 0)}
+        for scheduler in self.schedulers.values():
+            if scheduler is not None:
+                parts.update(scheduler.memory())
+        return MemoryReport(parts)

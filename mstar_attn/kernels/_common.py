@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from mstar_attn.kernels import _check
+
 
 def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache) -> None:
     """Store a committed step's new K/V in the paged cache, graph-safe.
 
-    step: a DeviceStep. k, v: [T or step.num_rows, kv_heads, head_dim], the cache's dtype and
-    device. Row t goes to flat slot step.slot_mapping[t] (int64 device); padding rows of a
-    bucketed decode step rewrite row 0's values onto row 0's slot (step.write_src), so the
-    write has a fixed shape per bucket and never touches another page.
+    step: a live DeviceStep. k, v: [T or any row count step.accepts_rows allows, kv_heads,
+    head_dim], spec.dtype, on the cache's device. Row t goes to flat slot step.slot_mapping[t]
+    (int64 device): a real token's slot, or for a padding row of a bucketed step a slot of the
+    scratch page (no request's page is touched).
     """
+    plan = _check.step_plan(step, "write_kv")
+    _check.cache_fits(cache, plan, "write_kv")
+    _check.new_kv(k, v, step, plan, cache, "write_kv")
     k_flat, v_flat = cache.flat()
-    k_flat.index_copy_(0, step.slot_mapping, k.index_select(0, step.write_src))
-    v_flat.index_copy_(0, step.slot_mapping, v.index_select(0, step.write_src))
+    slots = step.slot_mapping[: k.shape[0]]
+    k_flat.index_copy_(0, slots, k)
+    v_flat.index_copy_(0, slots, v)

@@ -1,4 +1,5 @@
-"""Re-planning FlashInfer graph-mode decode wrappers without plan()'s Python overhead.
+"""Re-planning FlashInfer graph-mode decode wrappers without plan()'s Python overhead, and
+sharing one int workspace (and its pinned mirror) between wrappers.
 
 The one place mstar_attn reaches into FlashInfer internals, pinned to the versions in VERSIONS
 (elsewhere every wrapper is planned through its public plan()). A graph-mode wrapper's shapes and
@@ -10,9 +11,16 @@ redundant here: copying indptr / last_page_len / indices into buffers that *are*
 slot's device arrays (commit's one copy already filled them), re-deriving kv lengths, and
 resolving the backend and module again (about 100 µs of host time per call on an H100 host).
 
+`share_workspace` points a wrapper at workspaces the pool owns. FlashInfer's public
+reset_workspace_buffer() takes the float and int workspaces but always allocates a fresh 8 MiB
+pinned mirror of the int one; every wrapper of one pool slot and layer group plans into the same
+int workspace (one step per slot at a time, and a slot is replanned only once its last copies
+ran), so they share one mirror too.
+
 tests/kernels/test_flashinfer.py::test_fast_replan_matches_public_plan compares this path with
-public plan() (plan info, the int workspace it writes, and the attention output) and fails
-loudly when these internals move.
+public plan() (plan info, the int workspace it writes, and the attention output), and
+test_wrappers_share_the_slot_workspaces checks the sharing; both fail loudly when these
+internals move.
 """
 
 from __future__ import annotations
@@ -25,6 +33,18 @@ VERSIONS = ("0.7.2", "0.7.2.post1")  # the FlashInfer releases whose internals t
 def supported(flashinfer_module) -> bool:
     """Whether the installed FlashInfer is one this module was written against (else: public plan())."""
     return flashinfer_module.__version__ in VERSIONS
+
+
+def share_workspace(wrapper, float_ws: torch.Tensor, int_ws: torch.Tensor, pinned_int_ws: torch.Tensor) -> None:
+    """Make `wrapper` (any FlashInfer attention wrapper) plan into int_ws through pinned_int_ws and run
+    with float_ws. int_ws: uint8 device; pinned_int_ws: uint8 pinned CPU of the same size."""
+    if not isinstance(getattr(wrapper, "_pin_memory_int_workspace_buffer", None), torch.Tensor):
+        raise RuntimeError(f"share_workspace: {type(wrapper).__name__} has no _pin_memory_int_workspace_buffer; "
+                           "FlashInfer's internals moved (see _flashinfer_fast.VERSIONS)")
+    if pinned_int_ws.shape != int_ws.shape or not pinned_int_ws.is_pinned():
+        raise ValueError("share_workspace: the pinned mirror must be pinned and as large as the int workspace")
+    wrapper.reset_workspace_buffer(float_ws, int_ws)  # public; allocates a fresh mirror, replaced below
+    wrapper._pin_memory_int_workspace_buffer = pinned_int_ws
 
 
 class FastDecodePlan:

@@ -19,19 +19,27 @@ relies on in FA4 (interface.py, read for 4.0.0b36; notes/library_apis.md section
     passes max_seqlen_q = plan.max_q_len (1 for decode, the q_len a bucketed verify graph was
     captured with), so a group needs at most two kernels: short steps and long ones.
     Warm up every variant before capture (DecodeGraphs does).
-  - The paged TMA loader reads whole pages, so rows past seqused_k must be finite:
-    `PagedKVCache.allocate` zero-fills.
+  - The paged TMA loader reads whole pages, so rows past seqused_k must be finite: run refuses a
+    cache not known finite (`PagedKVCache.allocate` zero-fills, `from_tensors` checks).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from mstar_attn.cache import PagedKVCache
-from mstar_attn.capture.pool import DeviceStep, GraphBufferPool
+from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
-from mstar_attn.metadata.spec import Kind, LayerGroup, PlanError
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.plan import AttentionPlan
+from mstar_attn.metadata.spec import Kind, LayerGroup
+
+if TYPE_CHECKING:
+    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.step import DeviceStep
 
 VARLEN = "flash_attn_varlen"
 
@@ -53,19 +61,18 @@ class Scheduler:
     and its device twin. Layer groups that read the plan's own pages (full and non-causal) share
     table 0; each window group, whose plan trims front pages, has its own. A step's table is the
     buffer's first rows * width entries viewed [rows, width]: width = max_pages_per_request for
-    bucketed steps (decode, short verify: the shape graphs were captured with), the step's widest
-    request otherwise. Padding requests of a bucketed step read page 0 (their seqused_k, q_len,
-    fits one page).
+    bucketed steps (decode, verify: the shape graphs were captured with), the step's widest
+    request otherwise. Padding requests of a bucketed step read the scratch page.
     The pool records the slot's event after `schedule`, so a slot's pinned buffer is rewritten
     only once its last copy has run. Every entry ever written is a valid page id (the buffers
-    start at 0), so columns past a request's pages are never out of the pool either.
+    start at 0), so columns past a request's pages are never out of the cache either.
 
     Cost: 2 * num_slots * tables * max_batch * max_pages_per_request * 4 bytes (pinned + device),
     and a bucketed commit copies rows * max_pages_per_request * 4 bytes per table. Size
     the pool's max_pages_per_request to the longest context / page_size, not the whole pool.
     """
 
-    def __init__(self, pool: GraphBufferPool, **_ignored):
+    def __init__(self, pool: GraphBufferPool):
         _varlen_func()  # fail at pool construction, not at the first step
         self.pool = pool
         kinds = [g.kind for g in pool.spec.groups]
@@ -77,40 +84,47 @@ class Scheduler:
         self.firsts = {}  # table -> the first group that reads it (groups sharing a table read the same pages)
         for g, t in enumerate(self.table_of):
             self.firsts.setdefault(t, g)
-        size = pool.layout.max_batch * pool.max_pages_per_request
+        size = pool.layout.max_rows * pool.max_pages_per_request
         pin = pool.device.type == "cuda"
         self.host = [[torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(n)] for _ in range(pool.num_slots)]
         self.host_np = [[h.numpy() for h in hs] for hs in self.host]
         self.dev = [[torch.zeros(size, dtype=torch.int32, device=pool.device) for _ in range(n)] for _ in range(pool.num_slots)]
 
-    def schedule(self, step: DeviceStep) -> tuple:
-        """One entry per layer group: its page table, int32 device [rows, width] (None for varlen).
+    def check(self, plan: AttentionPlan, bucket: int | None) -> None:
+        """PlanError if a request reads more pages than the pool's max_pages_per_request (before any state changes)."""
+        if plan.backend == VARLEN:
+            return
+        limit = self.pool.max_pages_per_request
+        for t, g in self.firsts.items():
+            c = np.diff(plan.groups[g].kv_indptr)
+            if c.max() > limit:
+                i = int(np.argmax(c))
+                raise PlanError(f"commit: group {g}, request {i} reads {c[i]} pages, more than the pool's "
+                                f"max_pages_per_request {limit}")
 
-        Raises PlanError, before writing anything, if a request reads more pages than the pool's
-        max_pages_per_request.
-        """
+    def memory(self) -> dict[str, tuple[int, int]]:
+        n = sum(t.numel() * 4 for ts in self.dev for t in ts)
+        return {"flash_attn page tables": (n, n if self.pool.device.type == "cuda" else 0)}
+
+    def schedule(self, step: DeviceStep) -> tuple:
+        """One entry per layer group: its page table, int32 device [rows, width] (None for varlen)."""
         plan = step.plan
         if plan.backend == VARLEN:
             return (None,) * len(plan.groups)
-        limit, B, rows = self.pool.max_pages_per_request, plan.batch_size, step.rows
-        firsts = self.firsts
-        counts = {t: np.diff(plan.groups[g].kv_indptr) for t, g in firsts.items()}
-        for t, c in counts.items():
-            if c.max() > limit:
-                i = int(np.argmax(c))
-                raise PlanError(f"commit: group {firsts[t]}, request {i} reads {c[i]} pages, more than the pool's "
-                                f"max_pages_per_request {limit}")
+        B, rows, ps = plan.batch_size, step.rows, plan.spec.page_size
+        pad_pages = -(-step.q_len // ps)  # a padding request reads q_len tokens of the scratch page
         tables = {}
-        for t, g in firsts.items():
-            gp, c = plan.groups[g], counts[t]
-            width = limit if step.bucket is not None else int(c.max())
+        for t, g in self.firsts.items():
+            gp = plan.groups[g]
+            c = np.diff(gp.kv_indptr)
+            width = self.pool.max_pages_per_request if step.bucket is not None else int(c.max())
             n = rows * width
             table = self.host_np[step.slot][t][:n].reshape(rows, width)
             row = np.repeat(np.arange(B), c)
             table[row, np.arange(gp.kv_indices.shape[0]) - gp.kv_indptr[row]] = gp.kv_indices
-            table[B:, 0] = 0  # bucket padding: one token of page 0
+            table[B:, :pad_pages] = plan.spec.scratch_page
             dev = self.dev[step.slot][t][:n]
-            dev.copy_(self.host[step.slot][t][:n], non_blocking=True)
+            self.pool.upload(dev, self.host[step.slot][t][:n])
             tables[t] = dev.view(rows, width)
         return tuple(tables[self.table_of[g]] for g in range(len(plan.groups)))
 
@@ -129,20 +143,23 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
     padding requests' rows: any b * q_len rows with plan.batch_size <= b <= step.rows (a captured
     graph passes step.num_rows, an eager caller the real tokens). k, v: [T, kv_heads, head_dim],
     the step's new keys and values, read only by "flash_attn_varlen" (the paged path reads the
-    cache, so write_kv must run first).
+    cache, so write_kv must run first). The paged path needs a cache known finite (see PagedKVCache).
     """
-    plan = step.plan
+    plan = _check.step_plan(step, "run")
+    group = _check.group_index(group, plan, "run")
     spec = plan.spec
     kw = dict(softmax_scale=spec.sm_scale, softcap=spec.soft_cap, num_splits=1, max_seqlen_q=plan.max_q_len,
               **_mask(spec.groups[group]))
     if plan.backend == VARLEN:
+        _check.cache_fits(cache, plan, "run")
+        _check.query(q, step, plan, cache, "run")
         if k is None or v is None:
-            raise ValueError("run: 'flash_attn_varlen' attends over the step's new K/V; pass k and v")
+            raise PlanError("run: 'flash_attn_varlen' attends over the step's new K/V; pass k and v")
+        _check.new_kv(k, v, step, plan, cache, "run")
         return _varlen_func()(q, k, v, cu_seqlens_q=step.qo_indptr, cu_seqlens_k=step.qo_indptr,
                               max_seqlen_k=plan.max_q_len, **kw)[0]
-    b, extra = divmod(q.shape[0], step.q_len) if step.bucket is not None else (plan.batch_size, 0)
-    if extra or not plan.batch_size <= b <= step.rows or (step.bucket is None and q.shape[0] != plan.num_tokens):
-        raise ValueError(f"run: q has {q.shape[0]} rows; this {plan.mode.value} step takes "
-                         + (f"b * {step.q_len} for b in {plan.batch_size}..{step.rows}" if step.bucket else f"{plan.num_tokens}"))
+    _check.cache_fits(cache, plan, "run", finite=True)
+    _check.query(q, step, plan, cache, "run")
+    b = q.shape[0] // step.q_len if step.bucket is not None else plan.batch_size
     return _varlen_func()(q, cache.k, cache.v, cu_seqlens_q=step.qo_indptr[: b + 1], seqused_k=step.groups[group].kv_lens[:b],
                           page_table=step.scheduled[group][:b], **kw)[0]

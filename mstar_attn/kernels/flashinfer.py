@@ -2,43 +2,61 @@
 
 Host-side scheduling (`wrapper.plan`) runs in `GraphBufferPool.commit`, through `Scheduler`,
 from pinned host arrays (indptr, last_page_len, kv lens) and the slot's device page indices:
-no device-to-host copy, never inside a graph. `run` and `write_kv` only launch kernels.
-Uses FlashInfer's public wrapper API (tests/kernels/test_flashinfer.py checks the signatures this
-module calls), except the re-plan of graph-mode decode wrappers in `_flashinfer_fast` (pinned).
+no device-to-host copy, never inside a graph. `run` and `write_kv` check their arguments on the
+host and launch kernels. Uses FlashInfer's public wrapper API (tests/kernels/test_flashinfer.py
+checks the signatures this module calls), except `_flashinfer_fast` (pinned): the re-plan of
+graph-mode decode wrappers and the shared int workspaces.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import flashinfer
 import torch
 
 from mstar_attn.cache import PagedKVCache
-from mstar_attn.capture.pool import DeviceStep, GraphBufferPool
+from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
-from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, supported
-from mstar_attn.metadata.plan import Mode
+from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, supported
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.plan import AttentionPlan, Mode
 
-FLOAT_WORKSPACE_BYTES = 256 << 20
+if TYPE_CHECKING:
+    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.step import DeviceStep
+
+INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its plan
 
 
 class Scheduler:
     """The pool's FlashInfer wrappers, planned at commit from pinned host arrays.
 
-    Bucketed steps (decode, and verify with q_len <= page_size) use graph-mode decode wrappers
-    keyed by (slot, group, rows, q_len) over the slot's own device buffers, so a graph captured on
-    one replays whatever the latest commit planned; after a wrapper's first public plan() they
-    are re-planned through `FastDecodePlan` (the C++ planner alone). Verify uses tensor cores
-    (FlashInfer's multi-token decode: causal, bottom-right aligned). Other steps use eager
-    wrappers: decode past the largest bucket, paged prefill for prefill / extend / mixed /
-    unbucketed verify, ragged prefill when the plan names "flashinfer_ragged". The float
-    workspace is shared (kernels of one stream never overlap); each wrapper keeps its own int
-    workspace and pinned mirror, which hold its plan, so wrappers are per slot.
+    Bucketed steps (decode, and verify) use graph-mode decode wrappers keyed by (slot, group, rows,
+    q_len) over the slot's own device buffers, so a graph captured on one replays whatever the
+    latest commit planned; after a wrapper's first public plan() it is re-planned through
+    `FastDecodePlan` (the C++ planner alone). Verify uses tensor cores (FlashInfer's multi-token
+    decode: causal, bottom-right aligned). Other steps use eager wrappers, one per (kind, slot,
+    group): decode past the largest bucket, paged prefill for prefill / extend / mixed, ragged
+    prefill when the plan names "flashinfer_ragged".
+
+    Memory: one float workspace for the pool (kernels of one stream never overlap), and one int
+    workspace plus its pinned mirror per (slot, group), shared by every wrapper of that slot and
+    group: a slot holds one step at a time, and the pool replans a slot only after the copies of
+    its last commit ran (the slot's event), so one plan per slot and group is all that is live.
     """
 
-    def __init__(self, pool: GraphBufferPool, **_options):
+    def __init__(self, pool: GraphBufferPool):
+        if pool.device.type != "cuda":
+            raise PlanError(f"GraphBufferPool(device={pool.device}): the FlashInfer backend runs on CUDA")
         self.pool = pool
         spec = pool.spec
-        self.float_ws = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
+        self.float_ws = torch.zeros(pool.float_workspace_bytes, dtype=torch.uint8, device=pool.device)
+        groups = range(len(spec.groups))
+        self.int_ws = [[torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device) for _ in groups]
+                       for _ in range(pool.num_slots)]
+        self.pinned_ws = [[torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in groups]
+                          for _ in range(pool.num_slots)]
         self.tensor_cores = spec.gqa_group >= 4  # FlashInfer's advice for decode
         self.wrappers: dict[tuple, object] = {}
         self.fast: dict[tuple, FastDecodePlan] = {}
@@ -47,6 +65,15 @@ class Scheduler:
             logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.dtype,
             sm_scale=spec.sm_scale, non_blocking=True,
         )
+
+    def check(self, plan: AttentionPlan, bucket: int | None) -> None:
+        """Nothing to refuse beyond what build_plan and the pool check (shapes FlashInfer serves)."""
+
+    def memory(self) -> dict[str, tuple[int, int]]:
+        n = sum(len(x) for x in self.int_ws) * INT_WORKSPACE_BYTES
+        return {"flashinfer float workspace": (self.float_ws.numel(), 0),
+                "flashinfer int workspaces": (n, n),
+                f"flashinfer wrappers ({len(self.wrappers)})": (0, 0)}
 
     def schedule(self, step: DeviceStep) -> tuple:
         return tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
@@ -88,37 +115,46 @@ class Scheduler:
                    **self.plan_kwargs)
         return w
 
+    def _share(self, w, slot: int, g: int):
+        share_workspace(w, self.float_ws, self.int_ws[slot][g], self.pinned_ws[slot][g])
+        return w
+
     def _eager(self, key: tuple, cls, **kw):
         w = self.wrappers.get(key)
         if w is None:
-            w = self.wrappers[key] = cls(self.float_ws, "NHD", **kw)
+            w = self.wrappers[key] = self._share(cls(self.float_ws, "NHD", **kw), key[1], key[2])
         return w
 
     def _graph_wrapper(self, step: DeviceStep, g: int):
-        o_ptr, o_lpl, _, o_idx = self.pool.offsets[g]
-        dev, rows = self.pool.dev[step.slot], step.rows
-        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        dg = step.groups[g]
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.float_ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores or step.q_len > 1,
-            paged_kv_indptr_buffer=dev[o_ptr : o_ptr + rows + 1],
-            paged_kv_indices_buffer=dev[o_idx : o_idx + self.pool.layout.max_pages],
-            paged_kv_last_page_len_buffer=dev[o_lpl : o_lpl + rows],
+            paged_kv_indptr_buffer=dg.kv_indptr, paged_kv_indices_buffer=self.pool.index_buffer(step, g),
+            paged_kv_last_page_len_buffer=dg.kv_last_page_len,
         )
+        return self._share(w, step.slot, g)
 
 
 def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
         k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for one layer of layer group `group`.
 
-    q: [T or num_rows, qo_heads, head_dim], spec.dtype, on the cache's device; returns the same
-    number of rows. k, v: the step's new keys and values [T, kv_heads, head_dim], needed only
-    when the pool plans prefill steps as ragged (attention over the new tokens alone).
+    q: [T, qo_heads, head_dim] (a bucketed step also takes its padding requests' rows, see
+    DeviceStep.accepts_rows), spec.dtype, on the cache's device; returns the same number of rows.
+    k, v: the step's new keys and values [T, kv_heads, head_dim], needed only when the plan names
+    "flashinfer_ragged" (attention over the new tokens alone).
     """
+    plan = _check.step_plan(step, "run")
+    group = _check.group_index(group, plan, "run")
+    _check.cache_fits(cache, plan, "run")
+    _check.query(q, step, plan, cache, "run")
     w = step.scheduled[group]
-    if isinstance(w, flashinfer.BatchPrefillWithRaggedKVCacheWrapper):
+    if plan.backend == "flashinfer_ragged":
         if k is None or v is None:
-            raise ValueError("run: this step is planned as ragged attention (flashinfer_ragged); pass its k and v")
+            raise PlanError("run: this step is planned as ragged attention (flashinfer_ragged); pass its k and v")
+        _check.new_kv(k, v, step, plan, cache, "run")
         return w.run(q, k, v)
     rows = q.shape[0]
-    if rows < step.num_rows:  # eager call on a bucket-padded decode step
+    if rows < step.num_rows:  # eager call on a bucket-padded step: padding requests read the scratch page
         q = torch.cat([q, q[:1].expand(step.num_rows - rows, -1, -1)])
     return w.run(q, (cache.k, cache.v))[:rows]

@@ -1,6 +1,7 @@
 """Pure-torch attention over the paged cache: runs anywhere (CPU included) and is the test oracle.
 
 It reads only host plan arrays and loops over requests in Python: correct and obvious, not fast.
+It takes an AttentionPlan or a committed DeviceStep (whose plan it reads).
 """
 
 from __future__ import annotations
@@ -8,34 +9,46 @@ from __future__ import annotations
 import torch
 
 from mstar_attn.cache import PagedKVCache
+from mstar_attn.kernels import _check
 from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.spec import Kind
 
+_ORACLE_DTYPES = (torch.float32, torch.float64)
 
-def write_kv(plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
-    """Store the step's new keys and values. k, v: [T, num_kv_heads, head_dim] on the cache's device.
 
-    plan: an AttentionPlan (or a committed step, whose plan is read). Token t goes to slot plan.slot_mapping[t]; slots < 0 (padding) are skipped.
-    """
-    plan = getattr(plan, "plan", plan)
+def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
+    """Store the step's new keys and values. k, v: [T (or a committed step's padded rows), kv_heads,
+    head_dim], spec.dtype, on the cache's device; token t goes to slot plan.slot_mapping[t]."""
+    plan = _check.step_plan(step, "write_kv", plans_ok=True)
+    _check.cache_fits(cache, plan, "write_kv")
+    _check.new_kv(k, v, step, plan, cache, "write_kv")
     slots = torch.tensor(plan.slot_mapping, device=k.device)
-    keep = slots >= 0
+    T = plan.num_tokens
     k_flat, v_flat = cache.flat()
-    k_flat[slots[keep]] = k[: slots.shape[0]][keep].to(k_flat.dtype)
-    v_flat[slots[keep]] = v[: slots.shape[0]][keep].to(v_flat.dtype)
+    k_flat[slots] = k[:T]
+    v_flat[slots] = v[:T]
 
 
-def run(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int = 0, k=None, v=None) -> torch.Tensor:
+def run(step, q: torch.Tensor, cache: PagedKVCache, group: int = 0, k=None, v=None) -> torch.Tensor:
     """Attention of the step's queries over the cache for one layer of layer group `group`.
 
-    q: [T, num_qo_heads, head_dim] on the cache's device. Returns [T, num_qo_heads, head_dim] in
-    q.dtype, computed in float32 (float64 if q is float64). Queries sit at the end of each sequence.
+    q: [T (or a committed step's padded rows), num_qo_heads, head_dim] on the cache's device, in
+    spec.dtype or, as an oracle, float32 / float64. Returns q's shape and dtype, computed in
+    float32 (float64 for float64 q); padding rows past T are zero. Queries sit at the end of each
+    sequence. k, v: unused, the new K/V are read from the cache (write_kv first).
     """
-    plan = getattr(plan, "plan", plan)  # k, v: unused, the new K/V are read from the cache
+    plan = _check.step_plan(step, "run", plans_ok=True)
+    group = _check.group_index(group, plan, "run")
+    _check.cache_fits(cache, plan, "run")
+    _check.query(q, step, plan, cache, "run", (plan.spec.dtype, *_ORACLE_DTYPES))
+    return _attend(plan, q, cache, group)
+
+
+def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int) -> torch.Tensor:
     spec, gp = plan.spec, plan.groups[group]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rep = spec.num_qo_heads // spec.num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)
     for i in range(plan.batch_size):
         q0, q1 = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
         p0, p1 = int(gp.kv_indptr[i]), int(gp.kv_indptr[i + 1])

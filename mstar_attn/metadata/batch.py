@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import numpy as np
 
-
-def _i32(x) -> np.ndarray:
-    """A read-only int32 copy: the batch owns its arrays, so plans can share them safely."""
-    a = np.array(x, dtype=np.int32)
-    a.flags.writeable = False
-    return a
+from mstar_attn.metadata._arrays import array_field, int_array, optional_array_field, positive_int
+from mstar_attn.metadata.errors import PlanError
 
 
-def _i32_or_none(x) -> np.ndarray | None:
-    return None if x is None else _i32(x)
+def _vector(name: str):
+    return array_field(converter=lambda x: int_array(name, x, 1))
+
+
+def _table(x):
+    return None if x is None else int_array("block_table", x, 2)
 
 
 @attrs.frozen
@@ -23,23 +25,25 @@ class StepBatch:
 
     q_lens      [B]      new query tokens of each request this step (>= 1)
     kv_lens     [B]      KV length of each request *after* this step (cached prefix + new tokens)
-    page_indptr [B + 1]  CSR page table: request i owns page_indices[page_indptr[i]:page_indptr[i+1]]
-    page_indices[nnz]    page ids, in sequence order; a request may own more pages than it uses
+    page_indptr [B + 1]  CSR page table: request i lists page_indices[page_indptr[i]:page_indptr[i+1]]
+    page_indices[nnz]    page ids, in sequence order; a request may list more pages than it uses
     block_table [B, P]   padded page table, when the engine holds one (row i, first pages used)
     page_size            tokens per page, must equal the cache's
 
     Build with `from_csr` or `from_block_table`, whichever the engine holds: the planner
     reads the CSR form, and keeps the block table for backends that want one. The batch
-    copies its inputs once into read-only arrays (the engine may then mutate its own), and
-    plans built from it share those arrays instead of copying again.
+    copies its inputs once into read-only int32 arrays (the engine may then mutate its own;
+    int32 input skips the value scan), and plans built from it share those arrays.
+    Malformed input (non-integer dtypes, wrong ranks, values outside int32) raises PlanError
+    naming the field; build_plan checks what the values mean.
     """
 
-    q_lens: np.ndarray = attrs.field(converter=_i32)
-    kv_lens: np.ndarray = attrs.field(converter=_i32)
-    page_indptr: np.ndarray = attrs.field(converter=_i32)
-    page_indices: np.ndarray = attrs.field(converter=_i32)
-    page_size: int
-    block_table: np.ndarray | None = attrs.field(default=None, converter=_i32_or_none)
+    q_lens: np.ndarray = _vector("q_lens")
+    kv_lens: np.ndarray = _vector("kv_lens")
+    page_indptr: np.ndarray = _vector("page_indptr")
+    page_indices: np.ndarray = _vector("page_indices")
+    page_size: int = attrs.field(converter=lambda x: positive_int("page_size", x))
+    block_table: np.ndarray | None = optional_array_field(converter=_table)
 
     @classmethod
     def from_csr(cls, q_lens, kv_lens, page_indptr, page_indices, page_size: int) -> StepBatch:
@@ -48,25 +52,32 @@ class StepBatch:
     @classmethod
     def from_block_table(cls, q_lens, kv_lens, block_table, page_size: int) -> StepBatch:
         """Keeps the block table and derives the CSR of the pages each request uses."""
-        table = np.asarray(block_table, dtype=np.int32)
-        kv = np.asarray(kv_lens, dtype=np.int32)
-        if table.ndim != 2 or table.shape[0] != kv.shape[0]:
-            from mstar_attn.metadata.spec import PlanError
-
-            raise PlanError(f"block_table must be [B={kv.shape[0]}, max_pages], got shape {table.shape}")
-        used = np.minimum((kv + (page_size - 1)) // page_size, table.shape[1])
+        table = int_array("block_table", block_table, 2)
+        kv = int_array("kv_lens", kv_lens, 1)
+        ps = positive_int("page_size", page_size)
+        if table.shape[0] != kv.shape[0]:
+            raise PlanError(f"block_table: expected [B={kv.shape[0]}, max_pages], got shape {table.shape}")
+        need = (kv.astype(np.int64) + (ps - 1)) // ps
+        used = np.clip(need, 0, table.shape[1]).astype(np.int32)
         indptr = np.zeros(kv.shape[0] + 1, np.int32)
         np.cumsum(used, out=indptr[1:])
         indices = table[np.arange(table.shape[1]) < used[:, None]]
-        return cls(q_lens, kv, indptr, indices, page_size, table)
+        return cls(q_lens, kv, indptr, indices, ps, table)
 
     @classmethod
-    def from_pages(cls, q_lens, kv_lens, pages: list, page_size: int) -> StepBatch:
+    def from_pages(cls, q_lens, kv_lens, pages: Sequence, page_size: int) -> StepBatch:
         """From one list of page ids per request (tests and small engines)."""
-        counts = np.fromiter((len(p) for p in pages), np.int32, len(pages))
-        indptr = np.zeros(len(pages) + 1, np.int32)
+        if isinstance(pages, (str, bytes)) or not isinstance(pages, (Sequence, np.ndarray)):
+            raise PlanError(f"pages: expected one list of page ids per request, got {type(pages).__name__}")
+        rows = []
+        for i, p in enumerate(pages):
+            if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+                raise PlanError(f"pages[{i}]: expected a list of page ids for request {i}, got {p!r:.60}")
+            rows.append(int_array(f"pages[{i}]", p, 1))
+        counts = np.fromiter((r.shape[0] for r in rows), np.int64, len(rows))
+        indptr = np.zeros(len(rows) + 1, np.int64)
         np.cumsum(counts, out=indptr[1:])
-        indices = np.concatenate([np.asarray(p, np.int32) for p in pages]) if pages else np.zeros(0, np.int32)
+        indices = np.concatenate(rows) if rows else np.zeros(0, np.int32)
         return cls(q_lens, kv_lens, indptr, indices, page_size)
 
     @property

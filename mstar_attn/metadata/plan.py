@@ -1,6 +1,6 @@
 """`build_plan`: a pure function from a StepBatch and an AttentionSpec to a frozen AttentionPlan.
 
-Numpy only, host only: no torch, no GPU, no globals. Every array in a plan is a read-only
+Numpy only, host only: no torch tensors, no GPU, no globals. Every array in a plan is a read-only
 host numpy array; plans share arrays with the (immutable) StepBatch they came from.
 """
 
@@ -11,30 +11,33 @@ import enum
 import attrs
 import numpy as np
 
-from mstar_attn.kernels import AUTO, BACKENDS
+from mstar_attn.metadata._arrays import INT32_MAX, array_field, optional_array_field, read_only
+from mstar_attn.metadata.backends import AUTO, BACKENDS
 from mstar_attn.metadata.batch import StepBatch
+from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.select import select_backend
-from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup, PlanError
+from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup
+
+MAX_VERIFY_Q_LEN = 16  # the longest uniform q_len a step may have and still be a VERIFY step
 
 
 class Mode(enum.Enum):
-    DECODE = "decode"  # every request has one new token
-    PREFILL = "prefill"  # no request has a cached prefix
-    VERIFY = "verify"  # every request has the same q_len > 1 over a cached prefix (speculative verify)
-    MIXED = "mixed"  # decode requests (q_len 1) beside longer ones
-    EXTEND = "extend"  # anything else: chunked prefill / prefix-cache hits
+    """What a step is, by its shape alone (q_len, cached prefix = kv_len - q_len, per request).
 
+    DECODE   every request has q_len 1.
+    PREFILL  no request has a cached prefix, and some q_len > 1.
+    VERIFY   every request has the same q_len, 2 <= q_len <= MAX_VERIFY_Q_LEN, over a cached
+             prefix: speculative verify and draft steps (and any short uniform chunk, which the
+             kernels serve the same way). Pools bucket these like decode steps.
+    MIXED    decode requests (q_len 1) beside longer ones, some over a cached prefix.
+    EXTEND   anything else: chunked prefill, prefix-cache hits, long uniform chunks.
+    """
 
-def _arr():
-    return attrs.field(eq=attrs.cmp_using(eq=np.array_equal), repr=lambda a: f"array{a.shape}")
-
-
-def _same_or_none(a, b) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
-
-
-def _opt_arr():
-    return attrs.field(default=None, eq=attrs.cmp_using(eq=_same_or_none), repr=False)
+    DECODE = "decode"
+    PREFILL = "prefill"
+    VERIFY = "verify"
+    MIXED = "mixed"
+    EXTEND = "extend"
 
 
 @attrs.frozen
@@ -48,11 +51,11 @@ class GroupPlan:
     """
 
     group: LayerGroup
-    kv_indptr: np.ndarray = _arr()
-    kv_indices: np.ndarray = _arr()
-    kv_last_page_len: np.ndarray = _arr()
-    kv_lens: np.ndarray = _arr()
-    kv_start: np.ndarray | None = _opt_arr()
+    kv_indptr: np.ndarray = array_field()
+    kv_indices: np.ndarray = array_field()
+    kv_last_page_len: np.ndarray = array_field()
+    kv_lens: np.ndarray = array_field()
+    kv_start: np.ndarray | None = optional_array_field()
 
 
 @attrs.frozen
@@ -76,17 +79,17 @@ class AttentionPlan:
     num_tokens: int
     max_q_len: int
     max_kv_len: int
-    q_lens: np.ndarray = _arr()
-    kv_lens: np.ndarray = _arr()
-    qo_indptr: np.ndarray = _arr()
-    kv_indptr: np.ndarray = _arr()
-    kv_indices: np.ndarray = _arr()
-    kv_last_page_len: np.ndarray = _arr()
-    positions: np.ndarray = _arr()
-    slot_mapping: np.ndarray = _arr()
+    q_lens: np.ndarray = array_field()
+    kv_lens: np.ndarray = array_field()
+    qo_indptr: np.ndarray = array_field()
+    kv_indptr: np.ndarray = array_field()
+    kv_indices: np.ndarray = array_field()
+    kv_last_page_len: np.ndarray = array_field()
+    positions: np.ndarray = array_field()
+    slot_mapping: np.ndarray = array_field()
     groups: tuple[GroupPlan, ...] = attrs.field(repr=False)
-    block_table: np.ndarray | None = _opt_arr()
-    backend: str = "flashinfer"  # the kernels.BACKENDS name that serves this step
+    block_table: np.ndarray | None = optional_array_field()
+    backend: str = "flashinfer"  # the BACKENDS name that serves this step
 
     @property
     def sm_scale(self) -> float:
@@ -105,11 +108,6 @@ class AttentionPlan:
         return self.groups[self.spec.layer_groups[layer]]
 
 
-def _ro(*arrays: np.ndarray) -> None:
-    for a in arrays:
-        a.flags.writeable = False
-
-
 def _fail(field: str, bad: np.ndarray, message: str) -> None:
     i = int(np.flatnonzero(bad)[0])
     raise PlanError(f"{field}[{i}]: {message} (request {i})")
@@ -122,33 +120,34 @@ def _gather_ranges(src: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> t
     offsets = np.repeat(starts - indptr[:-1], counts)
     offsets += np.arange(indptr[-1], dtype=np.int32)
     values = src[offsets]
-    _ro(indptr, values)
+    read_only(indptr, values)
     return indptr, values
 
 
-def _request_of(kv_indptr: np.ndarray, flat: np.ndarray) -> np.ndarray:
-    return np.searchsorted(kv_indptr, flat, side="right") - 1
+def _request_of(indptr: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    return np.searchsorted(indptr, flat, side="right") - 1
 
 
-def _check_ownership(spec: AttentionSpec, kv_indptr, kv_indices, written: np.ndarray) -> None:
-    """A page written this step must appear exactly once in the whole batch's page lists.
+def _check_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.ndarray) -> None:
+    """A page written this step must appear exactly once among all pages the step lists.
 
-    Pages only read (a shared prefix) may be shared. written [n] lists each request's written
-    pages once. No page may repeat in it (two writers), and since each written page is read
-    once by its writer, counting the read entries that hit a written page must give exactly n:
-    any excess is another request reading (or writing) it. O(n log n + pages), no full sort.
+    listed: every request's whole page list (spare pages included); written [n]: each request's
+    written pages, once each. Pages only read (a shared prefix) may be listed by several requests.
+    No page may repeat in `written` (two writers), and since each written page is listed once by
+    its writer, the listed entries that hit a written page must number exactly n: any excess is
+    another request listing it (to read it, write it, or hold it as a spare). O(n log n + pages).
     """
     ordered = np.sort(written)
     twice = ordered[1:] == ordered[:-1]
     is_written = np.zeros(spec.num_pages, np.bool_)
     is_written[written] = True
-    if not twice.any() and np.count_nonzero(is_written.take(kv_indices)) == written.shape[0]:
+    if not twice.any() and np.count_nonzero(is_written.take(listed)) == written.shape[0]:
         return
     if twice.any():
         page = int(ordered[1:][twice][0])
     else:
-        page = next(int(p) for p in written if np.count_nonzero(kv_indices == p) > 1)
-    owners = sorted(set(_request_of(kv_indptr, np.flatnonzero(kv_indices == page)).tolist()))
+        page = next(int(p) for p in written if np.count_nonzero(listed == p) > 1)
+    owners = sorted(set(_request_of(indptr, np.flatnonzero(listed == page)).tolist()))
     raise PlanError(
         f"page_indices: page {page} is written this step and also listed by requests {owners}; "
         "a page being written must belong to one request only"
@@ -158,19 +157,41 @@ def _check_ownership(spec: AttentionSpec, kv_indptr, kv_indices, written: np.nda
 def build_plan(batch: StepBatch, spec: AttentionSpec, *, check_ownership: bool = True) -> AttentionPlan:
     """Validate a step and derive every index array the backends read. Pure; raises PlanError.
 
-    Always checked (O(B) plus one min/max over the pages read): lengths, page counts, page
-    ids inside the pool, page size, backend support. check_ownership adds an O(pages) scan
-    that every page written this step belongs to one request only (see `_check_ownership`);
-    an engine whose allocator guarantees that may turn it off.
+    Always checked (O(B) plus one min/max over the listed pages): lengths (and that every derived
+    sum fits int32), page counts, every listed page id inside 0..num_pages-1 (so never the scratch
+    page), page size, backend support. check_ownership adds an O(pages) scan that every page
+    written this step is listed by its writer only (see `_check_ownership`); an engine whose
+    allocator guarantees that may turn it off.
     """
+    if not isinstance(batch, StepBatch):
+        raise PlanError(f"batch: expected a StepBatch, got {type(batch).__name__}")
+    if not isinstance(spec, AttentionSpec):
+        raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+    return _plan(batch, spec, check_ownership, spec.num_pages)
+
+
+def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1) -> AttentionPlan:
+    """A plan of `batch_size` requests that read and write only the scratch page: a decode step
+    (q_len 1, kv_len 1) or a verify step (q_len new tokens after one cached token). Graph capture
+    warms up and records on it, so capturing never touches a request's KV."""
+    ps = spec.page_size
+    kv = 1 if q_len == 1 else q_len + 1
+    per = -(-kv // ps)
+    q_lens, kv_lens = np.full(batch_size, q_len, np.int32), np.full(batch_size, kv, np.int32)
+    indptr = np.arange(batch_size + 1, dtype=np.int32) * per
+    batch = StepBatch.from_csr(q_lens, kv_lens, indptr, np.full(batch_size * per, spec.scratch_page, np.int32), ps)
+    return _plan(batch, spec, False, spec.num_pages + 1)
+
+
+def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_limit: int) -> AttentionPlan:
     ps = spec.page_size  # the spec checked its backend's support when it was made
     if batch.page_size != ps:
         raise PlanError(f"page_size: the batch says {batch.page_size}, the cache has {ps}")
     q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
-    B = q.shape[0]
+    B = q.shape[0]  # StepBatch made them int32 vectors
     if B == 0:
         raise PlanError("q_lens: the batch is empty")
-    if q.ndim != 1 or kv.shape != (B,) or indptr.shape != (B + 1,):
+    if kv.shape != (B,) or indptr.shape != (B + 1,):
         raise PlanError(f"shapes: q_lens {q.shape}, kv_lens {kv.shape} and page_indptr {indptr.shape} must be [B], [B], [B+1]")
 
     q_min, q_max = q.min(), q.max()
@@ -178,24 +199,30 @@ def build_plan(batch: StepBatch, spec: AttentionSpec, *, check_ownership: bool =
         _fail("q_lens", q < 1, "every request needs at least one new token")
     if (kv.min() < 1) if q_max == 1 else (kv < q).any():
         _fail("kv_lens", kv < q, "kv_len (after the step) is smaller than q_len")
+    if kv.max() > INT32_MAX - ps:
+        _fail("kv_lens", kv > INT32_MAX - ps, f"kv_len is past the int32 range the kernels index ({INT32_MAX - ps})")
+    n_listed = idx.shape[0]
+    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
+        raise PlanError(f"page_indptr must start at 0 and stay within page_indices (length {n_listed}), "
+                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
     need = (kv + (ps - 1)) // ps  # >= 1 everywhere, so spare >= 0 below also proves indptr monotone
     spare = indptr[1:] - indptr[:-1]
     spare -= need
     if spare.min() < 0:
         _fail("page_indices", spare < 0, "fewer pages than the KV length needs (or page_indptr decreases)")
-    if indptr[0] != 0 or indptr[-1] > idx.shape[0]:
-        raise PlanError(f"page_indptr must start at 0 and end within page_indices (length {idx.shape[0]}), got {indptr[0]}..{indptr[-1]}")
+    listed = idx[: indptr[-1]]
+    if listed.shape[0] and (listed.min() < 0 or listed.max() >= page_limit):
+        bad = (listed < 0) | (listed >= page_limit)
+        j = int(np.flatnonzero(bad)[0])
+        i = int(_request_of(indptr, np.array([j]))[0])
+        what = "the scratch page, which no request may list" if listed[j] == spec.scratch_page else "outside the pool"
+        raise PlanError(f"page_indices: request {i} lists page {listed[j]}, {what} (pages 0..{spec.num_pages - 1})")
 
     # Pages each request reads: the first `need` of its list (shared with the batch when exact).
     if spare.max() == 0:
-        kv_indptr, kv_indices = indptr, idx[: indptr[-1]]
+        kv_indptr, kv_indices = indptr, listed
     else:
         kv_indptr, kv_indices = _gather_ranges(idx, indptr[:-1], need)
-    if kv_indices.min() < 0 or kv_indices.max() >= spec.num_pages:
-        bad = (kv_indices < 0) | (kv_indices >= spec.num_pages)
-        j = int(np.flatnonzero(bad)[0])
-        i = int(_request_of(kv_indptr, np.array([j]))[0])
-        raise PlanError(f"page_indices: request {i} lists page {kv_indices[j]}, outside the pool (0..{spec.num_pages - 1})")
     last_page_len = kv - need * ps
     last_page_len += ps
 
@@ -208,9 +235,11 @@ def build_plan(batch: StepBatch, spec: AttentionSpec, *, check_ownership: bool =
         slot_mapping += last_page_len
         slot_mapping -= 1
     else:
+        T = int(q.sum(dtype=np.int64))
+        if T > INT32_MAX:
+            raise PlanError(f"q_lens: {T} new tokens in all, more than int32 row offsets hold")
         qo_indptr = np.zeros(B + 1, np.int32)
         np.cumsum(q, out=qo_indptr[1:])
-        T = int(qo_indptr[-1])
         prefix = kv - q
         positions = np.repeat(prefix - qo_indptr[:-1], q).astype(np.int64)
         positions += np.arange(T)
@@ -220,16 +249,16 @@ def build_plan(batch: StepBatch, spec: AttentionSpec, *, check_ownership: bool =
         written = _gather_ranges(kv_indices, kv_indptr[:-1] + first_written, need - first_written)[1]
         if not prefix.any():
             mode = Mode.PREFILL
-        elif q_min == q_max and prefix.all():
+        elif q_min == q_max <= MAX_VERIFY_Q_LEN and prefix.all():
             mode = Mode.VERIFY
         elif q_min == 1:
             mode = Mode.MIXED
         else:
             mode = Mode.EXTEND
     if check_ownership:
-        _check_ownership(spec, kv_indptr, kv_indices, written)
+        _check_ownership(spec, indptr, listed, written)
 
-    _ro(qo_indptr, kv_indices, last_page_len, positions, slot_mapping)
+    read_only(qo_indptr, kv_indices, last_page_len, positions, slot_mapping)
     groups = tuple([
         GroupPlan(g, kv_indptr, kv_indices, last_page_len, kv)
         if g.kind is not Kind.WINDOW
@@ -255,5 +284,5 @@ def _window_plan(group: LayerGroup, kv_indptr, kv_indices, last_page_len, q, kv,
     indptr, indices = _gather_ranges(kv_indices, kv_indptr[:-1] + start_page, need - start_page)
     kv_start = (start_page * ps).astype(np.int32)
     kv_lens = (kv - kv_start).astype(np.int32)
-    _ro(kv_start, kv_lens)
+    read_only(kv_start, kv_lens)
     return GroupPlan(group, indptr, indices, last_page_len, kv_lens, kv_start)

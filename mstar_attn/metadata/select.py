@@ -33,6 +33,7 @@ from pathlib import Path
 
 import attrs
 
+from mstar_attn.metadata.backends import BACKENDS
 from mstar_attn.metadata.spec import Kind
 
 DEFAULT = "flashinfer"
@@ -66,20 +67,21 @@ def step_features(mode: str, batch_size: int, num_tokens: int, max_q_len: int, m
     return cls, b, -(-int(num_tokens) // b), prefix
 
 
+def _bucketed(bounds: Mapping, cls: str, batch: int, tokens: int, prefix: int, head_dim: int, gqa: int, page_size: int) -> tuple:
+    return (cls, bisect_left(bounds["batch"], batch), bisect_left(bounds["tokens"], tokens),
+            bisect_left(bounds["prefix"], prefix), int(head_dim), int(gqa), int(page_size))
+
+
 def table_key(mode: str, batch_size: int, num_tokens: int, max_q_len: int, max_kv_len: int, head_dim: int, gqa: int,
               page_size: int, bounds: Mapping | None = None) -> tuple:
     """The dispatch-table key of one step: FEATURES, with batch, tokens and prefix bucketed."""
-    bounds = BOUNDS if bounds is None else bounds
-    cls, b, t, p = step_features(mode, batch_size, num_tokens, max_q_len, max_kv_len)
-    return (cls, bisect_left(bounds["batch"], b), bisect_left(bounds["tokens"], t), bisect_left(bounds["prefix"], p),
-            int(head_dim), int(gqa), int(page_size))
+    return _bucketed(BOUNDS if bounds is None else bounds, *step_features(mode, batch_size, num_tokens, max_q_len, max_kv_len),
+                     head_dim, gqa, page_size)
 
 
 @functools.lru_cache(maxsize=None)
 def installed(backend: str) -> bool:
     """Whether `backend`'s module and the package it needs can be found (nothing is imported)."""
-    from mstar_attn.kernels import BACKENDS
-
     caps = BACKENDS[backend]
     try:
         return all(importlib.util.find_spec(m) is not None for m in (caps.module, caps.package or caps.module))
@@ -131,8 +133,6 @@ def compile_table(data: Mapping, available: Callable[[str], bool] | None = None)
     backend outside "prefill", a backend without decode for "decode") or its head_dim.
     Raises ValueError on a malformed table.
     """
-    from mstar_attn.kernels import BACKENDS
-
     if not isinstance(data, Mapping) or data.get("version") != TABLE_VERSION:
         raise ValueError(f"dispatch table: expected a mapping with version {TABLE_VERSION}, "
                          f"got version {data.get('version') if isinstance(data, Mapping) else type(data).__name__!r}")
@@ -212,14 +212,10 @@ def select_backend(spec, mode: str, batch_size: int, num_tokens: int, max_q_len:
     choices = t.choices
     if not choices:
         return DEFAULT
-    cls = MODE_CLASS.get(mode)
-    if cls is None:
+    if mode not in MODE_CLASS:
         return DEFAULT
-    b = batch_size if batch_size > 0 else 1
-    bounds = t.bounds
-    key = (cls, bisect_left(bounds["batch"], b), bisect_left(bounds["tokens"], -(-num_tokens // b)),
-           bisect_left(bounds["prefix"], 0 if cls == "prefill" else max(max_kv_len - max_q_len, 0)),
-           spec.head_dim, spec.num_qo_heads // spec.num_kv_heads, spec.page_size)
+    key = _bucketed(t.bounds, *step_features(mode, batch_size, num_tokens, max_q_len, max_kv_len), spec.head_dim,
+                    spec.gqa_group, spec.page_size)
     name = choices.get(key)
     if name is None or not _serves(t.caps[name], spec, mode, prefix_free):
         return DEFAULT

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
+import numpy as np
 import torch
 
+from mstar_attn.metadata._arrays import INT32_MAX, positive_int
+from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.errors import PlanError
 
-class PlanError(ValueError):
-    """Malformed step input, raised by `build_plan` or `GraphBufferPool.commit`.
-
-    The message names the field and, where there is one, the request index.
-    """
+__all__ = ["AttentionSpec", "Kind", "LayerGroup", "PlanError"]
 
 
 class Kind(enum.Enum):
@@ -21,9 +22,15 @@ class Kind(enum.Enum):
     NONCAUSAL = "noncausal"  # every query sees every key of its request
 
 
+def _kind(value) -> Kind:
+    try:
+        return Kind(value)
+    except ValueError:
+        raise PlanError(f"LayerGroup.kind: expected one of {[k.value for k in Kind]}, got {value!r}") from None
+
+
 def _positive(inst, attribute, value):
-    if value <= 0:
-        raise PlanError(f"{attribute.name} must be positive, got {value}")
+    positive_int(attribute.name, value)
 
 
 @attrs.frozen
@@ -34,14 +41,14 @@ class LayerGroup:
     (FlashInfer's window_left = W - 1, FlashAttention's window_size = (W - 1, 0)).
     """
 
-    kind: Kind = attrs.field(default=Kind.CAUSAL, converter=Kind)
+    kind: Kind = attrs.field(default=Kind.CAUSAL, converter=_kind)
     window: int | None = None
 
     def __attrs_post_init__(self):
         if (self.kind is Kind.WINDOW) != (self.window is not None):
             raise PlanError(f"LayerGroup.window is set iff kind is 'window' (kind={self.kind.value}, window={self.window})")
-        if self.window is not None and self.window < 1:
-            raise PlanError(f"LayerGroup.window must be >= 1, got {self.window}")
+        if self.window is not None:
+            object.__setattr__(self, "window", positive_int("LayerGroup.window", self.window))
 
     @property
     def causal(self) -> bool:
@@ -53,12 +60,31 @@ class LayerGroup:
         return -1 if self.window is None else self.window - 1
 
 
+def _groups(value) -> tuple:
+    groups = tuple(value)
+    for i, g in enumerate(groups):
+        if not isinstance(g, LayerGroup):
+            raise PlanError(f"groups[{i}]: expected a LayerGroup, got {type(g).__name__}")
+    return groups
+
+
+def _layer_groups(value) -> tuple:
+    out = tuple(value)
+    for i, g in enumerate(out):
+        if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer)):
+            raise PlanError(f"layer_groups[{i}]: expected a group index, got {g!r}")
+    return tuple(int(g) for g in out)
+
+
 @attrs.frozen
 class AttentionSpec:
     """Model and cache shape. `layer_groups[i]` is the index into `groups` of layer i.
 
     dtype is the dtype of q, k, v and the KV cache. sm_scale defaults to head_dim ** -0.5;
     soft_cap = 0 disables logit soft-capping (otherwise logits become cap * tanh(logits / cap)).
+    num_pages: the engine's page ids are 0 .. num_pages - 1. The cache holds one page more,
+    `scratch_page` (= num_pages): padding rows of bucketed steps and graph capture write and read
+    it, it belongs to no request, and build_plan rejects a step that lists it.
     """
 
     num_qo_heads: int = attrs.field(validator=_positive)
@@ -69,27 +95,37 @@ class AttentionSpec:
     dtype: torch.dtype = torch.bfloat16
     sm_scale: float = attrs.field()
     soft_cap: float = 0.0
-    groups: tuple[LayerGroup, ...] = attrs.field(default=(LayerGroup(),), converter=tuple)
-    layer_groups: tuple[int, ...] = attrs.field(default=(0,), converter=tuple)
-    backend: str = "flashinfer"  # a kernels.BACKENDS name, or "auto": build_plan picks per step
+    groups: tuple[LayerGroup, ...] = attrs.field(default=(LayerGroup(),), converter=_groups)
+    layer_groups: tuple[int, ...] = attrs.field(default=(0,), converter=_layer_groups)
+    backend: str = "flashinfer"  # a BACKENDS name, or "auto": build_plan picks per step
 
     @sm_scale.default
-    def _default_scale(self):
-        return self.head_dim**-0.5
+    def _default_scale(self):  # a bad head_dim is reported by its validator, not here
+        d = self.head_dim
+        return float(d) ** -0.5 if isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 else 1.0
 
     def __attrs_post_init__(self):
+        if not isinstance(self.dtype, torch.dtype):
+            raise PlanError(f"spec.dtype: expected a torch.dtype, got {self.dtype!r}")
         if self.num_qo_heads % self.num_kv_heads:
             raise PlanError(f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_pages >= INT32_MAX:
+            raise PlanError(f"num_pages: page ids (and the scratch page, num_pages) must fit int32, got {self.num_pages}")
+        for name in ("sm_scale", "soft_cap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+                    or not math.isfinite(value):
+                raise PlanError(f"spec.{name}: expected a finite number, got {value!r}")
+        if self.sm_scale <= 0:
+            raise PlanError(f"sm_scale must be positive, got {self.sm_scale}")
+        if self.soft_cap < 0:
+            raise PlanError(f"soft_cap must be >= 0 (0 disables it), got {self.soft_cap}")
         if not self.groups:
             raise PlanError("groups must name at least one LayerGroup")
         bad = [i for i, g in enumerate(self.layer_groups) if not 0 <= g < len(self.groups)]
         if bad:
             raise PlanError(f"layer_groups[{bad[0]}] = {self.layer_groups[bad[0]]} is not a group index (0..{len(self.groups) - 1})")
-        if self.soft_cap < 0:
-            raise PlanError(f"soft_cap must be >= 0 (0 disables it), got {self.soft_cap}")
-        from mstar_attn.kernels import AUTO, BACKENDS  # plain data; imports no GPU package
-
-        if self.backend != AUTO and self.backend not in BACKENDS:
+        if not isinstance(self.backend, str) or (self.backend != AUTO and self.backend not in BACKENDS):
             raise PlanError(f"spec.backend: unknown backend {self.backend!r} (known: {sorted(BACKENDS)} or {AUTO!r})")
         name = "flashinfer" if self.backend == AUTO else self.backend  # auto falls back to FlashInfer paged
         BACKENDS[name].check(self, name)
@@ -97,6 +133,16 @@ class AttentionSpec:
     @property
     def gqa_group(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def scratch_page(self) -> int:
+        """The cache page no request owns (see the class doc)."""
+        return self.num_pages
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        """Shape of each layer's K and V: [num_pages + 1 (the scratch page), page_size, kv_heads, head_dim]."""
+        return (self.num_pages + 1, self.page_size, self.num_kv_heads, self.head_dim)
 
     def group_of(self, layer: int) -> int:
         return self.layer_groups[layer]

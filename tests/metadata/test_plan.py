@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mstar_attn import AttentionSpec, LayerGroup, Mode, PlanError, StepBatch, build_plan
+from mstar_attn import LayerGroup, Mode, PlanError, StepBatch, build_plan
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
 from tests.helpers import random_batch, random_pages, spec_for
 
 
@@ -121,14 +122,21 @@ def test_block_table_and_csr_give_the_same_plan():
     [
         ([1, 1, 1], [5, 9, 1], Mode.DECODE),
         ([4, 7], [4, 7], Mode.PREFILL),
+        ([1, 7], [1, 7], Mode.PREFILL),
         ([3, 3], [10, 4], Mode.VERIFY),
+        ([16, 16], [40, 17], Mode.VERIFY),  # the longest verify
+        ([17, 17], [40, 18], Mode.EXTEND),  # a uniform chunk past MAX_VERIFY_Q_LEN is chunked prefill
+        ([512], [2048], Mode.EXTEND),  # one request continuing a chunked prefill
         ([1, 5], [9, 5], Mode.MIXED),
         ([2, 5], [9, 5], Mode.EXTEND),
         ([3, 3], [3, 10], Mode.EXTEND),
     ],
 )
-def test_mode(q, kv, mode):
-    plan = build_plan(random_batch(np.random.default_rng(0), q, kv, 4, 64), spec_for(page_size=4, num_pages=64))
+def test_mode_is_the_steps_shape(q, kv, mode):
+    """Mode by structure (see Mode's doc): uniform q_len up to MAX_VERIFY_Q_LEN over a cached
+    prefix is VERIFY (what pools bucket); longer uniform chunks are EXTEND."""
+    assert MAX_VERIFY_Q_LEN == 16
+    plan = build_plan(random_batch(np.random.default_rng(0), q, kv, 4, 2000), spec_for(page_size=4, num_pages=2000))
     assert plan.mode is mode
 
 
@@ -157,7 +165,13 @@ def batch(q, kv, pages, page_size=4):
         (StepBatch.from_csr([1, 1], [3, 3], [0, 2, 1], [5, 6, 7], 4), r"page_indices\[1\].*decreases"),
         (StepBatch.from_csr([1, 1], [3, 3], [1, 2, 3], [5, 6, 7], 4), r"page_indptr must start at 0"),
         (StepBatch.from_csr([1, 1], [3, 3], [0, 1, 5], [5, 6, 7], 4), r"page_indptr.*within page_indices"),
-        (batch([1, 1], [3, 5], [[0], [1, 32]]), r"request 1 lists page 32, outside the pool"),
+        (batch([1, 1], [3, 5], [[0], [1, 33]]), r"request 1 lists page 33, outside the pool"),
+        (batch([1, 1], [3, 5], [[0], [1, 32]]), r"request 1 lists page 32, the scratch page"),
+        (batch([1, 1], [3, 3], [[0, 32], [1]]), r"request 0 lists page 32, the scratch page"),  # a spare entry too
+        (batch([1, 1], [3, 3], [[7], [9, 7]]), r"page 7 is written .* requests \[0, 1\]"),  # B holds A's page as a spare
+        (batch([1], [2**31 - 2], [[1]]), r"kv_lens\[0\].*int32"),
+        (StepBatch.from_csr([1, 1], [3, 3], [0, 2**31 - 1, 1], [5, 6, 7], 4), r"page_indptr"),
+        (StepBatch.from_csr([1, 1], [3, 3], [0, -1, 2], [5, 6, 7], 4), r"page_indptr"),
         (batch([1, 1], [3, 5], [[-1], [1, 2]]), r"request 0 lists page -1"),
         (batch([1, 1], [3, 3], [[7], [7]]), r"page 7 is written this step and also listed by requests \[0, 1\]"),
         (batch([1, 1], [6, 3], [[7, 9], [9]]), r"page 9 is written .* requests \[0, 1\]"),
@@ -171,6 +185,24 @@ def batch(q, kv, pages, page_size=4):
 def test_plan_errors_name_the_field_and_request(step, match):
     with pytest.raises(PlanError, match=match):
         build_plan(step, SPEC)
+
+
+def test_valid_edge_steps_are_accepted():
+    """kv_len 1, q_len == kv_len, page size 1, spare pages, the last page id, int64 input in range."""
+    one = spec_for(page_size=1, num_pages=8)
+    assert build_plan(StepBatch.from_pages([1], [1], [[7]], 1), one).slot_mapping.tolist() == [7]
+    assert build_plan(StepBatch.from_pages([3], [3], [[0, 1, 2, 5]], 1), one).mode is Mode.PREFILL
+    plan = build_plan(StepBatch.from_csr(np.array([1, 2], np.int64), np.array([5, 2], np.int64), np.array([0, 3, 5], np.uint32),
+                                         np.array([31, 4, 6, 0, 1], np.int64), 4), SPEC)
+    assert plan.kv_indices.tolist() == [31, 4, 0] and plan.slot_mapping.tolist() == [16, 0, 1]
+
+
+def test_scratch_plans_touch_only_the_scratch_page():
+    spec = spec_for(page_size=4, num_pages=10)
+    for q_len in (1, 4, 9):
+        plan = scratch_plan(spec, 3, q_len)
+        assert set(plan.kv_indices.tolist()) == {10} and set((plan.slot_mapping // 4).tolist()) == {10}
+        assert plan.mode is (Mode.DECODE if q_len == 1 else Mode.VERIFY)
 
 
 def test_shared_read_only_prefix_pages_are_allowed():
@@ -189,28 +221,3 @@ def test_ownership_check_can_be_left_to_a_trusted_allocator():
 def test_block_table_too_narrow_is_a_page_error():
     with pytest.raises(PlanError, match=r"page_indices\[0\].*fewer pages"):
         build_plan(StepBatch.from_block_table([1], [9], [[1, 2]], 4), SPEC)
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(backend="flashinfer", head_dim=96), r"spec.head_dim: backend 'flashinfer'"),
-        (dict(backend="flashinfer", dtype=torch.float32), r"spec.dtype: backend 'flashinfer'"),
-        (dict(backend="nope"), r"unknown backend"),
-        (dict(num_kv_heads=4), r"multiple of num_kv_heads"),
-        (dict(page_size=0), r"page_size must be positive"),
-        (dict(layer_groups=(0, 1)), r"layer_groups\[1\]"),
-        (dict(soft_cap=-1.0), r"soft_cap"),
-    ],
-)
-def test_spec_errors(kwargs, match):
-    args = dict(num_qo_heads=6, num_kv_heads=2, head_dim=64, page_size=16, num_pages=8, dtype=torch.bfloat16, backend="reference")
-    args.update(kwargs)
-    with pytest.raises(PlanError, match=match):
-        AttentionSpec(**args)
-
-
-@pytest.mark.parametrize("kwargs", [dict(kind="window"), dict(kind="causal", window=3), dict(kind="window", window=0)])
-def test_layer_group_errors(kwargs):
-    with pytest.raises(PlanError, match="window"):
-        LayerGroup(**kwargs)

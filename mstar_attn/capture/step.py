@@ -1,0 +1,131 @@
+"""The committed step the backends read (`DeviceStep`), and the pool's memory report."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from mstar_attn.metadata.errors import PlanError, StaleStepError
+from mstar_attn.metadata.plan import AttentionPlan, Mode
+
+if TYPE_CHECKING:
+    from mstar_attn.capture.pool import GraphBufferPool
+
+
+@attrs.frozen
+class DeviceGroup:
+    """One layer group's committed arrays: int32 device views, and pinned host views of the small ones."""
+
+    kv_indptr: torch.Tensor  # [rows+1] device
+    kv_indices: torch.Tensor  # [n + padding entries] device
+    kv_last_page_len: torch.Tensor  # [rows] device
+    kv_lens: torch.Tensor  # [rows] device
+    host_kv_indptr: torch.Tensor  # [rows+1] pinned CPU
+    host_last_page_len: torch.Tensor  # [rows] pinned CPU
+    host_kv_lens: torch.Tensor  # [rows] pinned CPU
+
+
+@attrs.frozen
+class DeviceStep:
+    """What `run` and `write_kv` read for one committed plan, valid until its slot is committed again.
+
+    rows: the batch padded to its bucket (or the exact batch for steps no bucket serves). Bucketed
+    steps are decode and verify steps (plan.mode); q_len is their tokens per request (1 for
+    decode). A padded request has q_len tokens, reads q_len tokens of the scratch page and writes
+    its token rows there: no request's page is touched.
+    num_rows: token rows of the step (rows * q_len when bucketed; plan.num_tokens otherwise).
+    slot_mapping [num_rows] int64 device: where each row's K/V goes.
+    generation: the pool slot's commit count when this step was made; once the slot is committed
+    again the step is stale and every backend refuses it (StaleStepError).
+    stream: the side stream it was committed on, or None (the caller's current stream): then the
+    stream that runs it must `wait()` first, and backends refuse it until it has.
+    """
+
+    plan: AttentionPlan
+    slot: int
+    rows: int
+    num_rows: int
+    bucket: int | None
+    q_len: int
+    qo_indptr: torch.Tensor  # [rows+1] device
+    host_qo_indptr: torch.Tensor  # [rows+1] pinned
+    slot_mapping: torch.Tensor  # [num_rows] int64 device
+    groups: tuple[DeviceGroup, ...]
+    generation: int
+    pool: GraphBufferPool = attrs.field(eq=False, repr=False)
+    stream: torch.cuda.Stream | None = attrs.field(default=None, eq=False, repr=False)
+    scheduled: tuple = attrs.field(default=(), eq=False, repr=False)  # backend state, one per group
+    _waited: list = attrs.field(factory=lambda: [False], eq=False, repr=False, alias="_waited")
+
+    @property
+    def mode(self) -> Mode:
+        return self.plan.mode
+
+    @property
+    def live(self) -> bool:
+        """False once the slot has been committed again (this step's buffers hold another step)."""
+        return self.pool.generations[self.slot] == self.generation
+
+    def check(self, where: str) -> None:
+        """StaleStepError if stale; PlanError if committed on a side stream and not waited for. O(1)."""
+        if self.pool.generations[self.slot] != self.generation:
+            raise StaleStepError(f"{where}: this step is stale: pool slot {self.slot} has been committed again since "
+                                 f"(commit {self.generation} of that slot, now {self.pool.generations[self.slot]}); "
+                                 "use the step the latest commit returned")
+        if self.stream is not None and not self._waited[0]:
+            raise PlanError(f"{where}: this step was committed on a side stream; call step.wait() on the stream that "
+                            "runs it first, so its kernels cannot read the buffers before the copy lands")
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current one) wait on the GPU for this step's copies and
+        host-side scheduling copies; no host sync. The pool then makes the next commit into this
+        slot wait for the work queued on that stream so far, so it cannot overwrite buffers a
+        queued kernel still reads."""
+        self.check_live("wait")
+        if self.pool.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.pool.device) if stream is None else stream
+            stream.wait_event(self.pool.ready[self.slot])
+            self.pool.consumers[self.slot] = stream
+        self._waited[0] = True
+
+    def check_live(self, where: str) -> None:
+        if not self.live:
+            self.check(where)
+
+    def accepts_rows(self, n: int) -> bool:
+        """Whether q (or k, v) may have n rows: the step's tokens, or for a bucketed step any
+        b * q_len with plan.batch_size <= b <= rows (padding requests' rows included)."""
+        if n == self.plan.num_tokens:
+            return True
+        if self.bucket is None:
+            return False
+        b, extra = divmod(n, self.q_len)
+        return not extra and self.plan.batch_size <= b <= self.rows
+
+    def rows_expected(self) -> str:
+        if self.bucket is None:
+            return f"{self.plan.num_tokens}"
+        return f"{self.plan.num_tokens} or b * {self.q_len} for b in {self.plan.batch_size}..{self.rows}"
+
+
+@attrs.frozen
+class MemoryReport:
+    """Bytes a pool holds, by component: name -> (device bytes, pinned host bytes)."""
+
+    components: dict
+
+    @property
+    def device(self) -> int:
+        return sum(d for d, _ in self.components.values())
+
+    @property
+    def pinned(self) -> int:
+        return sum(p for _, p in self.components.values())
+
+    def __str__(self) -> str:
+        rows = [f"{name:<28} device {d / 2**20:9.2f} MiB  pinned {p / 2**20:9.2f} MiB"
+                for name, (d, p) in self.components.items()]
+        rows.append(f"{'total':<28} device {self.device / 2**20:9.2f} MiB  pinned {self.pinned / 2**20:9.2f} MiB")
+        return "\n".join(rows)

@@ -1,0 +1,75 @@
+"""Host-side checks of what `run` and `write_kv` are given: metadata only (shapes, dtypes, devices,
+the group index, whether the step is live), no device sync, so they hold in captured graphs too.
+Each failure is a PlanError naming the argument and what the step expects."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mstar_attn.capture.step import DeviceStep
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.plan import AttentionPlan
+
+
+def step_plan(step, where: str, plans_ok: bool = False) -> AttentionPlan:
+    """The plan behind `step` (a live DeviceStep; with plans_ok, an AttentionPlan too)."""
+    if isinstance(step, DeviceStep):
+        step.check(where)
+        return step.plan
+    if plans_ok and isinstance(step, AttentionPlan):
+        return step
+    raise PlanError(f"{where}: step must be a DeviceStep from GraphBufferPool.commit"
+                    + (" or an AttentionPlan" if plans_ok else "") + f", got {type(step).__name__}")
+
+
+def group_index(group, plan: AttentionPlan, where: str) -> int:
+    if type(group) is not int and (isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer))):
+        raise PlanError(f"{where}: group must be a layer-group index (spec.layer_groups[layer]), got {group!r}")
+    if not 0 <= group < len(plan.spec.groups):
+        raise PlanError(f"{where}: group {group} is out of range: the spec has {len(plan.spec.groups)} layer groups")
+    return int(group)
+
+
+def cache_fits(cache, plan: AttentionPlan, where: str, finite: bool = False) -> None:
+    if not hasattr(cache, "k") or not hasattr(cache, "check"):
+        raise PlanError(f"{where}: cache must be a PagedKVCache, got {type(cache).__name__}")
+    cache.check(plan.spec, f"{where}: cache")
+    if finite and not cache.finite:
+        raise PlanError(f"{where}: backend {plan.backend!r} reads whole pages (rows past each sequence too), so the "
+                        "cache must be known finite: make it with PagedKVCache.allocate or PagedKVCache.from_tensors")
+
+
+def _tensor(t, name: str, heads: int, plan: AttentionPlan, device, where: str, dtypes) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise PlanError(f"{where}: {name} must be a tensor [rows, {heads}, {plan.spec.head_dim}], got {type(t).__name__}")
+    shape = t.shape
+    if len(shape) != 3 or shape[1] != heads or shape[2] != plan.spec.head_dim:
+        raise PlanError(f"{where}: {name} has shape {tuple(shape)}; expected [rows, {heads}, {plan.spec.head_dim}]")
+    if t.dtype not in dtypes:
+        raise PlanError(f"{where}: {name} is {t.dtype}; this step takes {' or '.join(map(str, dtypes))} (spec.dtype)")
+    if t.device != device:
+        raise PlanError(f"{where}: {name} is on {t.device}, the cache on {device}")
+    return t
+
+
+def rows(t: torch.Tensor, name: str, step, plan: AttentionPlan, where: str) -> None:
+    n = t.shape[0]
+    ok = step.accepts_rows(n) if isinstance(step, DeviceStep) else n == plan.num_tokens
+    if not ok:
+        expected = step.rows_expected() if isinstance(step, DeviceStep) else str(plan.num_tokens)
+        raise PlanError(f"{where}: {name} has {n} rows; this {plan.mode.value} step takes {expected}")
+
+
+def query(q, step, plan: AttentionPlan, cache, where: str, dtypes=None) -> None:
+    _tensor(q, "q", plan.spec.num_qo_heads, plan, cache.k.device, where, dtypes or (plan.spec.dtype,))
+    rows(q, "q", step, plan, where)
+
+
+def new_kv(k, v, step, plan: AttentionPlan, cache, where: str) -> None:
+    """k, v: the step's new keys and values, cache dtype and device, rows as q's."""
+    for name, t in (("k", k), ("v", v)):
+        _tensor(t, name, plan.spec.num_kv_heads, plan, cache.k.device, where, (plan.spec.dtype,))
+        rows(t, name, step, plan, where)
+    if k.shape[0] != v.shape[0]:
+        raise PlanError(f"{where}: k has {k.shape[0]} rows and v {v.shape[0]}")

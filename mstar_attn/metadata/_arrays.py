@@ -1,0 +1,65 @@
+"""Host integer arrays as the planner takes them: validated, int32, read-only; attrs fields for them.
+
+Every array a StepBatch holds goes through `int_array`: integer dtypes only (bool, float, object and
+string arrays are rejected, never truncated or parsed), the rank checked, every value checked
+against int32 before it is cast. int32 input is copied without a value scan.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from mstar_attn.metadata.errors import PlanError
+
+INT32_MAX = 2**31 - 1
+
+
+def int_array(name: str, value, ndim: int) -> np.ndarray:
+    """A read-only int32 copy of `value` (a list or numpy array of integers of rank `ndim`), or PlanError."""
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError) as e:  # ragged nested lists, objects numpy cannot hold
+        raise PlanError(f"{name}: expected a {ndim}-D array of integers ({' '.join(str(e).split())[:120]})") from None
+    if a.dtype.kind not in "iu":
+        if not (a.size == 0 and a.dtype.kind == "f"):  # [] becomes float64: an empty integer list
+            raise PlanError(f"{name}: integers required, got dtype {a.dtype}")
+    if a.ndim != ndim:
+        raise PlanError(f"{name}: expected a {ndim}-D array, got shape {a.shape}")
+    if a.size and a.dtype != np.int32 and a.dtype.itemsize >= 4:  # int64, uint32, uint64 may not fit
+        if a.min() < -INT32_MAX - 1 or a.max() > INT32_MAX:
+            bad = np.flatnonzero(((a < -INT32_MAX - 1) | (a > INT32_MAX)).reshape(-1))[0]
+            where = np.unravel_index(bad, a.shape)
+            raise PlanError(f"{name}[{', '.join(map(str, where))}] = {a[where]} is outside int32"
+                            + (f" (request {where[0]})" if ndim == 1 else ""))
+    out = np.array(a, dtype=np.int32)
+    out.flags.writeable = False
+    return out
+
+
+def positive_int(name: str, value) -> int:
+    """value as a Python int if it is an integer >= 1 (bool excluded), else PlanError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise PlanError(f"{name}: expected a positive integer, got {value!r}")
+    if value < 1 or value > INT32_MAX:
+        raise PlanError(f"{name}: expected an integer in 1..{INT32_MAX}, got {value}")
+    return int(value)
+
+
+def _same_or_none(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
+
+
+def array_field(**kw):
+    """An attrs field holding a numpy array: compared by value, shown by shape."""
+    return attrs.field(eq=attrs.cmp_using(eq=np.array_equal), repr=lambda a: f"array{a.shape}", **kw)
+
+
+def optional_array_field(**kw):
+    """An attrs field holding a numpy array or None (default None)."""
+    return attrs.field(default=None, eq=attrs.cmp_using(eq=_same_or_none), repr=False, **kw)
+
+
+def read_only(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        a.flags.writeable = False

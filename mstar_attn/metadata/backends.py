@@ -1,0 +1,79 @@
+"""The backend registry: what each backend serves, as plain data (no GPU import, nothing above).
+
+`BACKENDS[name]` says which module implements a backend, which dtypes, head dims and step modes it
+serves and which third-party package it needs. The pool and `kernels.run` find a backend's module
+by name at run time (`load`), so nothing below `kernels/` imports a backend at import time.
+
+Every backend module exposes:
+    write_kv(step, k, v, cache)                  store the step's new K/V in the paged cache
+    run(step, q, cache, group=0, k=None, v=None)  attention for one layer of layer group `group`
+    Scheduler(pool)  (GPU backends)               host-side scheduling, called by pool.commit
+Several names may share one module (FlashInfer paged and ragged): the module reads
+`step.plan.backend` to pick the kernel.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+import attrs
+import torch
+
+from mstar_attn.metadata.errors import PlanError
+
+HALF = frozenset({torch.float16, torch.bfloat16})
+ALL_MODES = frozenset({"decode", "prefill", "verify", "mixed", "extend"})
+AUTO = "auto"  # spec.backend: build_plan picks per step (metadata.select.select_backend)
+
+
+@attrs.frozen
+class Capabilities:
+    """module: the backend's module path. modes: Mode values it serves. prefix_free: it attends
+    over the step's new K/V only (ragged / varlen), so every request's KV must be new this step.
+    package: what it imports (flash_attn.cute, not flash_attn: FlashAttention-2 has no cute).
+    host_plans: it reads host plan arrays and needs no pool (the reference backend)."""
+
+    module: str
+    dtypes: frozenset
+    head_dims: frozenset | None = None  # None: any
+    modes: frozenset = ALL_MODES
+    prefix_free: bool = False
+    package: str | None = None  # the third-party module it imports (None: torch only)
+    needs_finite_cache: bool = False  # its kernel reads whole pages, rows past each sequence included
+
+    def check(self, spec, name: str) -> None:
+        """PlanError unless this backend serves spec's dtype and head_dim."""
+        if spec.dtype not in self.dtypes:
+            raise PlanError(f"spec.dtype: backend {name!r} serves {sorted(map(str, self.dtypes))}, not {spec.dtype}")
+        if self.head_dims is not None and spec.head_dim not in self.head_dims:
+            raise PlanError(f"spec.head_dim: backend {name!r} serves head dims {sorted(self.head_dims)}, not {spec.head_dim}")
+
+
+_FA = "mstar_attn.kernels.flash_attn"
+_FI = "mstar_attn.kernels.flashinfer"
+_FI_DIMS = frozenset({64, 128, 256})
+_FA_DIMS = frozenset({64, 96, 128})
+BACKENDS: dict[str, Capabilities] = {
+    "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}),
+    "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer"),
+    "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer"),
+    "flash_attn": Capabilities(_FA, HALF, _FA_DIMS, package="flash_attn.cute", needs_finite_cache=True),
+    "flash_attn_varlen": Capabilities(_FA, HALF, _FA_DIMS, frozenset({"prefill"}), True, "flash_attn.cute"),
+}
+
+
+def capabilities(name: str) -> Capabilities:
+    """BACKENDS[name], or PlanError naming the known backends."""
+    caps = BACKENDS.get(name)
+    if caps is None:
+        raise PlanError(f"backend: unknown backend {name!r} (known: {sorted(BACKENDS)})")
+    return caps
+
+
+def load(name: str) -> ModuleType:
+    """The module implementing backend `name`, imported on first use (GPU packages load only here).
+    Later calls cost one dict lookup in sys.modules."""
+    module = capabilities(name).module
+    return sys.modules.get(module) or importlib.import_module(module)

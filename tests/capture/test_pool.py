@@ -1,0 +1,186 @@
+"""GraphBufferPool's bookkeeping on the CPU: what lands in the device buffers, how many bytes a commit
+copies, bounded state, stale steps, all-or-nothing commits. (A CPU pool's copies are synchronous,
+so its events are always done; the reference backend needs no scheduler.)"""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import LayerGroup, PagedKVCache, PlanError, StaleStepError, build_plan, kernels
+from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
+from tests.helpers import fresh_seed, random_batch, spec_for
+
+GROUPS = (LayerGroup(), LayerGroup("window", window=9))
+
+
+def pool_for(spec, **kw):
+    kw.setdefault("max_batch_size", 64)
+    kw.setdefault("max_num_tokens", 512)
+    kw.setdefault("max_num_pages", spec.num_pages)
+    kw.setdefault("buckets", (1, 2, 4, 8, 16))
+    return GraphBufferPool(spec, device="cpu", **kw)
+
+
+def device_arrays(step):
+    """What the step's device views hold, as numpy."""
+    return dict(qo=step.qo_indptr.numpy(), slots=step.slot_mapping.numpy(),
+                groups=[(g.kv_indptr.numpy(), g.kv_indices.numpy(), g.kv_last_page_len.numpy(), g.kv_lens.numpy())
+                        for g in step.groups])
+
+
+@pytest.mark.parametrize("q, kv", [([1] * 5, [3, 17, 30, 1, 9]), ([4] * 3, [5, 22, 40]), ([3, 9], [3, 30]),
+                                   ([1] * 20, list(range(1, 21)))], ids=["decode", "verify", "prefill", "decode-past-buckets"])
+def test_device_buffers_hold_the_plan_and_padding_reads_the_scratch_page(q, kv):
+    seed = fresh_seed()
+    spec = spec_for(page_size=4, num_pages=200, groups=GROUPS)
+    plan = build_plan(random_batch(np.random.default_rng(seed), q, kv, 4, 200, extra=1), spec)
+    pool = pool_for(spec)
+    step = pool.commit(plan)
+    got = device_arrays(step)
+    B, T = plan.batch_size, plan.num_tokens
+    bucket = pool.bucket_for(plan)
+    assert step.bucket == bucket and step.rows == (bucket or B)
+    assert np.array_equal(got["qo"][: B + 1], plan.qo_indptr) and np.array_equal(got["slots"][:T], plan.slot_mapping)
+    for (indptr, indices, lpl, lens), gp in zip(got["groups"], plan.groups):
+        n = gp.kv_indices.shape[0]
+        assert np.array_equal(indptr[: B + 1], gp.kv_indptr) and np.array_equal(indices[:n], gp.kv_indices)
+        assert np.array_equal(lpl[:B], gp.kv_last_page_len) and np.array_equal(lens[:B], gp.kv_lens)
+        pad = step.rows - B  # padding requests: q_len tokens of the scratch page, nothing else
+        assert (indices[n:] == spec.scratch_page).all() and indices.shape[0] == n + pad * -(-step.q_len // 4)
+        assert (lens[B:] == step.q_len).all() and np.array_equal(np.diff(indptr)[B:], [-(-step.q_len // 4)] * pad)
+    assert step.num_rows == (step.rows * step.q_len if bucket else T)
+    assert (got["slots"][T:] // 4 == spec.scratch_page).all(), f"seed {seed}"
+
+
+def test_a_one_request_decode_copies_its_own_arrays_only():
+    """Byte counter: qo_indptr [2], per group indptr [2], last_page_len [1], kv_lens [1], one int64 slot,
+    then 4 bytes per page each group reads: nothing of the rest of the pool's buffers."""
+    spec = spec_for(page_size=16, num_pages=5000, groups=GROUPS)
+    pool = pool_for(spec, max_batch_size=256, max_num_tokens=8192, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+    plan = build_plan(random_batch(np.random.default_rng(0), [1], [2000], 16, 5000), spec)
+    pool.commit(plan)
+    pages = sum(gp.kv_indices.shape[0] for gp in plan.groups)  # 125 + 1 (the window group reads one page)
+    head = (2 + 2 * (2 + 1 + 1)) * 4 + 8
+    assert pool.last_commit_bytes == head + 4 * pages == 48 + 4 * 126
+    assert pool.layout.size * 4 > 100 * pool.last_commit_bytes  # what one copy of the whole slot would move
+
+
+def test_views_are_cached_for_bucketed_shapes_only():
+    """Thousands of distinct eager (prefill / extend) shapes leave no bookkeeping behind; the view
+    cache is bounded by slots x buckets x q_lens."""
+    rng = np.random.default_rng(fresh_seed())
+    spec = spec_for(page_size=4, num_pages=4000, groups=GROUPS)
+    pool = pool_for(spec, max_num_tokens=2048)
+    for i in range(2000):
+        B = int(rng.integers(2, 30))
+        q = rng.integers(2, 40, B)
+        q[0] = 1 + (i % 2) * 40  # a decode row beside chunks (mixed), or a long chunk: never bucketed
+        kv = q + rng.integers(0, 20, B) * rng.integers(0, 2, B)
+        step = pool.commit(build_plan(random_batch(rng, q, kv, 4, 4000), spec))
+        assert step.bucket is None
+    assert not pool._views
+    for B in range(1, 17):
+        for q_len in (1, 4, MAX_VERIFY_Q_LEN):
+            plan = build_plan(random_batch(rng, [q_len] * B, rng.integers(q_len + 1, 30, B), 4, 4000), spec)
+            pool.commit(plan), pool.commit(plan)  # once per slot
+    assert len(pool._views) == pool.num_slots * len(pool.buckets) * 3
+
+
+def test_stale_steps_are_refused_and_live_ones_run():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=4, num_pages=300, groups=GROUPS)
+    pool = pool_for(spec)
+    cache = PagedKVCache.allocate(spec)
+    plans = [build_plan(random_batch(rng, [1, 1], [5, 9], 4, 300), spec) for _ in range(3)]
+    steps = [pool.commit(p) for p in plans]  # two slots: the third commit reuses the first's slot
+    q = torch.randn(2, 4, 16)
+    assert not steps[0].live and steps[1].live and steps[2].live
+    with pytest.raises(StaleStepError, match=r"stale: pool slot 0 has been committed again"):
+        kernels.run(steps[0], q, cache)
+    with pytest.raises(StaleStepError):
+        kernels.write_kv(steps[0], torch.randn(2, 2, 16), torch.randn(2, 2, 16), cache)
+    for step in steps[1:]:
+        assert torch.equal(kernels.run(step, q, cache), kernels.run(step.plan, q, cache))
+
+
+def test_a_failed_check_changes_nothing():
+    """Every check runs before any state changes: a plan too large for the pool, or for another
+    spec, raises PlanError and the pool's slots, generations, counters and live steps stay."""
+    rng = np.random.default_rng(fresh_seed())
+    spec = spec_for(page_size=4, num_pages=1200, groups=GROUPS)
+    pool = pool_for(spec, max_batch_size=8, max_num_tokens=40, max_num_pages=60, buckets=(1, 2, 4, 8))
+    live = pool.commit(build_plan(random_batch(rng, [1, 1], [5, 9], 4, 300), spec))
+    before = (pool.next_slot, list(pool.generations), pool.bytes_to_device, [d.clone() for d in pool.dev])
+    too_big = [
+        build_plan(random_batch(rng, [1] * 9, [3] * 9, 4, 300), spec),  # batch
+        build_plan(random_batch(rng, [300], [300], 4, 300), spec),  # tokens (past the verify padding room too)
+        build_plan(random_batch(rng, [1, 1], [800, 300], 4, 1200), spec),  # pages (275 > 60 + 8 x 5 of padding room)
+        build_plan(random_batch(rng, [1], [5], 4, 300), spec_for(page_size=4, num_pages=1200)),  # another spec
+    ]
+    for plan in too_big:
+        with pytest.raises(PlanError, match="commit"):
+            pool.commit(plan)
+    assert (pool.next_slot, pool.generations, pool.bytes_to_device) == before[:3]
+    assert all(torch.equal(a, b) for a, b in zip(pool.dev, before[3])) and live.live
+    with pytest.raises(PlanError, match="slot 5"):
+        pool.commit(live.plan, slot=5)
+
+
+def test_a_scheduler_failure_leaves_the_pool_usable(monkeypatch):
+    """A backend whose host scheduling raises mid-commit (after the copy): the commit raises, its
+    slot's previous step is stale (its buffers were overwritten), and the next commit works."""
+    from mstar_attn.kernels import flash_attn as fa
+
+    monkeypatch.setattr(fa, "_varlen_func", lambda: None)
+    rng = np.random.default_rng(fresh_seed())
+    spec = spec_for(page_size=4, num_pages=300, groups=GROUPS, dtype=torch.bfloat16, head_dim=64, backend="flash_attn")
+    pool = pool_for(spec)
+    first = pool.commit(build_plan(random_batch(rng, [1, 1], [5, 9], 4, 300), spec))
+    sched = pool.scheduler_for("flash_attn")
+
+    def broken(step):
+        raise RuntimeError("scheduler broke")
+
+    monkeypatch.setattr(sched, "schedule", broken)
+    with pytest.raises(RuntimeError, match="scheduler broke"):
+        pool.commit(build_plan(random_batch(rng, [1], [7], 4, 300), spec))
+    monkeypatch.undo()
+    monkeypatch.setattr(fa, "_varlen_func", lambda: None)
+    assert first.live  # the failed commit went to the other slot
+    again = pool.commit(build_plan(random_batch(rng, [1, 1, 1], [5, 9, 13], 4, 300), spec))
+    assert again.live and again.scheduled[0].shape[0] == again.rows
+
+
+def test_scratch_plans_commit_and_capture_shapes():
+    spec = spec_for(page_size=4, num_pages=50, groups=GROUPS)
+    pool = pool_for(spec)
+    for b in pool.buckets:
+        for q_len in (1, 4, 16):
+            step = pool.commit(scratch_plan(spec, b, q_len))
+            assert step.bucket == b and step.num_rows == b * q_len
+            assert (step.slot_mapping.numpy() // 4 == spec.scratch_page).all()
+
+
+def test_pool_arguments_are_checked():
+    spec = spec_for(page_size=4, num_pages=50)
+    for kw, match in [(dict(max_batch_size=0), "max_batch_size"), (dict(max_num_tokens=-1), "max_num_tokens"),
+                      (dict(buckets=(1, 2.5)), "buckets"), (dict(num_slots=0), "num_slots"),
+                      (dict(float_workspace_bytes=0), "float_workspace_bytes")]:
+        with pytest.raises(PlanError, match=match):
+            pool_for(spec, **kw)
+    with pytest.raises(PlanError, match="scheduler_options|unexpected|got an unexpected"):
+        try:
+            pool_for(spec, scheduler_option_typo=1)
+        except TypeError as e:  # typos are not swallowed: Python names the argument
+            raise PlanError(str(e)) from e
+
+
+def test_memory_report_counts_what_the_pool_holds():
+    spec = spec_for(page_size=4, num_pages=50, groups=GROUPS)
+    pool = pool_for(spec)
+    report = pool.memory_report()
+    assert report.components["pool slot buffers"] == (pool.layout.size * 4 * 2, 0)
+    assert report.device == sum(t.numel() * 4 for t in pool.dev) and report.pinned == 0  # a CPU pool pins nothing
+    assert "total" in str(report)

@@ -1,0 +1,50 @@
+"""AttentionSpec and LayerGroup: every field checked at construction, by name."""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import AttentionSpec, LayerGroup, PlanError
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(backend="flashinfer", head_dim=96), r"spec.head_dim: backend 'flashinfer'"),
+        (dict(backend="flashinfer", dtype=torch.float32), r"spec.dtype: backend 'flashinfer'"),
+        (dict(backend="nope"), r"unknown backend"),
+        (dict(num_kv_heads=4), r"multiple of num_kv_heads"),
+        (dict(page_size=0), r"page_size: expected an integer in 1"),
+        (dict(page_size=2.0), r"page_size: expected a positive integer"),
+        (dict(num_pages=True), r"num_pages: expected a positive integer"),
+        (dict(num_pages=2**31 - 1), r"num_pages"),
+        (dict(head_dim="64"), r"head_dim: expected a positive integer"),
+        (dict(dtype="bfloat16"), r"spec.dtype: expected a torch.dtype"),
+        (dict(sm_scale=float("nan")), r"sm_scale: expected a finite number"),
+        (dict(sm_scale=-1.0), r"sm_scale must be positive"),
+        (dict(soft_cap=float("inf")), r"soft_cap: expected a finite number"),
+        (dict(groups=("causal",)), r"groups\[0\]: expected a LayerGroup"),
+        (dict(layer_groups=(0, True)), r"layer_groups\[1\]"),
+        (dict(backend=None), r"unknown backend"),
+        (dict(layer_groups=(0, 1)), r"layer_groups\[1\]"),
+        (dict(soft_cap=-1.0), r"soft_cap"),
+    ],
+)
+def test_spec_errors(kwargs, match):
+    args = dict(num_qo_heads=6, num_kv_heads=2, head_dim=64, page_size=16, num_pages=8, dtype=torch.bfloat16, backend="reference")
+    args.update(kwargs)
+    with pytest.raises(PlanError, match=match):
+        AttentionSpec(**args)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kind="window"), dict(kind="causal", window=3), dict(kind="window", window=0),
+                                    dict(kind="window", window=2.5), dict(kind="sliding")])
+def test_layer_group_errors(kwargs):
+    with pytest.raises(PlanError, match="window|kind"):
+        LayerGroup(**kwargs)
+
+
+def test_scratch_page_and_cache_shape():
+    spec = AttentionSpec(8, 2, 64, 16, 100, backend="reference")
+    assert spec.scratch_page == 100 and spec.cache_shape == (101, 16, 2, 64)
+    assert AttentionSpec(8, 2, 64, np.int64(16), 100).page_size == 16
