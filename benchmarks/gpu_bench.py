@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from benchmarks import cases
-from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn import PagedKVCache, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
-from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.capture.pool import FLOAT_WORKSPACE_BYTES, GraphBufferPool
 from mstar_attn.kernels import flashinfer as fi
 from mstar_attn.tuning import copy_TBps, event_median_us, host_median_us
 
@@ -78,9 +78,10 @@ def main(out_dir: str) -> None:
     torch.manual_seed(0)
     spec = cases.spec()
     results = {"device": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__, "torch": torch.__version__}
-    cache = PagedKVCache(torch.randn(cases.NUM_PAGES, 16, 8, 128, device=DEV, dtype=torch.bfloat16),
-                         torch.randn(cases.NUM_PAGES, 16, 8, 128, device=DEV, dtype=torch.bfloat16))
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    cache = PagedKVCache.allocate(spec, DEV)  # + the scratch page
+    for t in (cache.k, cache.v):
+        t.normal_()
+    ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
     pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=32768, max_num_pages=cases.NUM_PAGES - 256)
     for name, k in (("fast_replan", pool.scheduler_for("flashinfer").use_fast),):
         results[name] = k

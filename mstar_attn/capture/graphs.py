@@ -44,8 +44,6 @@ class DecodeGraphs:
 
     def _check_capture(self, buckets, q_lens, backends) -> None:
         pool = self.pool
-        if pool.device.type != "cuda":
-            raise PlanError(f"DecodeGraphs.capture: CUDA graphs need a CUDA pool, not {pool.device}")
         bad = [b for b in buckets if b not in pool.buckets]
         if bad:
             raise PlanError(f"DecodeGraphs.capture: buckets {bad} are not the pool's buckets {pool.buckets}: "
@@ -63,6 +61,8 @@ class DecodeGraphs:
         short = [n for n, t in self.inputs.items() if t.shape[0] < rows]
         if short:
             raise PlanError(f"DecodeGraphs.capture: inputs {short} have fewer than {rows} rows (largest bucket x q_len)")
+        if pool.device.type != "cuda":
+            raise PlanError(f"DecodeGraphs.capture: CUDA graphs need a CUDA pool, not {pool.device}")
 
     def capture(self, buckets: tuple[int, ...] | None = None, q_lens: tuple[int, ...] = (1,),
                 backends: tuple[str, ...] | None = None) -> None:

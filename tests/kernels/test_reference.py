@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import Kind, LayerGroup, PagedKVCache, build_plan
+from mstar_attn import Kind, LayerGroup, build_plan
 from mstar_attn.kernels import reference
-from tests.helpers import make_step, naive_attention, random_batch, spec_for
+from tests.helpers import (
+    assert_close_per_request, fresh_seed, make_step, naive_attention, random_batch, request_errors, spec_for,
+)
 
 GROUPS = (LayerGroup(), LayerGroup("window", window=37), LayerGroup("noncausal"))
 
@@ -30,10 +32,6 @@ def check_against_naive(seed, q_lens, kv_lens, page_size, dtype=torch.float32, *
         err = ((out.double() - want).norm() / want.norm()).item()
         assert err < TOL[dtype], f"seed {seed}, group {group}: relative error {err:.2e}"
     return plan
-
-
-def fresh_seed():
-    return int(np.random.SeedSequence().entropy % 2**31)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -79,7 +77,7 @@ def test_write_kv_touches_only_the_steps_slots():
     v = torch.randn_like(k)
     reference.write_kv(plan, k, v, cache)
     k_flat, v_flat = cache.flat()
-    slots = torch.from_numpy(plan.slot_mapping)
+    slots = torch.tensor(plan.slot_mapping)
     assert torch.equal(k_flat[slots], k) and torch.equal(v_flat[slots], v)
     changed = (cache.k != before_k).flatten(0, 1).any(-1).any(-1).nonzero().flatten()
     assert set(changed.tolist()) <= set(slots.tolist())
@@ -93,3 +91,26 @@ def test_layer_groups_map_layers_to_plans():
     spec = spec_for(groups=GROUPS, layer_groups=(0, 1, 1, 2))
     plan = build_plan(random_batch(np.random.default_rng(0), [1], [50], 16, spec.num_pages), spec)
     assert [plan.group_for_layer(i).group.kind for i in range(4)] == [Kind.CAUSAL, Kind.WINDOW, Kind.WINDOW, Kind.NONCAUSAL]
+
+
+def test_per_request_check_sees_one_dropped_key():
+    """The negative control of assert_close_per_request: drop the newest key of a 1,000-token
+    request in a batch of short ones (what an off-by-one in a kernel's kv length does). The
+    batch-wide norm barely moves; the per-request check fails that request, and only it.
+    (Measured over 12 seeds: the dropped key moves a 1,000-token request by 2.1e-2..5.7e-2, a
+    4,100-token one by 1.0e-2..2.3e-2, against the bf16 bound of 7.8e-3.)"""
+    seed = fresh_seed()
+    spec, plan, cache, q, *_ = make_step(seed, [1] * 5, [1000, 3, 9, 17, 30], 16, heads=(32, 8), head_dim=128)
+    want = reference.run(plan, q, cache)
+    g = plan.groups[0]
+    short = type(g)(g.group, g.kv_indptr, g.kv_indices, g.kv_last_page_len, g.kv_lens - np.array([1, 0, 0, 0, 0], np.int32))
+    from attrs import evolve
+
+    broken = reference.run(evolve(plan, groups=(short,)), q, cache)  # request 0 misses its own (newest) key
+    batch_wide = ((broken - want).norm() / want.norm()).item()
+    per_request = request_errors(broken, want, plan)
+    assert batch_wide < 1e-2, (f"seed {seed}", batch_wide)  # a batch-wide check at the old tolerance passes
+    assert per_request[0][0] > 2 * 2 * 2.0**-8, (f"seed {seed}", per_request[0])  # over twice the bf16 bound
+    assert all(e[0] == 0 for e in per_request[1:])
+    with pytest.raises(AssertionError, match="request 0 of 5"):
+        assert_close_per_request(broken, want, plan, torch.bfloat16, f"seed {seed}")
