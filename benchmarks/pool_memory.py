@@ -22,7 +22,7 @@ import json
 import sys
 import time
 
-NUM_PAGES = 8192
+NUM_PAGES = 40000
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 

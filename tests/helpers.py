@@ -56,6 +56,8 @@ def random_pages(rng: np.random.Generator, kv_lens, page_size: int, num_pages: i
     """Distinct random pages for each request: exactly what it needs plus up to `extra` spare."""
     need = [(int(k) + page_size - 1) // page_size for k in kv_lens]
     counts = [n + int(rng.integers(0, extra + 1)) for n in need]
+    if sum(counts) > num_pages:
+        raise ValueError(f"random_pages: {sum(counts)} pages asked of a pool of {num_pages}")
     perm = rng.permutation(num_pages)[: sum(counts)].astype(np.int32)
     return np.split(perm, np.cumsum(counts)[:-1])
 
@@ -141,6 +143,7 @@ def gpu_pool(spec, **kw):
     """A GraphBufferPool on CUDA sized for the GPU tests' steps."""
     from mstar_attn.capture.pool import GraphBufferPool
 
+    kw.setdefault("max_pages_per_request", 5000)  # FA4's page tables: 4,100-token requests at page size 1
     return GraphBufferPool(spec, max_batch_size=kw.pop("max_batch_size", 300), max_num_tokens=4096,
                            max_num_pages=spec.num_pages, device="cuda", **kw)
 

@@ -87,6 +87,8 @@ class GraphBufferPool:
         self.layout = Layout(max_batch, max(self.max_num_tokens, top * max_q),
                              max_num_pages + top * -(-(max_q + 1) // ps), len(spec.groups))
         cuda = self.device.type == "cuda"
+        if cuda and self.device.index is None:  # "cuda": the current device, fixed now
+            self.device = torch.device("cuda", torch.cuda.current_device())
         slots = positive_int("num_slots", num_slots)
         self.host = [torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=cuda) for _ in range(slots)]
         self.host_np = [h.numpy() for h in self.host]
@@ -181,16 +183,17 @@ class GraphBufferPool:
                 self._views[(s, rows, num_rows)] = views
         ranges = self._stage(s, plan, views[0], rows, q_len, num_rows)
 
-        side = None
-        if stream is not None and self.device.type == "cuda" and stream != torch.cuda.current_stream(self.device):
-            side = stream
+        cuda = self.device.type == "cuda"
+        here = torch.cuda.current_stream(self.device.index) if cuda else None  # (an int index: no device lookup)
+        side = stream if stream is not None and cuda and stream != here else None
         self.generations[s] += 1  # from here on the slot's previous step is stale
         self.next_slot = (s + 1) % self.num_slots
         self.last_commit_bytes = 0
         host, dev = self.host[s], self.dev[s]
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            on = side or here  # the stream this commit's copies and host scheduling run on
             try:
-                self._after_consumer(s)
+                self._after_consumer(s, on)
                 for a, b in self._copy_ranges(ranges):
                     self.upload(dev[a:b], host[a:b])
                 offsets, qo, h_qo, slots, group_views = views
@@ -202,19 +205,17 @@ class GraphBufferPool:
                 if scheduler is not None:  # (a second constructor call is cheaper than attrs.evolve)
                     step = DeviceStep(*fields, scheduler.schedule(step))
             finally:
-                self.ready[s].record()
+                self.ready[s].record(on)
                 self.bytes_to_device += self.last_commit_bytes
         return step
 
-    def _after_consumer(self, s: int) -> None:
-        """If a step of slot s was waited for on another stream, make this commit's stream wait (on
-        the GPU) for what that stream has queued so far: kernels that may still read the slot."""
+    def _after_consumer(self, s: int, on) -> None:
+        """If a step of slot s was waited for on another stream, make this commit's stream `on` wait
+        (on the GPU) for what that stream has queued so far: kernels that may still read the slot."""
         consumer, self.consumers[s] = self.consumers[s], None
-        if consumer is not None and self.device.type == "cuda":
-            here = torch.cuda.current_stream(self.device)
-            if consumer != here:
-                self._reuse[s].record(consumer)
-                here.wait_event(self._reuse[s])
+        if consumer is not None and on is not None and consumer != on:
+            self._reuse[s].record(consumer)
+            on.wait_event(self._reuse[s])
 
     def _stage(self, s: int, plan: AttentionPlan, offsets, rows: int, q_len: int, num_rows: int) -> list[tuple[int, int]]:
         """Write the step into slot s's pinned staging. Returns one int32 range per group: group g's

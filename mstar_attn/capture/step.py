@@ -85,7 +85,7 @@ class DeviceStep:
         queued kernel still reads."""
         self.check_live("wait")
         if self.pool.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.pool.device) if stream is None else stream
+            stream = torch.cuda.current_stream(self.pool.device.index) if stream is None else stream
             stream.wait_event(self.pool.ready[self.slot])
             self.pool.consumers[self.slot] = stream
         self._waited[0] = True

@@ -48,7 +48,7 @@ def _tensor(t, name: str, heads: int, plan: AttentionPlan, device, where: str, d
         raise PlanError(f"{where}: {name} has shape {tuple(shape)}; expected [rows, {heads}, {plan.spec.head_dim}]")
     if t.dtype not in dtypes:
         raise PlanError(f"{where}: {name} is {t.dtype}; this step takes {' or '.join(map(str, dtypes))} (spec.dtype)")
-    if t.device != device:
+    if t.get_device() != device.index if device.type == "cuda" else t.device != device:
         raise PlanError(f"{where}: {name} is on {t.device}, the cache on {device}")
     return t
 

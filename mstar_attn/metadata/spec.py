@@ -98,6 +98,8 @@ class AttentionSpec:
     groups: tuple[LayerGroup, ...] = attrs.field(default=(LayerGroup(),), converter=_groups)
     layer_groups: tuple[int, ...] = attrs.field(default=(0,), converter=_layer_groups)
     backend: str = "flashinfer"  # a BACKENDS name, or "auto": build_plan picks per step
+    cache_shape: tuple[int, int, int, int] = attrs.field(init=False, eq=False, repr=False)
+    """Shape of each layer's K and V: [num_pages + 1 (the scratch page), page_size, kv_heads, head_dim]."""
 
     @sm_scale.default
     def _default_scale(self):  # a bad head_dim is reported by its validator, not here
@@ -129,6 +131,8 @@ class AttentionSpec:
             raise PlanError(f"spec.backend: unknown backend {self.backend!r} (known: {sorted(BACKENDS)} or {AUTO!r})")
         name = "flashinfer" if self.backend == AUTO else self.backend  # auto falls back to FlashInfer paged
         BACKENDS[name].check(self, name)
+        shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))
+        object.__setattr__(self, "cache_shape", shape)
 
     @property
     def gqa_group(self) -> int:
@@ -138,11 +142,6 @@ class AttentionSpec:
     def scratch_page(self) -> int:
         """The cache page no request owns (see the class doc)."""
         return self.num_pages
-
-    @property
-    def cache_shape(self) -> tuple[int, int, int, int]:
-        """Shape of each layer's K and V: [num_pages + 1 (the scratch page), page_size, kv_heads, head_dim]."""
-        return (self.num_pages + 1, self.page_size, self.num_kv_heads, self.head_dim)
 
     def group_of(self, layer: int) -> int:
         return self.layer_groups[layer]

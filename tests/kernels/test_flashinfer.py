@@ -158,9 +158,9 @@ def test_wrappers_share_the_slot_workspaces():
     and the pool's memory report counts each workspace once."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    spec = AttentionSpec(32, 8, 128, 16, 3000, groups=GPU_GROUPS[:2])
+    spec = AttentionSpec(32, 8, 128, 16, 9000, groups=GPU_GROUPS[:2])
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=512, max_num_pages=3000, buckets=(4, 16, 64))
+    pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=512, max_num_pages=9000, buckets=(4, 16, 64))
     static = torch.zeros(256, 32, 128, device="cuda", dtype=torch.bfloat16)
     graphs = [DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g), {"q": static}) for g in range(2)]
     for gr in graphs:

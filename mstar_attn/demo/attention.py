@@ -1,0 +1,131 @@
+"""The attention seam: the engine's only attention call sites. GPU backends swap the class.
+
+StepAttention runs each step's plan eagerly through `kernels.write_kv` / `kernels.run` (the reference
+backend); PoolAttention commits plans into a GraphBufferPool and captures / replays the decode
+forward as CUDA graphs; `make_attention` picks one for a resolved DemoConfig or says why it cannot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from mstar_attn import AttentionPlan, AttentionSpec, BACKENDS, Mode, PagedKVCache, kernels
+from mstar_attn.demo.config import DemoConfig, DemoError
+from mstar_attn.kernels import ALL_MODES, AUTO
+
+
+class StepAttention:
+    """Attention through the backend each step's plan names (`kernels.write_kv` / `kernels.run`
+    dispatch on plan.backend): `bind(spec, ...)` once, `ctx = prepare(plan)` per step, then per layer
+    `write_kv(ctx, k, v, cache)` and `run(ctx, q, cache, group=g, k=k, v=v)`.
+
+    Here ctx is the plan itself and everything runs eagerly on the host's order. PoolAttention (GPU)
+    commits plans into device buffers and can capture the decode forward as CUDA graphs: `capture`,
+    `replays`, `replay` are its graph half, which this class does not have.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.spec: AttentionSpec | None = None
+        self.max_batch = 0
+
+    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int) -> None:
+        """Called once before the first step: the model's spec and the most requests / tokens a step has."""
+        self.spec, self.max_batch = spec, max_batch
+
+    def prepare(self, plan: AttentionPlan):
+        return plan
+
+    def rows(self, ctx) -> int:
+        """Token rows the forward feeds this step: q, k, v and every activation are [rows, ...]."""
+        return ctx.num_tokens
+
+    def write_kv(self, ctx, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
+        kernels.write_kv(ctx, k, v, cache)
+
+    def run(self, ctx, q: torch.Tensor, cache: PagedKVCache, group: int, k=None, v=None) -> torch.Tensor:
+        return kernels.run(ctx, q, cache, group, k, v)
+
+    @property
+    def capture_rows(self) -> int:
+        """Rows of the static input buffers `capture` needs (its largest captured batch)."""
+        return self.max_batch
+
+    def capture(self, fn: Callable[[Any, dict], torch.Tensor], static: dict[str, torch.Tensor]) -> int:
+        """Record fn(ctx, inputs) for every decode shape served later; returns the number of graphs."""
+        raise DemoError(f"--graphs needs a GPU backend (backend {self.name!r} runs eagerly); use --no-graphs")
+
+    def replays(self, ctx) -> bool:
+        """Whether `replay` serves this step from a captured graph."""
+        return False
+
+    def replay(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise DemoError(f"backend {self.name!r} has no captured graphs")
+
+
+class PoolAttention(StepAttention):
+    """A GPU backend: prepare commits the plan into a GraphBufferPool; capture records the decode
+    forward per (pool slot, bucket) with DecodeGraphs, and replay runs the graph of a committed step.
+
+    The pool's buckets are the powers of two up to the trace's largest batch, so every decode step
+    of the demo has a graph (with backend "auto", see `replays`). A captured graph reads only what
+    commit refreshes in place (the slot's device buffers, the backend state planned for that slot
+    and bucket), the static inputs it was captured on, the weights and the KV caches.
+    """
+
+    def __init__(self, name: str, device: str | torch.device = "cuda"):
+        super().__init__(name)
+        self.device = torch.device(device)
+        self.pool = self.graphs = None
+
+    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int) -> None:
+        super().bind(spec, max_batch, max_tokens)
+        try:
+            from mstar_attn.capture.pool import GraphBufferPool
+
+            self.pool = GraphBufferPool(spec, max_batch_size=max_batch, max_num_tokens=max_tokens,
+                                        max_num_pages=spec.num_pages, device=self.device)
+        except ImportError as e:
+            raise DemoError(f"backend {self.name!r} cannot load here: {e}") from e
+
+    def prepare(self, plan: AttentionPlan):
+        return self.pool.commit(plan)
+
+    def rows(self, ctx) -> int:
+        return ctx.num_rows  # decode: the bucket (padded); other modes: the step's tokens
+
+    @property
+    def capture_rows(self) -> int:
+        return max(self.pool.buckets)
+
+    def capture(self, fn: Callable[[Any, dict], torch.Tensor], static: dict[str, torch.Tensor]) -> int:
+        from mstar_attn.capture.graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.pool, fn, static)
+        self.graphs.capture()  # per bucket and slot; with --backend auto, per paged backend too
+        return len(self.graphs.graphs)
+
+    def replays(self, ctx) -> bool:
+        """A decode step with a graph captured for its bucket, slot and backend (see DecodeGraphs.serves)."""
+        return ctx.mode is Mode.DECODE and self.graphs.serves(ctx)
+
+    def replay(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.graphs(ctx, **inputs)
+
+
+def make_attention(cfg: DemoConfig) -> StepAttention:
+    """The attention seam for a resolved config; raises DemoError with the reason when it cannot run."""
+    if cfg.backend != AUTO and cfg.backend not in BACKENDS:
+        raise DemoError(f"unknown backend {cfg.backend!r} (known: {', '.join(sorted(BACKENDS))}, {AUTO})")
+    if cfg.backend != AUTO and BACKENDS[cfg.backend].modes != ALL_MODES:
+        raise DemoError(f"backend {cfg.backend!r} serves only {', '.join(sorted(BACKENDS[cfg.backend].modes))} steps "
+                        f"and the demo's trace has decode and mixed steps; use --backend {AUTO} to let each plan pick")
+    if cfg.gpu and not torch.cuda.is_available():
+        raise DemoError(f"backend {cfg.backend!r} needs a CUDA device and none is visible; use --backend reference")
+    if cfg.gpu and torch.device(cfg.device).type != "cuda":
+        raise DemoError(f"backend {cfg.backend!r} runs on CUDA, not on --device {cfg.device}")
+    if cfg.graphs and not cfg.gpu:
+        raise DemoError("--graphs needs a GPU backend (the reference backend runs eagerly); use --no-graphs")
+    return PoolAttention(cfg.backend, cfg.device) if cfg.gpu else StepAttention(cfg.backend)

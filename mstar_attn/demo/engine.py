@@ -1,0 +1,198 @@
+"""The engine loop's pieces: pages, requests, the trace, and one step's forward (eager or replayed, timed).
+
+Model-agnostic: the step's forward is the model adapter's `forward(model, attn, ctx, caches, ids,
+positions)` (see `llama.py`), handed to Engine by `run.run_demo`; attention goes through the seam.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+import torch
+
+from mstar_attn import AttentionPlan, PagedKVCache
+from mstar_attn.demo.attention import StepAttention
+from mstar_attn.demo.config import DemoConfig, DemoError
+
+# ----------------------------------------------------------------------------------------------------
+# Pages and requests.
+
+
+class PageAllocator:
+    """LIFO free list of page ids with reference counts (a shared prefix page is held by several
+    requests). `reused` counts allocations of pages some earlier request had already used."""
+
+    def __init__(self, num_pages: int):
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.refs = np.zeros(num_pages, np.int32)
+        self.seen = np.zeros(num_pages, np.bool_)
+        self.reused = 0
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise DemoError(f"out of KV pages: need {n}, {len(self.free)} free")
+        pages = [self.free.pop() for _ in range(n)]
+        self.reused += int(self.seen[pages].sum())
+        self.seen[pages] = True
+        self.refs[pages] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        self.refs[pages] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in reversed(pages):
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+
+
+@attrs.define
+class Request:
+    """One sequence. tokens = prompt + generated; the KV of tokens[:cached] is in `pages`.
+
+    The first `shared` tokens' pages came from another request (whole pages, read-only). `logits`
+    holds the engine's rows for positions shared .. len(tokens) - 2, float32 on the CPU, [n, vocab].
+    """
+
+    rid: int
+    arrival: int
+    prompt: list[int]
+    max_new: int
+    tokens: list[int] = attrs.field(init=False)
+    pages: list[int] = attrs.Factory(list)
+    cached: int = 0
+    shared: int = 0
+    logits: list[torch.Tensor] = attrs.Factory(list)
+
+    def __attrs_post_init__(self):
+        self.tokens = list(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) - len(self.prompt) >= self.max_new
+
+
+def make_trace(cfg: DemoConfig, rng: np.random.Generator) -> list[Request]:
+    """Requests 0 and 1 arrive at step 0, then one every 1-3 steps. Two of every three prompts open
+    with one of two shared "system prompts" (13 and 7 tokens); prompts are 3-24 tokens long and
+    each request generates 3-14 tokens."""
+    systems = [rng.integers(0, cfg.vocab, n).tolist() for n in (13, 7)]
+    reqs, step = [], 0
+    for i in range(cfg.requests):
+        step += 0 if i < 2 else int(rng.integers(1, 4))
+        head = systems[i % 2] if i % 3 != 2 else []
+        own = rng.integers(0, cfg.vocab, int(rng.integers(max(1, 3 - len(head)), 25 - len(head)))).tolist()
+        reqs.append(Request(i, step, head + own, int(rng.integers(3, 15))))
+    return reqs
+
+
+def share_prefix(req: Request, live: list[Request], pages: PageAllocator, page_size: int) -> None:
+    """Give `req` the whole cached pages of the live request with the longest common prefix.
+
+    Only full pages are shared, and at least one prompt token is left to compute (its logits give
+    the first generated token). Pages past the shared ones are the request's own, so no shared page
+    is ever written: the KV at a position depends only on the tokens up to it, identical for both.
+    """
+    best, n = None, 0
+    for other in live:
+        m = 0
+        for a, b in zip(req.prompt, other.tokens[: other.cached]):
+            if a != b:
+                break
+            m += 1
+        if m > n:
+            best, n = other, m
+    n = min(n, len(req.prompt) - 1) // page_size
+    if n:
+        req.pages = best.pages[:n]
+        pages.share(req.pages)
+        req.cached = req.shared = n * page_size
+
+
+# ----------------------------------------------------------------------------------------------------
+# One step's forward.
+
+
+def step_inputs(plan: AttentionPlan, tokens: list[int], rows: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The forward's inputs, one host-to-device copy: ids and positions [rows] int64 on `device`.
+
+    tokens: the step's T new token ids in plan row order. Rows T.. are bucket padding and repeat row
+    0: their attention reads one token of page 0 and their K/V write rewrites row 0's slot with row
+    0's values, so they change nothing, and a row's values never depend on other rows.
+    """
+    host = np.array([tokens, plan.positions], dtype=np.int64)  # [2, T]
+    host = np.concatenate([host, np.repeat(host[:, :1], rows - plan.num_tokens, axis=1)], axis=1)
+    both = torch.from_numpy(host).to(device)
+    return {"ids": both[0], "positions": both[1]}
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """fn() and how long it took in µs. On CUDA: CUDA events around it on the current stream, after a
+    sync so the GPU starts idle (host launch time shows up as GPU idle time, as in a real step);
+    elsewhere the host clock."""
+    if device.type != "cuda":
+        t0 = time.perf_counter_ns()
+        out = fn()
+        return out, (time.perf_counter_ns() - t0) / 1e3
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end) * 1e3
+
+
+class Engine:
+    """One step's forward through the attention seam: eagerly, or (graphs on) replayed.
+
+    `forward` is the model adapter's (e.g. `llama.forward`): (model, attn, ctx, caches, ids,
+    positions) -> logits [R, vocab], the eager path and the function decode graphs capture.
+    With graphs, each step the seam replays (a decode step of a captured bucket) first runs the same
+    forward eagerly, on the same committed step and the same padded inputs, then replays its graph;
+    both are timed (`timed`) into eager_us / graph_us. The eager run writes the very K/V bytes the
+    replay writes again, and the step returns the replay's logits. `aside_us`: host time of the
+    last step's eager measurement, which the run keeps out of its step times.
+    """
+
+    def __init__(self, forward: Callable[..., torch.Tensor], model, attn: StepAttention, caches: list[PagedKVCache],
+                 device: torch.device, graphs: bool):
+        self.forward, self.model, self.attn, self.caches = forward, model, attn, caches
+        self.device, self.graphs = device, graphs
+        self.commit_us: list[float] = []
+        self.graph_us: list[float] = []
+        self.eager_us: list[float] = []
+        self.aside_us = 0.0
+        self.num_graphs, self.capture_s = 0, 0.0
+
+    def fn(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The captured function: inputs "ids", "positions" [R] int64 -> logits [R, vocab]."""
+        return self.forward(self.model, self.attn, ctx, self.caches, inputs["ids"], inputs["positions"])
+
+    def capture(self) -> None:
+        """Static inputs for the largest bucket (zeros: token 0 at position 0), then the seam captures."""
+        t0 = time.perf_counter()
+        rows = self.attn.capture_rows
+        static = {name: torch.zeros(rows, dtype=torch.int64, device=self.device) for name in ("ids", "positions")}
+        self.num_graphs = self.attn.capture(self.fn, static)
+        self.capture_s = time.perf_counter() - t0
+
+    def __call__(self, plan: AttentionPlan, tokens: list[int]) -> torch.Tensor:
+        """Commit and run one step; returns logits [T, vocab] in the model dtype on the device."""
+        t0 = time.perf_counter_ns()
+        ctx = self.attn.prepare(plan)
+        self.commit_us.append((time.perf_counter_ns() - t0) / 1e3)
+        inputs = step_inputs(plan, tokens, self.attn.rows(ctx), self.device)
+        self.aside_us = 0.0
+        if not (self.graphs and self.attn.replays(ctx)):
+            return self.fn(ctx, inputs)[: plan.num_tokens]
+        t1 = time.perf_counter_ns()
+        self.eager_us.append(timed(lambda: self.fn(ctx, inputs), self.device)[1])
+        self.aside_us = (time.perf_counter_ns() - t1) / 1e3
+        logits, us = timed(lambda: self.attn.replay(ctx, inputs), self.device)
+        self.graph_us.append(us)
+        return logits[: plan.num_tokens]

@@ -1,0 +1,105 @@
+"""The serving loop: `run_demo` serves the trace through the engine and checks it against transformers.
+
+The model family is named here only: `llama.build_model` and `llama.forward` (a second family is a
+sibling module with the same two functions, swapped in on those lines).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from typing import TextIO
+
+import numpy as np
+import torch
+
+from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn.demo import llama
+from mstar_attn.demo.attention import StepAttention, make_attention
+from mstar_attn.demo.check import check_request
+from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError
+from mstar_attn.demo.engine import Engine, PageAllocator, make_trace, share_prefix
+from mstar_attn.demo.report import DemoResult, Progress, summary, write
+
+
+def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None = None, out: TextIO | None = None,
+             progress: TextIO | None = None) -> DemoResult:
+    """Serve the trace, check it against transformers, print a summary to `out` (None: silent) and the
+    progress bar to `progress` (None: none).
+
+    `attention` overrides the backend seam (tests pass a broken one to see the check fail).
+    """
+    cfg = cfg.resolve()
+    if cfg.dtype not in DTYPES:
+        raise DemoError(f"unknown dtype {cfg.dtype!r} (known: {', '.join(DTYPES)})")
+    if min(cfg.requests, cfg.layers, cfg.page_size, cfg.hidden) < 1:
+        raise DemoError("--requests, --layers, --hidden and --page-size must be >= 1")
+    dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
+    attn = attention or make_attention(cfg)
+    rng = np.random.default_rng(cfg.seed)
+    reqs = make_trace(cfg, rng)
+    ps = cfg.page_size
+    num_pages = sum(-(-(len(r.prompt) + r.max_new) // ps) for r in reqs)  # enough with no sharing at all
+    spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, ps, num_pages, dtype=dtype,
+                         layer_groups=(0,) * cfg.layers, backend=attn.name)
+    bar = Progress(progress, len(reqs))
+    with torch.inference_mode():
+        model = llama.build_model(cfg, dtype, device)
+        caches = [PagedKVCache.allocate(spec, device) for _ in range(cfg.layers)]
+        for c in caches:
+            c.k.zero_(), c.v.zero_()
+        # the largest batch, as a power of two (the decode buckets), and the most tokens one step can have
+        attn.bind(spec, 1 << (cfg.requests - 1).bit_length(), sum(len(r.prompt) for r in reqs) + len(reqs))
+        engine = Engine(llama.forward, model, attn, caches, device, cfg.graphs)
+        if cfg.graphs:
+            bar.note("capturing the decode forward as CUDA graphs ...")
+            engine.capture()  # before any request: capture's warm-up writes to page 0, which no one holds yet
+            bar.note(f"captured {engine.num_graphs} graphs in {engine.capture_s:.1f} s")
+        pages = PageAllocator(num_pages)
+        served: dict[str, Counter] = {}
+        plan_us, step_us = [], []
+        waiting, running, finished = deque(reqs), [], []
+        step = 0
+        while waiting or running:
+            if not running and waiting[0].arrival > step:
+                step = waiting[0].arrival  # idle: skip ahead to the next arrival
+            t0 = time.perf_counter_ns()
+            new = []
+            while waiting and waiting[0].arrival <= step:
+                new.append(waiting.popleft())
+                share_prefix(new[-1], running, pages, ps)
+            batch = [(running + new)[i] for i in rng.permutation(len(running) + len(new))]  # order is free
+            for r in batch:
+                r.pages += pages.alloc(-(-len(r.tokens) // ps) - len(r.pages))
+            step_batch = StepBatch.from_pages([len(r.tokens) - r.cached for r in batch], [len(r.tokens) for r in batch],
+                                              [r.pages for r in batch], ps)
+            t1 = time.perf_counter_ns()
+            plan = build_plan(step_batch, spec)
+            t2 = time.perf_counter_ns()
+            logits = engine(plan, [t for r in batch for t in r.tokens[r.cached :]]).float()
+            last = logits[torch.from_numpy(plan.qo_indptr[1:] - 1).to(device).long()].argmax(-1).tolist()
+            rows = logits.cpu()
+            for i, (r, tok) in enumerate(zip(batch, last)):
+                r.logits.append(rows[plan.qo_indptr[i] : plan.qo_indptr[i + 1]])
+                r.cached = len(r.tokens)
+                r.tokens.append(tok)
+                if r.done:
+                    pages.release(r.pages)
+                    finished.append(r)
+            running = [r for r in batch if not r.done]
+            served.setdefault(plan.backend, Counter())[plan.mode.value] += 1
+            plan_us.append((t2 - t1) / 1e3)
+            step_us.append((time.perf_counter_ns() - t0) / 1e3 - engine.aside_us)
+            step += 1
+            bar.update(len(finished), step)
+        bar.close(len(finished), step)
+        checks = [check_request(model, r, dtype) for r in sorted(finished, key=lambda r: r.rid)]
+    result = DemoResult(
+        cfg, len(step_us), sum(len(r.prompt) for r in reqs), sum(r.shared for r in reqs),
+        sum(r.shared > 0 for r in reqs), sum(r.max_new for r in reqs), served, pages.reused, plan_us, step_us, checks,
+        engine.commit_us, engine.graph_us, engine.eager_us, engine.num_graphs, engine.capture_s,
+        {r.rid: r.tokens for r in reqs},
+    )
+    if out is not None:
+        write(out, summary(result))
+    return result
