@@ -7,15 +7,7 @@ import torch
 
 from mstar_attn import Kind, PlanError
 from mstar_attn.dense import DenseAttention, build_dense_plan
-from tests.helpers import naive_attention
-
-
-def fresh_seed():
-    return int(np.random.SeedSequence().entropy % 2**31)
-
-
-def rel_err(a, b):
-    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+from tests.helpers import fresh_seed, naive_attention, rel_err
 
 
 def random_qkv(seed, plan, device="cpu"):
