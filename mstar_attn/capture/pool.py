@@ -204,14 +204,18 @@ class GraphBufferPool:
                 step = DeviceStep(*fields)
                 if scheduler is not None:  # (a second constructor call is cheaper than attrs.evolve)
                     step = DeviceStep(*fields, scheduler.schedule(step))
+                # a step committed on the current stream runs there (until step.wait() names another):
+                # a later commit into this slot from another stream must wait for it
+                self.consumers[s] = None if side is not None else here
             finally:
                 self.ready[s].record(on)
                 self.bytes_to_device += self.last_commit_bytes
         return step
 
     def _after_consumer(self, s: int, on) -> None:
-        """If a step of slot s was waited for on another stream, make this commit's stream `on` wait
-        (on the GPU) for what that stream has queued so far: kernels that may still read the slot."""
+        """If slot s's last step runs on another stream than this commit's `on` (it was committed
+        there, or waited for there), make `on` wait (on the GPU) for what that stream has queued so
+        far: kernels that may still read the slot."""
         consumer, self.consumers[s] = self.consumers[s], None
         if consumer is not None and on is not None and consumer != on:
             self._reuse[s].record(consumer)

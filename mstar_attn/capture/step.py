@@ -80,9 +80,10 @@ class DeviceStep:
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: the current one) wait on the GPU for this step's copies and
-        host-side scheduling copies; no host sync. The pool then makes the next commit into this
-        slot wait for the work queued on that stream so far, so it cannot overwrite buffers a
-        queued kernel still reads."""
+        host-side scheduling copies; no host sync. Run the step on that stream: the pool makes the
+        next commit into this slot wait for the work queued there so far, so it cannot overwrite
+        buffers a queued kernel still reads. (A step committed without `stream=` runs on the stream
+        that committed it, and needs no wait.)"""
         self.check_live("wait")
         if self.pool.device.type == "cuda":
             stream = torch.cuda.current_stream(self.pool.device.index) if stream is None else stream

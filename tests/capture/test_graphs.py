@@ -98,11 +98,12 @@ def test_capture_after_serving_leaves_every_requests_kv_untouched(backend):
 @gpu
 @pytest.mark.parametrize("backend", _gpu_backends())
 def test_commits_on_a_side_stream(backend):
-    """The stream contract. Commits run on a side stream while the compute stream is held back
-    by a GPU sleep; the compute stream waits for each step (step.wait()) and runs it. The commit
-    after next reuses the first step's slot: its copy must wait on the GPU for the compute stream's
-    queued kernels, or the first step would read the third step's pages. Every output matches the
-    reference per request; a step not waited for is refused by name."""
+    """The stream contract. Commits run on a side stream (and every third on the compute stream
+    itself) while the compute stream is held back by a GPU sleep; the compute stream waits for each
+    side-stream step (step.wait()) and runs it. The commit after next reuses a step's slot: its
+    copy must wait on the GPU for the compute stream's queued kernels, or the earlier step would
+    read the later step's pages. Every output matches the reference per request; a step not waited
+    for is refused by name."""
     from mstar_attn import kernels
 
     seed = fresh_seed()
@@ -112,18 +113,21 @@ def test_commits_on_a_side_stream(backend):
     pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=1024, max_num_pages=8000, buckets=(8, 64))
     side, compute = torch.cuda.Stream(), torch.cuda.current_stream()
     plans = [build_plan(random_batch(rng, [1] * int(b), rng.integers(2, 1500, int(b)), 16, 8000), spec)
-             for b in rng.integers(1, 64, 6)]
+             for b in rng.integers(1, 64, 9)]
     qs = [torch.randn(p.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16) for p in plans]
     for p, q in zip(plans, qs):  # warm up (JIT) outside the timed-out region
         kernels.run(pool.commit(p), q, cache)
     torch.cuda.synchronize()
     torch.cuda._sleep(300_000_000)  # the compute stream is busy for ~0.15 s
     outs = []
-    for p, q in zip(plans, qs):
-        step = pool.commit(p, stream=side)
-        with pytest.raises(PlanError, match="side stream"):
-            kernels.run(step, q, cache)
-        step.wait()  # the current (compute) stream waits for the commit's copies
+    for i, (p, q) in enumerate(zip(plans, qs)):
+        if i % 3 == 2:  # a commit on the compute stream itself: it runs there, no wait needed, and the
+            step = pool.commit(p)  # side-stream commit that next reuses its slot must wait for it
+        else:
+            step = pool.commit(p, stream=side)
+            with pytest.raises(PlanError, match="side stream"):
+                kernels.run(step, q, cache)
+            step.wait()  # the current (compute) stream waits for the commit's copies
         outs.append([kernels.run(step, q, cache, group=g) for g in range(2)])
     torch.cuda.synchronize()
     for i, (p, q, out) in enumerate(zip(plans, qs, outs)):
