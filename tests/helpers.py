@@ -169,6 +169,7 @@ def many_steps(run, backend: str, seed: int, steps: int = 200, **pool_kw) -> Non
     from mstar_attn.capture.pool import GraphBufferPool
 
     rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)  # q below: the printed seed replays the whole run
     spec = AttentionSpec(32, 8, 128, 16, 6000, groups=GPU_GROUPS[:2], backend=backend)
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32), **pool_kw)
@@ -206,6 +207,7 @@ def no_sync_on_the_step_path(backend, gpu_step, seed: int) -> None:
     gpu_step(seed, q_lens, kv_lens) -> make_step's tuple for this backend on CUDA."""
     from mstar_attn.capture.graphs import DecodeGraphs
 
+    torch.manual_seed(seed)
     spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [1] * 6, [10, 20, 30, 40, 50, 4000])
     pool = gpu_pool(spec)
     static = torch.zeros(8, 32, 128, device="cuda", dtype=torch.bfloat16)

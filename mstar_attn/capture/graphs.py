@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
-import attrs
 import torch
 
 from mstar_attn.capture.pool import GraphBufferPool
@@ -77,8 +76,7 @@ class DecodeGraphs:
         if self.memory is None:
             self.memory = torch.cuda.graph_pool_handle()
         for bucket, q_len, backend, slot in itertools.product(buckets, q_lens, backends, range(self.pool.num_slots)):
-            plan = attrs.evolve(scratch_plan(spec, bucket, q_len), backend=backend)
-            step = self.pool.commit(plan, slot=slot)
+            step = self.pool.commit(scratch_plan(spec, bucket, q_len, backend=backend), slot=slot)
             static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -92,13 +90,16 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def serves(self, step: DeviceStep) -> bool:
-        """Whether `step` replays a graph: bucketed, and captured for its q_len and its backend."""
-        return step.bucket is not None and (step.slot, step.bucket, step.q_len, step.plan.backend) in self.graphs
+        """Whether `step` replays a graph: this pool's, bucketed, and captured for its q_len and its backend."""
+        return (step.pool is self.pool and step.bucket is not None
+                and (step.slot, step.bucket, step.q_len, step.plan.backend) in self.graphs)
 
     def __call__(self, step: DeviceStep, **inputs: torch.Tensor) -> torch.Tensor:
         """fn(step, inputs), replayed when a graph serves the step; returns [plan.num_tokens, ...] rows."""
         if not isinstance(step, DeviceStep):
             raise PlanError(f"DecodeGraphs: step must be a DeviceStep, got {type(step).__name__}")
+        if step.pool is not self.pool:
+            raise PlanError("DecodeGraphs: the step was committed to another pool than the one these graphs read")
         step.check("DecodeGraphs")
         if not self.serves(step):
             return self.fn(step, inputs)
@@ -106,8 +107,14 @@ class DecodeGraphs:
             raise PlanError(f"DecodeGraphs: inputs {sorted(inputs)} differ from the captured {sorted(self.inputs)}")
         graph, out = self.graphs[(step.slot, step.bucket, step.q_len, step.plan.backend)]
         for name, t in inputs.items():
+            buf = self.inputs[name]
+            if not isinstance(t, torch.Tensor) or t.dtype != buf.dtype or t.device != buf.device or t.shape[1:] != buf.shape[1:]:
+                raise PlanError(f"DecodeGraphs: inputs[{name!r}] must be [rows, {', '.join(map(str, buf.shape[1:]))}] "
+                                f"{buf.dtype} on {buf.device} like the captured buffer, got "
+                                + (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
             if not step.accepts_rows(t.shape[0]):
                 raise PlanError(f"DecodeGraphs: inputs[{name!r}] has {t.shape[0]} rows; this step takes {step.rows_expected()}")
+        for name, t in inputs.items():
             self.inputs[name][: t.shape[0]].copy_(t)
         graph.replay()
         return out[: step.plan.num_tokens]

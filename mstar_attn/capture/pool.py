@@ -28,6 +28,7 @@ from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import AUTO, BACKENDS, load
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, AttentionPlan, Mode
+from mstar_attn.metadata.select import table_backends
 from mstar_attn.metadata.spec import AttentionSpec
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -54,9 +55,10 @@ class GraphBufferPool:
     spec: the model's AttentionSpec. max_batch_size, max_num_tokens, max_num_pages bound every
     committed plan: commit raises PlanError beyond them (max_num_pages bounds the pages one layer
     group of one step reads; the buffers also hold bucket padding and a whole capture-time
-    scratch plan, so a step may use that room too). buckets: decode / verify batch sizes that captured graphs serve; such
-    a step is padded up to the smallest bucket that holds it. num_slots: 2 (double buffering); 1
-    makes every commit wait for the GPU to finish the last. max_pages_per_request: the most pages
+    scratch plan, so a bucketed step may use that room too). buckets: decode / verify batch sizes
+    that captured graphs serve (those above max_batch_size are dropped); such a step is padded up
+    to the smallest bucket that holds it. num_slots: 2 (double buffering); with 1, every commit
+    waits until the copies of the one before it have run. max_pages_per_request: the most pages
     one request may read through a backend that takes a dense page table (FlashAttention; commit
     raises PlanError past it), default 2048 (32k tokens at page 16): set it to the longest context
     / page_size. float_workspace_bytes: FlashInfer's float workspace (its split-KV partial outputs).
@@ -71,14 +73,21 @@ class GraphBufferPool:
         if not isinstance(spec, AttentionSpec):
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.spec = spec
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise PlanError(f"device: {device!r} is not a torch device ({e})") from None
         max_batch = positive_int("max_batch_size", max_batch_size)
         self.max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         self.max_num_pages = positive_int("max_num_pages", max_num_pages)
-        self.buckets = tuple(sorted({positive_int("buckets", b) for b in buckets if b <= max_batch}))
+        if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+            raise PlanError(f"buckets: expected a sequence of batch sizes, got {buckets!r}")
+        # buckets above max_batch_size could never serve a step: dropped
+        self.buckets = tuple(sorted({b for b in (positive_int("buckets", b) for b in buckets) if b <= max_batch}))
         self.float_workspace_bytes = positive_int("float_workspace_bytes", float_workspace_bytes)
-        self.max_pages_per_request = min(positive_int("max_pages_per_request", max_pages_per_request
-                                                      or DEFAULT_MAX_PAGES_PER_REQUEST), max_num_pages)
+        self.max_pages_per_request = min(positive_int("max_pages_per_request", DEFAULT_MAX_PAGES_PER_REQUEST
+                                                      if max_pages_per_request is None else max_pages_per_request),
+                                         max_num_pages)
         ps, top = spec.page_size, max(self.buckets, default=0)
         self.verify_buckets = all(g.causal for g in spec.groups)  # verify steps can be padded (causal kernels)
         max_q = MAX_VERIFY_Q_LEN if self.verify_buckets else 1
@@ -105,8 +114,10 @@ class GraphBufferPool:
         self.last_commit_bytes = 0
         self.next_slot = 0
         self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
-        if spec.backend != AUTO:
-            self.scheduler_for(spec.backend)
+        # every backend a plan for this spec may name, made now: their memory is in the report from
+        # the start, and nothing compiles or allocates mid-serving
+        for name in ((spec.backend,) if spec.backend != AUTO else table_backends(spec)):
+            self.scheduler_for(name)
 
     @property
     def num_slots(self) -> int:
@@ -134,24 +145,47 @@ class GraphBufferPool:
         self.last_commit_bytes += src.numel() * src.element_size()
 
     def _validate(self, plan: AttentionPlan) -> None:
-        """PlanError unless `plan` fits this pool: its spec, its batch, tokens and pages (bucketed
+        """PlanError unless `plan` fits this pool: made by build_plan (hand-edited plans are not
+        trusted), for this spec, its batch, tokens and pages within the pool's limits (bucketed
         steps: with their padding, which the layout makes room for)."""
         if not isinstance(plan, AttentionPlan):
             raise PlanError(f"commit: expected an AttentionPlan, got {type(plan).__name__}")
+        if not plan.sealed:
+            raise PlanError("commit: plan was not made by build_plan (an attrs.evolve'd or hand-made plan is not "
+                            "checked again); build it with build_plan, or scratch_plan(spec, ..., backend=...)")
         if plan.spec is not self.spec and plan.spec != self.spec:
             raise PlanError("commit: the plan was built for another AttentionSpec than this pool's")
-        if plan.backend not in BACKENDS:
-            raise PlanError(f"commit: plan.backend {plan.backend!r} is not a backend (known: {sorted(BACKENDS)})")
         L = self.layout
         bucket = self.bucket_for(plan)
-        if plan.batch_size > L.max_rows or plan.num_tokens > L.max_tokens:
+        if plan.batch_size > L.max_rows or plan.num_tokens > (L.max_tokens if bucket else self.max_num_tokens):
             raise PlanError(f"commit: batch {plan.batch_size} / tokens {plan.num_tokens} exceed the pool's "
-                            f"max_batch_size {L.max_rows} / max_num_tokens {L.max_tokens}")
+                            f"max_batch_size {L.max_rows} / max_num_tokens {self.max_num_tokens}")
         pad = (bucket - plan.batch_size) * -(-plan.max_q_len // self.spec.page_size) if bucket else 0
         for g, gp in enumerate(plan.groups):
             if gp.kv_indices.shape[0] + pad > L.index_capacity:
                 raise PlanError(f"commit: group {g} reads {gp.kv_indices.shape[0]} pages, more than the pool holds "
                                 f"(max_num_pages {self.max_num_pages}, plus room for bucket padding: {L.index_capacity})")
+
+    def _stream(self, stream):
+        """The commit stream: None (the current one) or a torch.cuda.Stream on the pool's device."""
+        if stream is None:
+            return None
+        if self.device.type != "cuda":
+            raise PlanError(f"commit: stream= needs a CUDA pool (this one is on {self.device})")
+        if not isinstance(stream, torch.cuda.Stream) or stream.device != self.device:
+            raise PlanError(f"commit: stream must be a torch.cuda.Stream on {self.device}, got {stream!r}")
+        return stream
+
+    def claim_consumer(self, s: int, stream, where: str) -> None:
+        """Record `stream` as where slot s's step runs. A pool's steps run on one compute stream:
+        FlashInfer's float workspace is shared by the slots, so two live steps running on two
+        streams at once would race in it (overlap batches with one pool per stream)."""
+        for other, gen in enumerate(self.generations):
+            c = self.consumers[other]
+            if other != s and c is not None and c != stream:
+                raise PlanError(f"{where}: slot {other}'s step runs on another stream ({c}); a pool's steps run on "
+                                "one compute stream (use one pool per stream to overlap batches)")
+        self.consumers[s] = stream
 
     def commit(self, plan: AttentionPlan, *, stream: torch.cuda.Stream | None = None, slot: int | None = None) -> DeviceStep:
         """Copy `plan` into the next slot (in place, non-blocking) and schedule its backend. No device sync.
@@ -163,7 +197,8 @@ class GraphBufferPool:
         slot: commit into this slot instead of the next one (graph capture does, once per slot).
         """
         self._validate(plan)
-        if slot is not None and slot not in range(self.num_slots):
+        stream = self._stream(stream)
+        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
             raise PlanError(f"commit: slot {slot!r} is not one of the pool's {self.num_slots} slots")
         scheduler = self.scheduler_for(plan.backend)
         bucket = self.bucket_for(plan)
@@ -206,7 +241,8 @@ class GraphBufferPool:
                     step = DeviceStep(*fields, scheduler.schedule(step))
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
-                self.consumers[s] = None if side is not None else here
+                if side is None and here is not None:
+                    self.claim_consumer(s, here, "commit")
             finally:
                 self.ready[s].record(on)
                 self.bytes_to_device += self.last_commit_bytes
@@ -271,7 +307,8 @@ class GraphBufferPool:
         return self.dev[step.slot][o_idx : o_idx + self.layout.index_capacity]
 
     def memory_report(self) -> MemoryReport:
-        """Device and pinned bytes this pool and its schedulers hold, by component."""
+        """Device and pinned bytes this pool and its schedulers hold, by component (what torch's
+        allocators cache after freeing is theirs, not listed)."""
         slot_bytes = self.layout.size * 4 * self.num_slots
         pinned = slot_bytes if self.device.type == "cuda" else 0
         parts = {"pool staging (pinned)": (0, pinned), "pool slot buffers": (slot_bytes, 0)}

@@ -83,12 +83,21 @@ class DeviceStep:
         host-side scheduling copies; no host sync. Run the step on that stream: the pool makes the
         next commit into this slot wait for the work queued there so far, so it cannot overwrite
         buffers a queued kernel still reads. (A step committed without `stream=` runs on the stream
-        that committed it, and needs no wait.)"""
+        that committed it, and needs no wait.) All of a pool's live steps run on one stream: a
+        step of the other slot running elsewhere raises PlanError (see GraphBufferPool.claim_consumer)."""
         self.check_live("wait")
-        if self.pool.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.pool.device.index) if stream is None else stream
-            stream.wait_event(self.pool.ready[self.slot])
-            self.pool.consumers[self.slot] = stream
+        pool = self.pool
+        if pool.device.type == "cuda":
+            if stream is None:
+                stream = torch.cuda.current_stream(pool.device.index)
+            elif not isinstance(stream, torch.cuda.Stream) or stream.device != pool.device:
+                raise PlanError(f"wait: stream must be a torch.cuda.Stream on {pool.device}, got {stream!r}")
+            if self._waited[0] and pool.consumers[self.slot] not in (None, stream):
+                raise PlanError("wait: this step was already waited for on another stream; a step runs on one stream")
+            pool.claim_consumer(self.slot, stream, "wait")
+            stream.wait_event(pool.ready[self.slot])
+        elif stream is not None:
+            raise PlanError(f"wait: stream= needs a CUDA pool (this one is on {pool.device})")
         self._waited[0] = True
 
     def check_live(self, where: str) -> None:

@@ -18,6 +18,9 @@ def step_plan(step, where: str, plans_ok: bool = False) -> AttentionPlan:
         step.check(where)
         return step.plan
     if plans_ok and isinstance(step, AttentionPlan):
+        if not step.sealed:
+            raise PlanError(f"{where}: plan was not made by build_plan (an attrs.evolve'd or hand-made plan is not "
+                            "checked again)")
         return step
     raise PlanError(f"{where}: step must be a DeviceStep from GraphBufferPool.commit"
                     + (" or an AttentionPlan" if plans_ok else "") + f", got {type(step).__name__}")
@@ -31,10 +34,13 @@ def group_index(group, plan: AttentionPlan, where: str) -> int:
     return int(group)
 
 
-def cache_fits(cache, plan: AttentionPlan, where: str, finite: bool = False) -> None:
+def cache_fits(cache, plan: AttentionPlan, where: str, finite: bool = False, step=None) -> None:
+    """The cache fits the plan's spec; for a committed step, it is on the pool's device."""
     if not hasattr(cache, "k") or not hasattr(cache, "check"):
         raise PlanError(f"{where}: cache must be a PagedKVCache, got {type(cache).__name__}")
     cache.check(plan.spec, f"{where}: cache")
+    if isinstance(step, DeviceStep) and cache.k.device != step.pool.device:
+        raise PlanError(f"{where}: the cache is on {cache.k.device}, the step's pool on {step.pool.device}")
     if finite and not cache.finite:
         raise PlanError(f"{where}: backend {plan.backend!r} reads whole pages (rows past each sequence too), so the "
                         "cache must be known finite: make it with PagedKVCache.allocate or PagedKVCache.from_tensors")
@@ -47,7 +53,8 @@ def _tensor(t, name: str, heads: int, plan: AttentionPlan, device, where: str, d
     if len(shape) != 3 or shape[1] != heads or shape[2] != plan.spec.head_dim:
         raise PlanError(f"{where}: {name} has shape {tuple(shape)}; expected [rows, {heads}, {plan.spec.head_dim}]")
     if t.dtype not in dtypes:
-        raise PlanError(f"{where}: {name} is {t.dtype}; this step takes {' or '.join(map(str, dtypes))} (spec.dtype)")
+        raise PlanError(f"{where}: {name} is {t.dtype}; this step takes {' or '.join(map(str, dict.fromkeys(dtypes)))} "
+                        "(spec.dtype)")
     if t.get_device() != device.index if device.type == "cuda" else t.device != device:
         raise PlanError(f"{where}: {name} is on {t.device}, the cache on {device}")
     return t

@@ -16,7 +16,7 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache) -> None:
     scratch page (no request's page is touched).
     """
     plan = _check.step_plan(step, "write_kv")
-    _check.cache_fits(cache, plan, "write_kv")
+    _check.cache_fits(cache, plan, "write_kv", step=step)
     _check.new_kv(k, v, step, plan, cache, "write_kv")
     k_flat, v_flat = cache.flat()
     slots = step.slot_mapping[: k.shape[0]]

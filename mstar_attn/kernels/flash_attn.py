@@ -151,14 +151,14 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
     kw = dict(softmax_scale=spec.sm_scale, softcap=spec.soft_cap, num_splits=1, max_seqlen_q=plan.max_q_len,
               **_mask(spec.groups[group]))
     if plan.backend == VARLEN:
-        _check.cache_fits(cache, plan, "run")
+        _check.cache_fits(cache, plan, "run", step=step)
         _check.query(q, step, plan, cache, "run")
         if k is None or v is None:
             raise PlanError("run: 'flash_attn_varlen' attends over the step's new K/V; pass k and v")
         _check.new_kv(k, v, step, plan, cache, "run")
         return _varlen_func()(q, k, v, cu_seqlens_q=step.qo_indptr, cu_seqlens_k=step.qo_indptr,
                               max_seqlen_k=plan.max_q_len, **kw)[0]
-    _check.cache_fits(cache, plan, "run", finite=True)
+    _check.cache_fits(cache, plan, "run", finite=True, step=step)
     _check.query(q, step, plan, cache, "run")
     b = q.shape[0] // step.q_len if step.bucket is not None else plan.batch_size
     return _varlen_func()(q, cache.k, cache.v, cu_seqlens_q=step.qo_indptr[: b + 1], seqused_k=step.groups[group].kv_lens[:b],

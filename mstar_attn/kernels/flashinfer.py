@@ -70,10 +70,18 @@ class Scheduler:
         """Nothing to refuse beyond what build_plan and the pool check (shapes FlashInfer serves)."""
 
     def memory(self) -> dict[str, tuple[int, int]]:
+        """The shared workspaces, and what the wrappers own beyond them and the pool's buffers."""
         n = sum(len(x) for x in self.int_ws) * INT_WORKSPACE_BYTES
-        return {"flashinfer float workspace": (self.float_ws.numel(), 0),
-                "flashinfer int workspaces": (n, n),
-                f"flashinfer wrappers ({len(self.wrappers)})": (0, 0)}
+        shared = {t.untyped_storage().data_ptr() for t in
+                  (self.float_ws, *sum(self.int_ws, []), *sum(self.pinned_ws, []), *self.pool.dev, *self.pool.host)}
+        own = [0, 0]
+        for w in self.wrappers.values():
+            for t in vars(w).values():
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
+                    shared.add(t.untyped_storage().data_ptr())
+                    own[0 if t.is_cuda else 1] += t.untyped_storage().nbytes() if (t.is_cuda or t.is_pinned()) else 0
+        return {"flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
+                f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
 
     def schedule(self, step: DeviceStep) -> tuple:
         return tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
@@ -146,7 +154,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
     """
     plan = _check.step_plan(step, "run")
     group = _check.group_index(group, plan, "run")
-    _check.cache_fits(cache, plan, "run")
+    _check.cache_fits(cache, plan, "run", step=step)
     _check.query(q, step, plan, cache, "run")
     w = step.scheduled[group]
     if plan.backend == "flashinfer_ragged":

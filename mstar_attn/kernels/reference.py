@@ -20,7 +20,7 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> Non
     """Store the step's new keys and values. k, v: [T (or a committed step's padded rows), kv_heads,
     head_dim], spec.dtype, on the cache's device; token t goes to slot plan.slot_mapping[t]."""
     plan = _check.step_plan(step, "write_kv", plans_ok=True)
-    _check.cache_fits(cache, plan, "write_kv")
+    _check.cache_fits(cache, plan, "write_kv", step=step)
     _check.new_kv(k, v, step, plan, cache, "write_kv")
     slots = torch.tensor(plan.slot_mapping, device=k.device)
     T = plan.num_tokens
@@ -39,7 +39,7 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int = 0, k=None, v=No
     """
     plan = _check.step_plan(step, "run", plans_ok=True)
     group = _check.group_index(group, plan, "run")
-    _check.cache_fits(cache, plan, "run")
+    _check.cache_fits(cache, plan, "run", step=step)
     _check.query(q, step, plan, cache, "run", (plan.spec.dtype, *_ORACLE_DTYPES))
     return _attend(plan, q, cache, group)
 

@@ -67,7 +67,7 @@ class StepBatch:
     @classmethod
     def from_pages(cls, q_lens, kv_lens, pages: Sequence, page_size: int) -> StepBatch:
         """From one list of page ids per request (tests and small engines)."""
-        if isinstance(pages, (str, bytes)) or not isinstance(pages, (Sequence, np.ndarray)):
+        if isinstance(pages, (str, bytes)) or not isinstance(pages, (Sequence, np.ndarray)) or (isinstance(pages, np.ndarray) and pages.ndim == 0):
             raise PlanError(f"pages: expected one list of page ids per request, got {type(pages).__name__}")
         rows = []
         for i, p in enumerate(pages):

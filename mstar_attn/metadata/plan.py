@@ -90,6 +90,9 @@ class AttentionPlan:
     groups: tuple[GroupPlan, ...] = attrs.field(repr=False)
     block_table: np.ndarray | None = optional_array_field()
     backend: str = "flashinfer"  # the BACKENDS name that serves this step
+    # True only for plans build_plan / scratch_plan made: attrs.evolve makes a new plan through
+    # __init__, which leaves this False, so a hand-edited plan is never taken for a checked one
+    sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
     @property
     def sm_scale(self) -> float:
@@ -128,6 +131,25 @@ def _request_of(indptr: np.ndarray, flat: np.ndarray) -> np.ndarray:
     return np.searchsorted(indptr, flat, side="right") - 1
 
 
+def _written_hits(listed: np.ndarray, ordered: np.ndarray, num_pages: int) -> int:
+    """How many entries of `listed` are pages of `ordered` (the written pages, sorted, distinct).
+
+    A boolean table over page ids when the pool is at most 4x the step's listed pages; otherwise
+    a table of a power of two >= 4 * len(listed) slots indexed by page id modulo its size, whose
+    few hits (the written pages, plus ~len(ordered) / 4 collisions) are then checked exactly. Either
+    way O(pages listed + pages written), never O(pool size)."""
+    if num_pages <= 4 * listed.shape[0]:
+        table = np.zeros(num_pages, np.bool_)
+        table[ordered] = True
+        return int(np.count_nonzero(table.take(listed)))
+    size = 1 << max(4 * listed.shape[0] - 1, 1).bit_length()
+    table = np.zeros(size, np.bool_)
+    table[ordered & (size - 1)] = True
+    candidates = listed[table.take(listed & (size - 1))]
+    at = np.minimum(np.searchsorted(ordered, candidates), ordered.shape[0] - 1)
+    return int(np.count_nonzero(ordered[at] == candidates))
+
+
 def _check_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.ndarray) -> None:
     """A page written this step must appear exactly once among all pages the step lists.
 
@@ -139,9 +161,7 @@ def _check_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: n
     """
     ordered = np.sort(written)
     twice = ordered[1:] == ordered[:-1]
-    is_written = np.zeros(spec.num_pages, np.bool_)
-    is_written[written] = True
-    if not twice.any() and np.count_nonzero(is_written.take(listed)) == written.shape[0]:
+    if not twice.any() and _written_hits(listed, ordered, spec.num_pages) == written.shape[0]:
         return
     if twice.any():
         page = int(ordered[1:][twice][0])
@@ -167,23 +187,27 @@ def build_plan(batch: StepBatch, spec: AttentionSpec, *, check_ownership: bool =
         raise PlanError(f"batch: expected a StepBatch, got {type(batch).__name__}")
     if not isinstance(spec, AttentionSpec):
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+    if not isinstance(check_ownership, bool):
+        raise PlanError(f"check_ownership: expected True or False, got {check_ownership!r}")
     return _plan(batch, spec, check_ownership, spec.num_pages)
 
 
-def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1) -> AttentionPlan:
+def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: str | None = None) -> AttentionPlan:
     """A plan of `batch_size` requests that read and write only the scratch page: a decode step
     (q_len 1, kv_len 1) or a verify step (q_len new tokens after one cached token). Graph capture
-    warms up and records on it, so capturing never touches a request's KV."""
+    warms up and records on it, so capturing never touches a request's KV. backend: the backend
+    to plan for (default: the spec's, or with "auto" the dispatcher's pick)."""
     ps = spec.page_size
     kv = 1 if q_len == 1 else q_len + 1
     per = -(-kv // ps)
     q_lens, kv_lens = np.full(batch_size, q_len, np.int32), np.full(batch_size, kv, np.int32)
     indptr = np.arange(batch_size + 1, dtype=np.int32) * per
     batch = StepBatch.from_csr(q_lens, kv_lens, indptr, np.full(batch_size * per, spec.scratch_page, np.int32), ps)
-    return _plan(batch, spec, False, spec.num_pages + 1)
+    return _plan(batch, spec, False, spec.num_pages + 1, backend)
 
 
-def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_limit: int) -> AttentionPlan:
+def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_limit: int,
+          backend: str | None = None) -> AttentionPlan:
     ps = spec.page_size  # the spec checked its backend's support when it was made
     if batch.page_size != ps:
         raise PlanError(f"page_size: the batch says {batch.page_size}, the cache has {ps}")
@@ -266,16 +290,22 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
         for g in spec.groups
     ])
     max_kv = int(kv.max())
-    backend = spec.backend
+    backend = backend or spec.backend
     if backend == AUTO:
         backend = select_backend(spec, mode.value, B, T, int(q_max), max_kv, mode is Mode.PREFILL)
-    caps = BACKENDS[backend]
-    if mode.value not in caps.modes:
-        raise PlanError(f"backend: {backend!r} serves {sorted(caps.modes)} steps, not this {mode.value} step")
-    return AttentionPlan(
+    caps = BACKENDS.get(backend)
+    if caps is None:
+        raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
+    caps.check(spec, backend)
+    if mode.value not in caps.modes or (caps.prefix_free and mode is not Mode.PREFILL):
+        raise PlanError(f"backend: {backend!r} serves {sorted(caps.modes)} steps"
+                        f"{' without a cached prefix' if caps.prefix_free else ''}, not this {mode.value} step")
+    plan = AttentionPlan(
         spec, mode, B, T, int(q_max), max_kv, q, kv, qo_indptr, kv_indptr, kv_indices,
         last_page_len, positions, slot_mapping, groups, batch.block_table, backend,
     )
+    object.__setattr__(plan, "sealed", True)
+    return plan
 
 
 def _window_plan(group: LayerGroup, kv_indptr, kv_indices, last_page_len, q, kv, need, ps: int) -> GroupPlan:

@@ -196,6 +196,14 @@ def graph_backends(spec, table=None) -> tuple[str, ...]:
     return (DEFAULT, *sorted(picks))
 
 
+def table_backends(spec, table=None) -> tuple[str, ...]:
+    """Every backend the table may pick for some step of an "auto" spec (FlashInfer first): what a
+    pool makes schedulers for up front. table: as in select_backend."""
+    t = load_table() if table is None else as_table(table)
+    picks = {n for n in t.choices.values() if n != DEFAULT and any(_serves(t.caps[n], spec, m, True) for m in MODE_CLASS)}
+    return (DEFAULT, *sorted(picks))
+
+
 def _serves(caps, spec, mode: str, prefix_free: bool) -> bool:
     return (mode in caps.modes and (prefix_free or not caps.prefix_free) and spec.dtype in caps.dtypes
             and (caps.head_dims is None or spec.head_dim in caps.head_dims)

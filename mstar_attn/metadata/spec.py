@@ -60,8 +60,14 @@ class LayerGroup:
         return -1 if self.window is None else self.window - 1
 
 
+def _sequence(name: str, value) -> tuple:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise PlanError(f"{name}: expected a sequence, got {value!r}")
+    return tuple(value)
+
+
 def _groups(value) -> tuple:
-    groups = tuple(value)
+    groups = _sequence("groups", value)
     for i, g in enumerate(groups):
         if not isinstance(g, LayerGroup):
             raise PlanError(f"groups[{i}]: expected a LayerGroup, got {type(g).__name__}")
@@ -69,7 +75,7 @@ def _groups(value) -> tuple:
 
 
 def _layer_groups(value) -> tuple:
-    out = tuple(value)
+    out = _sequence("layer_groups", value)
     for i, g in enumerate(out):
         if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer)):
             raise PlanError(f"layer_groups[{i}]: expected a group index, got {g!r}")
@@ -115,9 +121,12 @@ class AttentionSpec:
             raise PlanError(f"num_pages: page ids (and the scratch page, num_pages) must fit int32, got {self.num_pages}")
         for name in ("sm_scale", "soft_cap"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-                    or not math.isfinite(value):
-                raise PlanError(f"spec.{name}: expected a finite number, got {value!r}")
+            try:
+                finite = not isinstance(value, bool) and math.isfinite(float(value))
+            except (TypeError, ValueError, OverflowError):
+                finite = False
+            if not finite or not isinstance(value, (int, float, np.floating, np.integer)):
+                raise PlanError(f"spec.{name}: expected a finite number, got {str(value)[:40]}")
         if self.sm_scale <= 0:
             raise PlanError(f"sm_scale must be positive, got {self.sm_scale}")
         if self.soft_cap < 0:

@@ -65,6 +65,7 @@ def test_capture_after_serving_leaves_every_requests_kv_untouched(backend):
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
     spec = AttentionSpec(32, 8, 128, 16, 2000, groups=GPU_GROUPS[:2], backend=backend)
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, max_batch_size=32, max_num_tokens=512, max_num_pages=2000, buckets=(1, 8, 32))
@@ -108,6 +109,7 @@ def test_commits_on_a_side_stream(backend):
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
     spec = AttentionSpec(32, 8, 128, 16, 8000, groups=GPU_GROUPS[:2], backend=backend)
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=1024, max_num_pages=8000, buckets=(8, 64))
@@ -129,6 +131,10 @@ def test_commits_on_a_side_stream(backend):
                 kernels.run(step, q, cache)
             step.wait()  # the current (compute) stream waits for the commit's copies
         outs.append([kernels.run(step, q, cache, group=g) for g in range(2)])
+    with pytest.raises(PlanError, match="one compute stream"):  # the other slot's step runs on the compute stream
+        pool.commit(plans[0], stream=side).wait(torch.cuda.Stream())
+    with pytest.raises(PlanError, match="torch.cuda.Stream"):
+        pool.commit(plans[0], stream="side")
     torch.cuda.synchronize()
     for i, (p, q, out) in enumerate(zip(plans, qs, outs)):
         for g in range(2):

@@ -8,6 +8,7 @@ import torch
 
 from mstar_attn import LayerGroup, PagedKVCache, PlanError, StaleStepError, build_plan, kernels
 from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.kernels import reference
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
 from tests.helpers import fresh_seed, random_batch, spec_for
 
@@ -124,8 +125,12 @@ def test_a_failed_check_changes_nothing():
             pool.commit(plan)
     assert (pool.next_slot, pool.generations, pool.bytes_to_device) == before[:3]
     assert all(torch.equal(a, b) for a, b in zip(pool.dev, before[3])) and live.live
-    with pytest.raises(PlanError, match="slot 5"):
-        pool.commit(live.plan, slot=5)
+    for slot in (5, 1.0, True, -1):
+        with pytest.raises(PlanError, match="slot"):
+            pool.commit(live.plan, slot=slot)
+    with pytest.raises(PlanError, match="needs a CUDA pool"):
+        pool.commit(live.plan, stream=object())
+    assert (pool.next_slot, pool.generations) == before[:2] and live.live
 
 
 def test_a_scheduler_failure_leaves_the_pool_usable(monkeypatch):
@@ -170,11 +175,14 @@ def test_pool_arguments_are_checked():
                       (dict(float_workspace_bytes=0), "float_workspace_bytes")]:
         with pytest.raises(PlanError, match=match):
             pool_for(spec, **kw)
-    with pytest.raises(PlanError, match="scheduler_options|unexpected|got an unexpected"):
-        try:
-            pool_for(spec, scheduler_option_typo=1)
-        except TypeError as e:  # typos are not swallowed: Python names the argument
-            raise PlanError(str(e)) from e
+    for kw, match in [(dict(buckets=("1",)), "buckets"), (dict(buckets=None), "buckets"),
+                      (dict(max_pages_per_request=0), "max_pages_per_request")]:
+        with pytest.raises(PlanError, match=match):
+            pool_for(spec, **kw)
+    with pytest.raises(PlanError, match="device: 'bogus'"):
+        GraphBufferPool(spec, max_batch_size=8, max_num_tokens=8, max_num_pages=8, device="bogus")
+    with pytest.raises(TypeError, match="scheduler_option_typo"):  # no catch-all options: a typo is named
+        pool_for(spec, scheduler_option_typo=1)
 
 
 def test_memory_report_counts_what_the_pool_holds():
@@ -184,3 +192,60 @@ def test_memory_report_counts_what_the_pool_holds():
     assert report.components["pool slot buffers"] == (pool.layout.size * 4 * 2, 0)
     assert report.device == sum(t.numel() * 4 for t in pool.dev) and report.pinned == 0  # a CPU pool pins nothing
     assert "total" in str(report)
+
+
+def test_hand_edited_plans_are_not_trusted():
+    """commit and the reference refuse a plan build_plan did not make: attrs.evolve makes a new plan
+    (a backend that cannot serve it, page ids outside the cache, no groups) that nothing checked."""
+    import attrs
+
+    spec = spec_for(page_size=4, num_pages=300, groups=GROUPS)
+    plan = build_plan(random_batch(np.random.default_rng(fresh_seed()), [3, 2], [9, 5], 4, 300), spec)
+    pool, cache = pool_for(spec), PagedKVCache.allocate(spec)
+    g = plan.groups[0]
+    for bad in (attrs.evolve(plan, backend="flash_attn_varlen"), attrs.evolve(plan, groups=()),
+                attrs.evolve(plan, groups=(attrs.evolve(g, kv_indices=np.array([10**6] * g.kv_indices.shape[0], np.int32)), g))):
+        assert not bad.sealed
+        with pytest.raises(PlanError, match="not made by build_plan"):
+            pool.commit(bad)
+        with pytest.raises(PlanError, match="not made by build_plan"):
+            reference.run(bad, torch.randn(5, 4, 16), cache)
+    assert plan.sealed and pool.commit(plan).live
+
+
+def test_a_cache_on_another_device_than_the_pool_is_refused():
+    spec = spec_for(page_size=4, num_pages=64, groups=GROUPS)
+    step = pool_for(spec).commit(build_plan(random_batch(np.random.default_rng(0), [1], [5], 4, 64), spec))
+    meta = PagedKVCache(torch.empty(spec.cache_shape, device="meta"), torch.empty(spec.cache_shape, device="meta"))
+    with pytest.raises(PlanError, match="the cache is on meta, the step's pool on cpu"):
+        kernels.run(step, torch.randn(1, 4, 16, device="meta"), meta)
+
+
+def test_replay_refuses_another_pools_step_and_inputs_unlike_the_captured_ones():
+    """DecodeGraphs checks what a replay cannot: the step belongs to its pool, and each input has the
+    captured buffer's dtype, trailing shape and device (a replay copies into it, which would cast or
+    broadcast silently). A stand-in graph plays the captured one on the CPU."""
+    from mstar_attn.capture.graphs import DecodeGraphs
+
+    spec = spec_for(page_size=4, num_pages=64, groups=GROUPS)
+    pool, other = pool_for(spec), pool_for(spec)
+    graphs = DecodeGraphs(pool, lambda step, x: x["q"], {"q": torch.zeros(16, 4, 16)})
+    plan = build_plan(random_batch(np.random.default_rng(0), [1] * 3, [5, 6, 7], 4, 64), spec)
+    replays = []
+
+    class Graph:
+        def replay(self):
+            replays.append(1)
+
+    step = pool.commit(plan)
+    graphs.graphs[(step.slot, step.bucket, 1, "reference")] = (Graph(), torch.zeros(16, 4, 16))
+    assert graphs.serves(step)
+    for bad, match in [(torch.randn(3, 4, 16, dtype=torch.float64), "float32"), (torch.randn(3, 1, 16), r"\[rows, 4, 16\]"),
+                       (torch.randn(3, 4, 16, device="meta"), "on cpu"), (torch.randn(5, 4, 16), "has 5 rows")]:
+        with pytest.raises(PlanError, match=match):
+            graphs(step, q=bad)
+    with pytest.raises(PlanError, match="another pool"):
+        graphs(other.commit(plan), q=torch.randn(3, 4, 16))
+    assert not replays
+    graphs(step, q=torch.randn(3, 4, 16))
+    assert replays == [1]

@@ -29,8 +29,8 @@ def check_against_naive(seed, q_lens, kv_lens, page_size, dtype=torch.float32, *
                             window=group.window, scale=spec.sm_scale, soft_cap=spec.soft_cap)
             for i in range(plan.batch_size)
         ])
-        err = ((out.double() - want).norm() / want.norm()).item()
-        assert err < TOL[dtype], f"seed {seed}, group {group}: relative error {err:.2e}"
+        for i, (err, _, _) in enumerate(request_errors(out, want, plan)):  # per request: no request hides in the batch
+            assert err < TOL[dtype], f"seed {seed}, group {group}, request {i}: relative error {err:.2e}"
     return plan
 
 
@@ -51,9 +51,9 @@ def test_modes_against_naive(name, q_lens, kv_lens, page_size):
 
 
 def test_batch_of_128_decodes():
-    rng = np.random.default_rng()
-    kv = rng.integers(1, 300, 128).tolist()
-    check_against_naive(fresh_seed(), [1] * 128, kv, 16, groups=(LayerGroup(), LayerGroup("window", window=64)))
+    seed = fresh_seed()
+    kv = np.random.default_rng(seed).integers(1, 300, 128).tolist()
+    check_against_naive(seed, [1] * 128, kv, 16, groups=(LayerGroup(), LayerGroup("window", window=64)))
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -106,11 +106,11 @@ def test_per_request_check_sees_one_dropped_key():
     short = type(g)(g.group, g.kv_indptr, g.kv_indices, g.kv_last_page_len, g.kv_lens - np.array([1, 0, 0, 0, 0], np.int32))
     from attrs import evolve
 
-    broken = reference.run(evolve(plan, groups=(short,)), q, cache)  # request 0 misses its own (newest) key
+    broken = reference._attend(evolve(plan, groups=(short,)), q, cache, 0)  # request 0 misses its own (newest) key
     batch_wide = ((broken - want).norm() / want.norm()).item()
     per_request = request_errors(broken, want, plan)
     assert batch_wide < 1e-2, (f"seed {seed}", batch_wide)  # a batch-wide check at the old tolerance passes
-    assert per_request[0][0] > 2 * 2 * 2.0**-8, (f"seed {seed}", per_request[0])  # over twice the bf16 bound
+    assert per_request[0][0] > 2 * 2.0**-8, (f"seed {seed}", per_request[0])  # past the bf16 bound (2u)
     assert all(e[0] == 0 for e in per_request[1:])
     with pytest.raises(AssertionError, match="request 0 of 5"):
         assert_close_per_request(broken, want, plan, torch.bfloat16, f"seed {seed}")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from mstar_attn import LayerGroup, PlanError, StepBatch, build_plan
 from tests.helpers import spec_for
 
-FIELDS = ("q_lens", "kv_lens", "page_indptr", "page_indices", "pages", "block_table", "page_size", "shapes", "batch")
+FIELDS = ("q_lens", "kv_lens", "page_indptr", "page_indices", "pages", "block_table", "page_size", "shapes")
 ARRAYS = ("q_lens", "kv_lens", "page_indptr", "page_indices")
 
 
@@ -336,6 +336,13 @@ def test_the_reported_cases(raw, match):
     raw = dict(raw, page_size=raw.get("page_size", 4), ctor="pages")
     with pytest.raises(PlanError, match=match):
         build_plan(construct(raw), spec_for(page_size=4, num_pages=16))
+
+
+def test_more_shapes_that_used_to_escape():
+    with pytest.raises(PlanError, match="pages: expected one list"):
+        StepBatch.from_pages([1], [3], np.array(5), 4)
+    with pytest.raises(PlanError, match="check_ownership"):
+        build_plan(StepBatch.from_pages([1], [3], [[1]], 4), spec_for(page_size=4, num_pages=16), check_ownership="no")
 
 
 def test_a_2d_page_indices_is_refused():
