@@ -144,7 +144,7 @@ class GraphBufferPool:
         dst.copy_(src, non_blocking=True)
         self.last_commit_bytes += src.numel() * src.element_size()
 
-    def _validate(self, plan: AttentionPlan) -> None:
+    def _validate(self, plan: AttentionPlan) -> int | None:
         """PlanError unless `plan` fits this pool: made by build_plan (hand-edited plans are not
         trusted), for this spec, its batch, tokens and pages within the pool's limits (bucketed
         steps: with their padding, which the layout makes room for)."""
@@ -165,6 +165,7 @@ class GraphBufferPool:
             if gp.kv_indices.shape[0] + pad > L.index_capacity:
                 raise PlanError(f"commit: group {g} reads {gp.kv_indices.shape[0]} pages, more than the pool holds "
                                 f"(max_num_pages {self.max_num_pages}, plus room for bucket padding: {L.index_capacity})")
+        return bucket
 
     def _stream(self, stream):
         """The commit stream: None (the current one) or a torch.cuda.Stream on the pool's device."""
@@ -196,12 +197,11 @@ class GraphBufferPool:
         The step of the slot this commit reuses (two commits ago with two slots) becomes stale.
         slot: commit into this slot instead of the next one (graph capture does, once per slot).
         """
-        self._validate(plan)
+        bucket = self._validate(plan)  # the plan's bucket (None: unpadded)
         stream = self._stream(stream)
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
             raise PlanError(f"commit: slot {slot!r} is not one of the pool's {self.num_slots} slots")
         scheduler = self.scheduler_for(plan.backend)
-        bucket = self.bucket_for(plan)
         if scheduler is not None:
             scheduler.check(plan, bucket)
         s = self.next_slot if slot is None else slot
