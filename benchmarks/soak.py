@@ -30,6 +30,7 @@ from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
+from benchmarks.pool_memory import pinned_owned
 from tests.helpers import UNIT_ROUNDOFF, random_cache, request_errors
 
 NUM_PAGES = 48000
@@ -39,10 +40,7 @@ WARMUP = 2000
 
 
 def pinned_bytes() -> int:
-    """Pinned host bytes torch's host allocator owns (live and cached blocks): "allocated_bytes.current"
-    (torch 2.11 never decrements its "active_bytes"; seen on the H100 image)."""
-    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    return int(stats.get("allocated_bytes.current", stats.get("allocated_bytes.all.current", 0)))
+    return pinned_owned(torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {})
 
 
 def rss_bytes() -> int:

@@ -62,6 +62,17 @@ def random_pages(rng: np.random.Generator, kv_lens, page_size: int, num_pages: i
     return np.split(perm, np.cumsum(counts)[:-1])
 
 
+def draw_lengths(draw, page_sizes, max_requests: int, max_q: int, max_prefix: int):
+    """Hypothesis: (page_size, q_lens, kv_lens) of a random valid step; draw is a composite's draw."""
+    from hypothesis import strategies as st
+
+    ps = draw(st.sampled_from(page_sizes))
+    n = draw(st.integers(1, max_requests))
+    q = draw(st.lists(st.integers(1, max_q), min_size=n, max_size=n))
+    prefix = draw(st.lists(st.integers(0, max_prefix), min_size=n, max_size=n))
+    return ps, q, [a + b for a, b in zip(q, prefix)]
+
+
 def random_batch(rng, q_lens, kv_lens, page_size: int, num_pages: int, extra: int = 0) -> StepBatch:
     pages = random_pages(rng, kv_lens, page_size, num_pages, extra)
     return StepBatch.from_pages(q_lens, kv_lens, pages, page_size)

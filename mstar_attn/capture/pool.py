@@ -167,14 +167,14 @@ class GraphBufferPool:
                                 f"(max_num_pages {self.max_num_pages}, plus room for bucket padding: {L.index_capacity})")
         return bucket
 
-    def _stream(self, stream):
-        """The commit stream: None (the current one) or a torch.cuda.Stream on the pool's device."""
+    def check_stream(self, stream, where: str):
+        """`stream` if it is None (the current one) or a torch.cuda.Stream on the pool's device, else PlanError."""
         if stream is None:
             return None
         if self.device.type != "cuda":
-            raise PlanError(f"commit: stream= needs a CUDA pool (this one is on {self.device})")
+            raise PlanError(f"{where}: stream= needs a CUDA pool (this one is on {self.device})")
         if not isinstance(stream, torch.cuda.Stream) or stream.device != self.device:
-            raise PlanError(f"commit: stream must be a torch.cuda.Stream on {self.device}, got {stream!r}")
+            raise PlanError(f"{where}: stream must be a torch.cuda.Stream on {self.device}, got {stream!r}")
         return stream
 
     def claim_consumer(self, s: int, stream, where: str) -> None:
@@ -198,7 +198,7 @@ class GraphBufferPool:
         slot: commit into this slot instead of the next one (graph capture does, once per slot).
         """
         bucket = self._validate(plan)  # the plan's bucket (None: unpadded)
-        stream = self._stream(stream)
+        stream = self.check_stream(stream, "commit")
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
             raise PlanError(f"commit: slot {slot!r} is not one of the pool's {self.num_slots} slots")
         scheduler = self.scheduler_for(plan.backend)

@@ -87,17 +87,14 @@ class DeviceStep:
         step of the other slot running elsewhere raises PlanError (see GraphBufferPool.claim_consumer)."""
         self.check_live("wait")
         pool = self.pool
+        stream = pool.check_stream(stream, "wait")
         if pool.device.type == "cuda":
             if stream is None:
                 stream = torch.cuda.current_stream(pool.device.index)
-            elif not isinstance(stream, torch.cuda.Stream) or stream.device != pool.device:
-                raise PlanError(f"wait: stream must be a torch.cuda.Stream on {pool.device}, got {stream!r}")
             if self._waited[0] and pool.consumers[self.slot] not in (None, stream):
                 raise PlanError("wait: this step was already waited for on another stream; a step runs on one stream")
             pool.claim_consumer(self.slot, stream, "wait")
             stream.wait_event(pool.ready[self.slot])
-        elif stream is not None:
-            raise PlanError(f"wait: stream= needs a CUDA pool (this one is on {pool.device})")
         self._waited[0] = True
 
     def check_live(self, where: str) -> None:

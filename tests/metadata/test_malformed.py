@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from mstar_attn import LayerGroup, PlanError, StepBatch, build_plan
-from tests.helpers import spec_for
+from tests.helpers import draw_lengths, spec_for
 
 FIELDS = ("q_lens", "kv_lens", "page_indptr", "page_indices", "pages", "block_table", "page_size", "shapes")
 ARRAYS = ("q_lens", "kv_lens", "page_indptr", "page_indices")
@@ -26,11 +26,9 @@ ARRAYS = ("q_lens", "kv_lens", "page_indptr", "page_indices")
 @st.composite
 def valid_steps(draw):
     """(spec, raw) with raw = dict(q, kv, pages (one list per request), page_size, ctor)."""
-    ps = draw(st.sampled_from([1, 2, 4, 16]))
-    n = draw(st.integers(1, 8))
-    q = draw(st.lists(st.integers(1, 20), min_size=n, max_size=n))
-    prefix = draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
-    kv = [a + b for a, b in zip(q, prefix)]
+    ps, q, kv = draw_lengths(draw, [1, 2, 4, 16], 8, 20, 60)
+    n = len(q)
+    prefix = [k - a for a, k in zip(q, kv)]
     need = [-(-k // ps) for k in kv]
     spare = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
     num_pages = sum(need) + sum(spare) + draw(st.integers(1, 20))

@@ -9,21 +9,17 @@ from hypothesis import strategies as st
 
 from mstar_attn import LayerGroup, Mode, PlanError, StepBatch, build_plan
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
-from tests.helpers import random_batch, random_pages, spec_for
+from tests.helpers import draw_lengths, random_batch, random_pages, spec_for
 
 
 @st.composite
 def steps(draw):
     """A random valid step: page size, per-request (q_len, prefix), spare pages, window groups."""
-    ps = draw(st.sampled_from([1, 2, 16, 64]))
-    n = draw(st.integers(1, 12))
-    q = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
-    prefix = draw(st.lists(st.integers(0, 300), min_size=n, max_size=n))
+    ps, q, kv = draw_lengths(draw, [1, 2, 16, 64], 12, 40, 300)
     window = draw(st.integers(1, 100))
     extra = draw(st.integers(0, 3))
     seed = draw(st.integers(0, 2**31))
-    kv = [a + b for a, b in zip(q, prefix)]
-    need = sum((k + ps - 1) // ps for k in kv) + extra * n
+    need = sum((k + ps - 1) // ps for k in kv) + extra * len(q)
     spec = spec_for(page_size=ps, num_pages=need + draw(st.integers(0, 50)),
                     groups=(LayerGroup(), LayerGroup("window", window=window), LayerGroup("noncausal")))
     batch = random_batch(np.random.default_rng(seed), q, kv, ps, spec.num_pages, extra)
