@@ -1,14 +1,20 @@
 """Where each array of a committed step lives inside one pool slot's flat int32 buffer. Pure.
 
 For a step of R request rows and N token rows (a bucketed step: R = bucket, N = R * q_len; any
-other step: R = B, N = T) the arrays sit back to back from offset 0, so a commit copies one
-contiguous range per layer group and nothing the step does not use:
+other step: R = B, N = T) the arrays sit back to back, so a commit copies one contiguous range
+per layer group and nothing the step does not use:
 
-    qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad to 8 bytes)
-    slot_mapping int64 [N] | group 0 indices [P] | group 1 indices [P] | ...
+    rows [R] | first_page [G * R] | table updates: positions [U], values [U] | (pad to 8 bytes)
+    qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad)
+    slot_mapping int64 [N] | group 0 indices [P + 1] | group 1 indices [P + 1] | ...
 
-Only the first n_g (+ padding) entries of group g's index region are used; P (index_capacity)
-bounds the pages one group of one step may read, padding requests' scratch entries included.
+The first region serves StepRows plans only (the page-table rows, the first table column each
+window group reads, the table entries assigned since the last commit, U = R // 2 + 16 per copy):
+such a commit copies from 0 to the end of slot_mapping, and the device fills the index regions.
+A StepBatch commit copies from qo_indptr through group 0's used indices, then each other group's
+used indices. Only the first n_g (+ padding) entries of group g's index region are used; P
+(index_capacity) bounds the pages one group of one step may read, padding requests' scratch
+entries included; the last entry is a dump the device gather writes its masked lanes to.
 Offsets depend on (R, N), so a graph captured for a bucket reads its own fixed addresses.
 """
 
@@ -19,13 +25,17 @@ import attrs
 
 @attrs.frozen
 class Offsets:
-    """int32-element offsets for one (R, N). groups[g] = (kv_indptr, last_page_len, kv_lens, indices)."""
+    """int32-element offsets for one (R, N). groups[g] = (kv_indptr, last_page_len, kv_lens, first_page, indices)."""
 
     rows: int
     num_rows: int
-    slots: int  # start of slot_mapping (int64; an even int32 offset)
-    groups: tuple[tuple[int, int, int, int], ...]
-    head_end: int  # end of the slot_mapping region: group 0's indices start here
+    table_rows: int  # the request rows' page-table rows [R] (0)
+    updates: int  # the table updates: positions [U] then values [U]
+    update_capacity: int  # U
+    qo: int  # qo_indptr [R+1]: a StepBatch commit copies from here
+    slots: int  # slot_mapping (int64; an even int32 offset)
+    groups: tuple[tuple[int, int, int, int, int], ...]
+    head_end: int  # end of slot_mapping: group 0's indices start here
 
 
 @attrs.frozen
@@ -39,16 +49,20 @@ class Layout:
     num_groups: int
 
     def at(self, rows: int, num_rows: int) -> Offsets:
-        groups, head = [], rows + 1
-        for _ in range(self.num_groups):
-            groups.append((head, head + rows + 1, head + 2 * rows + 1))
+        G, cap = self.num_groups, rows // 2 + 16
+        updates = rows * (1 + G)
+        qo = updates + 2 * cap
+        qo += qo & 1
+        groups, head = [], qo + rows + 1
+        for g in range(G):
+            groups.append((head, head + rows + 1, head + 2 * rows + 1, rows * (1 + g)))
             head += 3 * rows + 1
         slots = head + (head & 1)
         end = slots + 2 * num_rows
-        return Offsets(rows, num_rows, slots,
-                       tuple((*g, end + i * self.index_capacity) for i, g in enumerate(groups)), end)
+        return Offsets(rows, num_rows, 0, updates, cap, qo, slots,
+                       tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), end)
 
     @property
     def size(self) -> int:
         """int32 elements of one slot: the layout at the largest (R, N)."""
-        return self.at(self.max_rows, self.max_tokens).head_end + self.num_groups * self.index_capacity
+        return self.at(self.max_rows, self.max_tokens).head_end + self.num_groups * (self.index_capacity + 1)

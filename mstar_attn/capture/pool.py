@@ -23,7 +23,10 @@ import numpy as np
 import torch
 
 from mstar_attn.capture.layout import Layout
+from mstar_attn.capture.expand import gather_csr
+from mstar_attn.capture.stage import stage_pages, stage_rows
 from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
+from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import AUTO, BACKENDS, load
 from mstar_attn.metadata.errors import PlanError
@@ -63,13 +66,16 @@ class GraphBufferPool:
     raises PlanError past it), default 2048 (32k tokens at page 16): set it to the longest context
     / page_size. float_workspace_bytes: FlashInfer's float workspace (its split-KV partial outputs).
     device: "cuda" (or a CUDA device); "cpu" runs the bookkeeping on the host (tests, the
-    reference backend). A pool serves every backend its plans name (one Scheduler per backend
+    reference backend). max_requests: give the pool a page table (`pool.table`, a PageTable of
+    max_requests rows x max_pages_per_request pages) and take StepRows plans; None: StepBatch plans
+    only. A pool serves every backend its plans name (one Scheduler per backend
     module, made at the first plan that needs it, or ahead with `scheduler_for`).
     """
 
     def __init__(self, spec: AttentionSpec, *, max_batch_size: int, max_num_tokens: int, max_num_pages: int,
                  device: torch.device | str = "cuda", buckets: tuple[int, ...] = DEFAULT_BUCKETS, num_slots: int = 2,
-                 max_pages_per_request: int | None = None, float_workspace_bytes: int = FLOAT_WORKSPACE_BYTES):
+                 max_pages_per_request: int | None = None, float_workspace_bytes: int = FLOAT_WORKSPACE_BYTES,
+                 max_requests: int | None = None):
         if not isinstance(spec, AttentionSpec):
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -113,6 +119,11 @@ class GraphBufferPool:
         self.bytes_to_device = 0  # host-to-device bytes the pool and its schedulers issued, all commits
         self.last_commit_bytes = 0
         self.next_slot = 0
+        # StepRows steps: the page table, and per bucketed (slot, rows, num_rows, backend) a CUDA graph
+        # of the commit's device work (the copy, the table updates, the gathers), sharing one memory pool
+        self.table = None if max_requests is None else PageTable(spec, max_requests, self.max_pages_per_request, self.device)
+        self._device_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graph_memory = None
         self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
         # every backend a plan for this spec may name, made now: their memory is in the report from
         # the start, and nothing compiles or allocates mid-serving
@@ -155,6 +166,8 @@ class GraphBufferPool:
                             "checked again); build it with build_plan, or scratch_plan(spec, ..., backend=...)")
         if plan.spec is not self.spec and plan.spec != self.spec:
             raise PlanError("commit: the plan was built for another AttentionSpec than this pool's")
+        if plan.rows is not None and self.table is None:
+            raise PlanError("commit: a StepRows plan needs a pool with a page table (GraphBufferPool(max_requests=...))")
         L = self.layout
         bucket = self.bucket_for(plan)
         if plan.batch_size > L.max_rows or plan.num_tokens > (L.max_tokens if bucket else self.max_num_tokens):
@@ -162,8 +175,8 @@ class GraphBufferPool:
                             f"max_batch_size {L.max_rows} / max_num_tokens {self.max_num_tokens}")
         pad = (bucket - plan.batch_size) * -(-plan.max_q_len // self.spec.page_size) if bucket else 0
         for g, gp in enumerate(plan.groups):
-            if gp.kv_indices.shape[0] + pad > L.index_capacity:
-                raise PlanError(f"commit: group {g} reads {gp.kv_indices.shape[0]} pages, more than the pool holds "
+            if gp.kv_indptr[-1] + pad > L.index_capacity:
+                raise PlanError(f"commit: group {g} reads {gp.kv_indptr[-1]} pages, more than the pool holds "
                                 f"(max_num_pages {self.max_num_pages}, plus room for bucket padding: {L.index_capacity})")
         return bucket
 
@@ -204,6 +217,7 @@ class GraphBufferPool:
         scheduler = self.scheduler_for(plan.backend)
         if scheduler is not None:
             scheduler.check(plan, bucket)
+        slots = None if plan.rows is None else self.table.check_step(plan)  # the last check: O(B + T)
         s = self.next_slot if slot is None else slot
         if not self.ready[s].query():
             self.stalls += 1
@@ -216,37 +230,89 @@ class GraphBufferPool:
             views = self._make_views(s, rows, num_rows)
             if bucket:
                 self._views[(s, rows, num_rows)] = views
-        ranges = self._stage(s, plan, views[0], rows, q_len, num_rows)
 
         cuda = self.device.type == "cuda"
         here = torch.cuda.current_stream(self.device.index) if cuda else None  # (an int index: no device lookup)
         side = stream if stream is not None and cuda and stream != here else None
+        self.last_commit_bytes = 0
+        updates = None if slots is None else self.table.take_updates()  # (put back if the commit fails below)
+        h, offsets = self.host_np[s], views[0]
+        if slots is None:
+            ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self._scratch_slots)
+        else:
+            left = stage_rows(h, plan, offsets, rows, q_len, num_rows, slots, updates, self.table, self._scratch_slots)
+            ps, pad = self.spec.page_size, rows - B
+            ranges = [(o[4], o[4] + gp.kv_indptr[-1] + -(-q_len // ps) * pad) for gp, o in zip(plan.groups, offsets.groups)]
         self.generations[s] += 1  # from here on the slot's previous step is stale
         self.next_slot = (s + 1) % self.num_slots
-        self.last_commit_bytes = 0
         host, dev = self.host[s], self.dev[s]
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             on = side or here  # the stream this commit's copies and host scheduling run on
             try:
                 self._after_consumer(s, on)
-                for a, b in self._copy_ranges(ranges):
-                    self.upload(dev[a:b], host[a:b])
-                offsets, qo, h_qo, slots, group_views = views
-                groups = tuple(DeviceGroup(ptr, dev[o_idx:end], lpl, lens, h_ptr, h_lpl, h_lens)
-                               for (ptr, lpl, lens, h_ptr, h_lpl, h_lens), (*_, o_idx), (_, end)
+                offsets, qo, h_qo, slot_view, table_rows, group_views = views
+                groups = tuple(DeviceGroup(ptr, dev[o_idx:end], lpl, lens, first, h_ptr, h_lpl, h_lens)
+                               for (ptr, lpl, lens, first, h_ptr, h_lpl, h_lens), (*_, o_idx), (_, end)
                                in zip(group_views, offsets.groups, ranges))
-                fields = (plan, s, rows, num_rows, bucket, q_len, qo, h_qo, slots, groups, self.generations[s], self, side)
+                fields = (plan, s, rows, num_rows, bucket, q_len, qo, h_qo, slot_view, table_rows, groups,
+                          self.generations[s], self, side)
                 step = DeviceStep(*fields)
+                if slots is None:
+                    for a, b in self._copy_ranges(offsets, ranges):
+                        self.upload(dev[a:b], host[a:b])
+                else:
+                    if left:  # more table updates than the step's region holds (admissions): sent first
+                        pos = torch.from_numpy(updates.astype(np.int64)).to(self.device)
+                        self.table.dev.index_copy_(0, pos, torch.from_numpy(self.table.flat[updates]).to(self.device))
+                        self.last_commit_bytes += left * 12
+                    self._rows_device_work(step, scheduler)
                 if scheduler is not None:  # (a second constructor call is cheaper than attrs.evolve)
                     step = DeviceStep(*fields, scheduler.schedule(step))
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
                 if side is None and here is not None:
                     self.claim_consumer(s, here, "commit")
+            except BaseException:
+                if updates is not None:  # they may not have reached the device: send them again next time
+                    self.table.restore_updates(updates)
+                raise
             finally:
                 self.ready[s].record(on)
                 self.bytes_to_device += self.last_commit_bytes
         return step
+
+    def _rows_device_work(self, step: DeviceStep, scheduler) -> None:
+        """A StepRows commit's device work: copy the staged head, apply the table updates, gather each
+        backend's page arrays from the table. A bucketed CUDA step replays it as one graph (captured
+        at the first commit of its slot, rows, token rows and backend), so its host cost is one launch."""
+        key = (step.slot, step.rows, step.num_rows, step.plan.backend)
+        graph = self._device_graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            self.last_commit_bytes += self.layout.at(step.rows, step.num_rows).head_end * 4
+            return
+        offsets = self.layout.at(step.rows, step.num_rows)
+        dev, host, table, U = self.dev[step.slot], self.host[step.slot], self.table, offsets.update_capacity
+
+        def work():
+            dev[: offsets.head_end].copy_(host[: offsets.head_end], non_blocking=True)
+            at = offsets.updates
+            table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
+            expand = getattr(scheduler, "expand", None)
+            if expand is not None:
+                expand(step)
+            else:  # the CSR page lists (FlashInfer, the reference)
+                gather_csr(table.dev, table.width, step.table_rows, dev, offsets.groups, self.layout.index_capacity)
+
+        work()
+        self.last_commit_bytes += offsets.head_end * 4
+        if step.bucket is not None and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            if self._graph_memory is None:
+                self._graph_memory = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_memory):
+                work()
+            self._device_graphs[key] = graph
 
     def _after_consumer(self, s: int, on) -> None:
         """If slot s's last step runs on another stream than this commit's `on` (it was committed
@@ -257,53 +323,26 @@ class GraphBufferPool:
             self._reuse[s].record(consumer)
             on.wait_event(self._reuse[s])
 
-    def _stage(self, s: int, plan: AttentionPlan, offsets, rows: int, q_len: int, num_rows: int) -> list[tuple[int, int]]:
-        """Write the step into slot s's pinned staging. Returns one int32 range per group: group g's
-        used index entries (its pages, then the padding requests' scratch entries); group 0's range
-        starts at 0, so it also carries every O(rows) array and slot_mapping."""
-        h = self.host_np[s]
-        B, T, ps = plan.batch_size, plan.num_tokens, self.spec.page_size
-        pad = rows - B
-        per = -(-q_len // ps)  # scratch entries per padding request
-        h[: B + 1] = plan.qo_indptr
-        if pad:
-            h[B + 1 : rows + 1] = np.arange(T + q_len, T + q_len * pad + 1, q_len, dtype=np.int32)
-        ranges = []
-        for gp, (o_ptr, o_lpl, o_len, o_idx) in zip(plan.groups, offsets.groups):
-            n = gp.kv_indices.shape[0]
-            h[o_ptr : o_ptr + B + 1] = gp.kv_indptr
-            h[o_lpl : o_lpl + B] = gp.kv_last_page_len
-            h[o_len : o_len + B] = gp.kv_lens
-            h[o_idx : o_idx + n] = gp.kv_indices
-            if pad:  # q_len tokens of the scratch page, read and written by no request
-                h[o_ptr + B + 1 : o_ptr + rows + 1] = np.arange(n + per, n + per * pad + 1, per, dtype=np.int32)
-                h[o_lpl + B : o_lpl + rows] = q_len - (per - 1) * ps
-                h[o_len + B : o_len + rows] = q_len
-                h[o_idx + n : o_idx + n + per * pad] = self.spec.scratch_page
-            ranges.append((o_idx, o_idx + n + per * pad))
-        wide = h[offsets.slots : offsets.head_end].view(np.int64)
-        wide[:T] = plan.slot_mapping
-        if num_rows > T:
-            wide[T:num_rows] = self._scratch_slots[: num_rows - T]
-        return ranges
-
-    def _copy_ranges(self, ranges):
-        return [(0, ranges[0][1]), *ranges[1:]]
+    def _copy_ranges(self, offsets, ranges):
+        return [(offsets.qo, ranges[0][1]), *ranges[1:]]
 
     def _make_views(self, s: int, rows: int, num_rows: int) -> tuple:
         """Slot s's fixed views for `rows` requests and `num_rows` token rows."""
         offsets = self.layout.at(rows, num_rows)
         dev, host = self.dev[s], self.host[s]
         groups = tuple((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
+                        dev[o_first : o_first + rows],
                         host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows])
-                       for o_ptr, o_lpl, o_len, _ in offsets.groups)
-        slots = dev[offsets.slots : offsets.head_end].view(torch.int64)
-        return offsets, dev[: rows + 1], host[: rows + 1], slots, groups
+                       for o_ptr, o_lpl, o_len, o_first, _ in offsets.groups)
+        slots = dev[offsets.slots : offsets.slots + 2 * num_rows].view(torch.int64)
+        table_rows = dev[offsets.table_rows : offsets.table_rows + rows]
+        qo = offsets.qo
+        return offsets, dev[qo : qo + rows + 1], host[qo : qo + rows + 1], slots, table_rows, groups
 
     def index_buffer(self, step: DeviceStep, group: int) -> torch.Tensor:
         """The whole index region [index_capacity] of `group` for the step's slot and shape: what a
         FlashInfer graph-mode wrapper is built over (its buffers must outlive every plan)."""
-        o_idx = self.layout.at(step.rows, step.num_rows).groups[group][3]
+        o_idx = self.layout.at(step.rows, step.num_rows).groups[group][4]
         return self.dev[step.slot][o_idx : o_idx + self.layout.index_capacity]
 
     def memory_report(self) -> MemoryReport:

@@ -22,6 +22,7 @@ class DeviceGroup:
     kv_indices: torch.Tensor  # [n + padding entries] device
     kv_last_page_len: torch.Tensor  # [rows] device
     kv_lens: torch.Tensor  # [rows] device
+    first_page: torch.Tensor  # [rows] device: the first table column a StepRows step's group reads
     host_kv_indptr: torch.Tensor  # [rows+1] pinned CPU
     host_last_page_len: torch.Tensor  # [rows] pinned CPU
     host_kv_lens: torch.Tensor  # [rows] pinned CPU
@@ -52,6 +53,7 @@ class DeviceStep:
     qo_indptr: torch.Tensor  # [rows+1] device
     host_qo_indptr: torch.Tensor  # [rows+1] pinned
     slot_mapping: torch.Tensor  # [num_rows] int64 device
+    table_rows: torch.Tensor  # [rows] device: a StepRows step's page-table rows (padding: the scratch row)
     groups: tuple[DeviceGroup, ...]
     generation: int
     pool: GraphBufferPool = attrs.field(eq=False, repr=False)

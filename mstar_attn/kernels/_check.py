@@ -18,6 +18,9 @@ def step_plan(step, where: str, plans_ok: bool = False) -> AttentionPlan:
         step.check(where)
         return step.plan
     if plans_ok and isinstance(step, AttentionPlan):
+        if step.rows is not None:
+            raise PlanError(f"{where}: a StepRows plan names no pages (they are in the pool's page table); commit it "
+                            "and pass the DeviceStep")
         if not step.sealed:
             raise PlanError(f"{where}: plan was not made by build_plan (an attrs.evolve'd or hand-made plan is not "
                             "checked again)")

@@ -1,7 +1,8 @@
 """Pure-torch attention over the paged cache: runs anywhere (CPU included) and is the test oracle.
 
-It reads only host plan arrays and loops over requests in Python: correct and obvious, not fast.
-It takes an AttentionPlan or a committed DeviceStep (whose plan it reads).
+It loops over requests in Python: correct and obvious, not fast. It takes an AttentionPlan or a
+committed DeviceStep and reads the plan's host arrays; a StepRows plan names no pages, so for its
+committed step the page lists and slots are read back from the step's device arrays (a sync).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> Non
     plan = _check.step_plan(step, "write_kv", plans_ok=True)
     _check.cache_fits(cache, plan, "write_kv", step=step)
     _check.new_kv(k, v, step, plan, cache, "write_kv")
-    slots = torch.tensor(plan.slot_mapping, device=k.device)
     T = plan.num_tokens
+    slots = step.slot_mapping[:T] if plan.rows is not None else torch.tensor(plan.slot_mapping, device=k.device)
     k_flat, v_flat = cache.flat()
     k_flat[slots] = k[:T]
     v_flat[slots] = v[:T]
@@ -41,10 +42,12 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int = 0, k=None, v=No
     group = _check.group_index(group, plan, "run")
     _check.cache_fits(cache, plan, "run", step=step)
     _check.query(q, step, plan, cache, "run", (plan.spec.dtype, *_ORACLE_DTYPES))
-    return _attend(plan, q, cache, group)
+    gp = plan.groups[group]
+    indices = gp.kv_indices if plan.rows is None else step.groups[group].kv_indices[: gp.kv_indptr[-1]].cpu().numpy()
+    return _attend(plan, q, cache, group, indices)
 
 
-def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int) -> torch.Tensor:
+def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int, kv_indices) -> torch.Tensor:
     spec, gp = plan.spec, plan.groups[group]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rep = spec.num_qo_heads // spec.num_kv_heads
@@ -53,7 +56,7 @@ def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: in
         q0, q1 = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
         p0, p1 = int(gp.kv_indptr[i]), int(gp.kv_indptr[i + 1])
         n_kv, start = int(gp.kv_lens[i]), 0 if gp.kv_start is None else int(gp.kv_start[i])
-        pages = torch.tensor(gp.kv_indices[p0:p1], device=q.device, dtype=torch.long)
+        pages = torch.tensor(kv_indices[p0:p1], device=q.device, dtype=torch.long)
         k = cache.k[pages].flatten(0, 1)[:n_kv].to(work).repeat_interleave(rep, dim=1)
         v = cache.v[pages].flatten(0, 1)[:n_kv].to(work).repeat_interleave(rep, dim=1)
         logits = torch.einsum("qhd,khd->hqk", q[q0:q1].to(work), k) * spec.sm_scale

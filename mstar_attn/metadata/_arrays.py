@@ -55,6 +55,11 @@ def array_field(**kw):
     return attrs.field(eq=attrs.cmp_using(eq=np.array_equal), repr=lambda a: f"array{a.shape}", **kw)
 
 
+def nullable_array_field(**kw):
+    """A required attrs field holding a numpy array or None (page ids a StepRows plan leaves to the device)."""
+    return attrs.field(eq=attrs.cmp_using(eq=_same_or_none), repr=lambda a: "None" if a is None else f"array{a.shape}", **kw)
+
+
 def optional_array_field(**kw):
     """An attrs field holding a numpy array or None (default None)."""
     return attrs.field(default=None, eq=attrs.cmp_using(eq=_same_or_none), repr=False, **kw)

@@ -83,3 +83,31 @@ class StepBatch:
     @property
     def batch_size(self) -> int:
         return self.q_lens.shape[0]
+
+
+@attrs.frozen
+class StepRows:
+    """One step over a pool's page table (`GraphBufferPool.table`), all host int32 arrays, B requests.
+
+    rows    [B]  the table row of each request: distinct, each holding the request's pages
+    q_lens  [B]  new query tokens of each request this step (>= 1)
+    kv_lens [B]  KV length of each request *after* this step (cached prefix + new tokens)
+
+    Nothing here is O(pages): the pages stay in the table, which the pool turns into each
+    backend's page arrays on the device. build_plan checks the lengths and that rows are distinct;
+    commit checks each row holds enough pages and owns the pages the step writes.
+    """
+
+    rows: np.ndarray = _vector("rows")
+    q_lens: np.ndarray = _vector("q_lens")
+    kv_lens: np.ndarray = _vector("kv_lens")
+
+    @classmethod
+    def decode(cls, rows, kv_lens) -> StepRows:
+        """A decode step: one new token per request."""
+        kv = int_array("kv_lens", kv_lens, 1)
+        return cls(rows, np.ones(kv.shape[0], np.int32), kv)
+
+    @property
+    def batch_size(self) -> int:
+        return self.q_lens.shape[0]

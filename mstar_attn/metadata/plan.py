@@ -11,10 +11,11 @@ import enum
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, array_field, optional_array_field, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, array_field, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.backends import AUTO, BACKENDS
-from mstar_attn.metadata.batch import StepBatch
+from mstar_attn.metadata.batch import StepBatch, StepRows
 from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.pages import gather_ranges, request_of, scan_ownership
 from mstar_attn.metadata.select import select_backend
 from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup
 
@@ -44,7 +45,8 @@ class Mode(enum.Enum):
 class GroupPlan:
     """The page range one layer group's kernel reads, all int32 host arrays over B requests.
 
-    kv_indptr [B+1], kv_indices [n], kv_last_page_len [B], kv_lens [B]: as FlashInfer reads them.
+    kv_indptr [B+1], kv_indices [n], kv_last_page_len [B], kv_lens [B]: as FlashInfer reads them
+    (kv_indices is None in a StepRows plan: the pool gathers the pages on the device).
     kv_start [B] or None: position of the first key covered, when a sliding window trimmed whole
     pages from the front (a multiple of page_size); None means 0 for every request. For full
     and non-causal groups the arrays are the plan's own.
@@ -52,7 +54,7 @@ class GroupPlan:
 
     group: LayerGroup
     kv_indptr: np.ndarray = array_field()
-    kv_indices: np.ndarray = array_field()
+    kv_indices: np.ndarray | None = nullable_array_field()
     kv_last_page_len: np.ndarray = array_field()
     kv_lens: np.ndarray = array_field()
     kv_start: np.ndarray | None = optional_array_field()
@@ -68,6 +70,9 @@ class AttentionPlan:
     positions [T] int64       absolute position of each new token
     slot_mapping [T] int64    page * page_size + offset where token t's K/V is written
     block_table [B, P] int32  the engine's padded page table, when it gave one (else None)
+    rows [B] int32            a StepRows plan's page-table rows (else None). Such a plan holds no
+                              page ids: kv_indices and slot_mapping (plan and groups) are None, and
+                              GraphBufferPool.commit derives them from its table.
     groups                    one GroupPlan per spec.groups entry
     backend                   the backend that serves the step: spec.backend, or the choice of
                               select_backend when spec.backend is "auto"
@@ -83,13 +88,14 @@ class AttentionPlan:
     kv_lens: np.ndarray = array_field()
     qo_indptr: np.ndarray = array_field()
     kv_indptr: np.ndarray = array_field()
-    kv_indices: np.ndarray = array_field()
+    kv_indices: np.ndarray | None = nullable_array_field()
     kv_last_page_len: np.ndarray = array_field()
     positions: np.ndarray = array_field()
-    slot_mapping: np.ndarray = array_field()
+    slot_mapping: np.ndarray | None = nullable_array_field()
     groups: tuple[GroupPlan, ...] = attrs.field(repr=False)
     block_table: np.ndarray | None = optional_array_field()
     backend: str = "flashinfer"  # the BACKENDS name that serves this step
+    rows: np.ndarray | None = optional_array_field()  # StepRows plans: each request's page-table row
     # True only for plans build_plan / scratch_plan made: attrs.evolve makes a new plan through
     # __init__, which leaves this False, so a hand-edited plan is never taken for a checked one
     sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
@@ -116,77 +122,25 @@ def _fail(field: str, bad: np.ndarray, message: str) -> None:
     raise PlanError(f"{field}[{i}]: {message} (request {i})")
 
 
-def _gather_ranges(src: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate src[starts[i] : starts[i] + counts[i]] over i; returns (indptr [B+1], values)."""
-    indptr = np.zeros(counts.shape[0] + 1, np.int32)
-    np.cumsum(counts, out=indptr[1:])
-    offsets = np.repeat(starts - indptr[:-1], counts)
-    offsets += np.arange(indptr[-1], dtype=np.int32)
-    values = src[offsets]
-    read_only(indptr, values)
-    return indptr, values
-
-
-def _request_of(indptr: np.ndarray, flat: np.ndarray) -> np.ndarray:
-    return np.searchsorted(indptr, flat, side="right") - 1
-
-
-def _written_hits(listed: np.ndarray, ordered: np.ndarray, num_pages: int) -> int:
-    """How many entries of `listed` are pages of `ordered` (the written pages, sorted, distinct).
-
-    A boolean table over page ids when the pool is at most 4x the step's listed pages; otherwise
-    a table of a power of two >= 4 * len(listed) slots indexed by page id modulo its size, whose
-    few hits (the written pages, plus ~len(ordered) / 4 collisions) are then checked exactly. Either
-    way O(pages listed + pages written), never O(pool size)."""
-    if num_pages <= 4 * listed.shape[0]:
-        table = np.zeros(num_pages, np.bool_)
-        table[ordered] = True
-        return int(np.count_nonzero(table.take(listed)))
-    size = 1 << max(4 * listed.shape[0] - 1, 1).bit_length()
-    table = np.zeros(size, np.bool_)
-    table[ordered & (size - 1)] = True
-    candidates = listed[table.take(listed & (size - 1))]
-    at = np.minimum(np.searchsorted(ordered, candidates), ordered.shape[0] - 1)
-    return int(np.count_nonzero(ordered[at] == candidates))
-
-
-def _check_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.ndarray) -> None:
-    """A page written this step must appear exactly once among all pages the step lists.
-
-    listed: every request's whole page list (spare pages included); written [n]: each request's
-    written pages, once each. Pages only read (a shared prefix) may be listed by several requests.
-    No page may repeat in `written` (two writers), and since each written page is listed once by
-    its writer, the listed entries that hit a written page must number exactly n: any excess is
-    another request listing it (to read it, write it, or hold it as a spare). O(n log n + pages).
-    """
-    ordered = np.sort(written)
-    twice = ordered[1:] == ordered[:-1]
-    if not twice.any() and _written_hits(listed, ordered, spec.num_pages) == written.shape[0]:
-        return
-    if twice.any():
-        page = int(ordered[1:][twice][0])
-    else:
-        page = next(int(p) for p in written if np.count_nonzero(listed == p) > 1)
-    owners = sorted(set(_request_of(indptr, np.flatnonzero(listed == page)).tolist()))
-    raise PlanError(
-        f"page_indices: page {page} is written this step and also listed by requests {owners}; "
-        "a page being written must belong to one request only"
-    )
-
-
-def build_plan(batch: StepBatch, spec: AttentionSpec, *, check_ownership: bool = True) -> AttentionPlan:
+def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_ownership: bool = True) -> AttentionPlan:
     """Validate a step and derive every index array the backends read. Pure; raises PlanError.
 
-    Always checked (O(B) plus one min/max over the listed pages): lengths (and that every derived
-    sum fits int32), page counts, every listed page id inside 0..num_pages-1 (so never the scratch
-    page), page size, backend support. check_ownership adds an O(pages) scan that every page
-    written this step is listed by its writer only (see `_check_ownership`); an engine whose
-    allocator guarantees that may turn it off.
+    A StepBatch lists its pages (CSR or block table). Always checked (O(B) plus one min/max over the
+    listed pages): lengths (and that every derived sum fits int32), page counts, every listed page
+    id inside 0..num_pages-1 (so never the scratch page), page size, backend support.
+    check_ownership adds an O(pages) scan that every page written this step is listed by its writer
+    only (see `pages.scan_ownership`); an engine whose allocator guarantees that may turn it off.
+
+    A StepRows names rows of the pool's page table instead: the plan is O(B + new tokens) (no page
+    ids: kv_indices and slot_mapping are None), and commit checks the pages against the table,
+    which enforces ownership as pages are assigned (check_ownership does not apply).
     """
-    if not isinstance(batch, StepBatch):
-        raise PlanError(f"batch: expected a StepBatch, got {type(batch).__name__}")
     if not isinstance(spec, AttentionSpec):
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+    if isinstance(batch, StepRows):
+        return _plan_rows(batch, spec)
+    if not isinstance(batch, StepBatch):
+        raise PlanError(f"batch: expected a StepBatch or StepRows, got {type(batch).__name__}")
     if not isinstance(check_ownership, bool):
         raise PlanError(f"check_ownership: expected True or False, got {check_ownership!r}")
     return _plan(batch, spec, check_ownership, spec.num_pages)
@@ -206,6 +160,47 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
     return _plan(batch, spec, False, spec.num_pages + 1, backend)
 
 
+def _check_lengths(q: np.ndarray, kv: np.ndarray, ps: int) -> int:
+    """PlanError unless every request has q_len >= 1 and q_len <= kv_len < int32 - page_size; returns max q_len."""
+    B = q.shape[0]
+    if B == 0:
+        raise PlanError("q_lens: the batch is empty")
+    if kv.shape != (B,):
+        raise PlanError(f"shapes: q_lens {q.shape} and kv_lens {kv.shape} must both be [B]")
+    q_max = q.max()
+    if q.min() < 1:
+        _fail("q_lens", q < 1, "every request needs at least one new token")
+    if (kv.min() < 1) if q_max == 1 else (kv < q).any():
+        _fail("kv_lens", kv < q, "kv_len (after the step) is smaller than q_len")
+    if kv.max() > INT32_MAX - ps:
+        _fail("kv_lens", kv > INT32_MAX - ps, f"kv_len is past the int32 range the kernels index ({INT32_MAX - ps})")
+    return int(q_max)
+
+
+def _new_tokens(q: np.ndarray, kv: np.ndarray, q_max: int) -> tuple[Mode, int, np.ndarray, np.ndarray]:
+    """The step's mode, token count T, qo_indptr [B+1] int32 and positions [T] int64."""
+    B = q.shape[0]
+    if q_max == 1:  # decode: one token per request, at position kv_len - 1
+        return Mode.DECODE, B, np.arange(B + 1, dtype=np.int32), np.subtract(kv, 1, dtype=np.int64)
+    T = int(q.sum(dtype=np.int64))
+    if T > INT32_MAX:
+        raise PlanError(f"q_lens: {T} new tokens in all, more than int32 row offsets hold")
+    qo_indptr = np.zeros(B + 1, np.int32)
+    np.cumsum(q, out=qo_indptr[1:])
+    prefix = kv - q
+    positions = np.repeat(prefix - qo_indptr[:-1], q).astype(np.int64)
+    positions += np.arange(T)
+    if not prefix.any():
+        mode = Mode.PREFILL
+    elif q.min() == q_max <= MAX_VERIFY_Q_LEN and prefix.all():
+        mode = Mode.VERIFY
+    elif q.min() == 1:
+        mode = Mode.MIXED
+    else:
+        mode = Mode.EXTEND
+    return mode, T, qo_indptr, positions
+
+
 def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_limit: int,
           backend: str | None = None) -> AttentionPlan:
     ps = spec.page_size  # the spec checked its backend's support when it was made
@@ -213,18 +208,9 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
         raise PlanError(f"page_size: the batch says {batch.page_size}, the cache has {ps}")
     q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
     B = q.shape[0]  # StepBatch made them int32 vectors
-    if B == 0:
-        raise PlanError("q_lens: the batch is empty")
-    if kv.shape != (B,) or indptr.shape != (B + 1,):
-        raise PlanError(f"shapes: q_lens {q.shape}, kv_lens {kv.shape} and page_indptr {indptr.shape} must be [B], [B], [B+1]")
-
-    q_min, q_max = q.min(), q.max()
-    if q_min < 1:
-        _fail("q_lens", q < 1, "every request needs at least one new token")
-    if (kv.min() < 1) if q_max == 1 else (kv < q).any():
-        _fail("kv_lens", kv < q, "kv_len (after the step) is smaller than q_len")
-    if kv.max() > INT32_MAX - ps:
-        _fail("kv_lens", kv > INT32_MAX - ps, f"kv_len is past the int32 range the kernels index ({INT32_MAX - ps})")
+    if indptr.shape != (B + 1,):
+        raise PlanError(f"shapes: q_lens {q.shape} and page_indptr {indptr.shape} must be [B] and [B+1]")
+    q_max = _check_lengths(q, kv, ps)
     n_listed = idx.shape[0]
     if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
         raise PlanError(f"page_indptr must start at 0 and stay within page_indices (length {n_listed}), "
@@ -238,7 +224,7 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     if listed.shape[0] and (listed.min() < 0 or listed.max() >= page_limit):
         bad = (listed < 0) | (listed >= page_limit)
         j = int(np.flatnonzero(bad)[0])
-        i = int(_request_of(indptr, np.array([j]))[0])
+        i = int(request_of(indptr, np.array([j]))[0])
         what = "the scratch page, which no request may list" if listed[j] == spec.scratch_page else "outside the pool"
         raise PlanError(f"page_indices: request {i} lists page {listed[j]}, {what} (pages 0..{spec.num_pages - 1})")
 
@@ -246,53 +232,62 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     if spare.max() == 0:
         kv_indptr, kv_indices = indptr, listed
     else:
-        kv_indptr, kv_indices = _gather_ranges(idx, indptr[:-1], need)
+        kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1], need)
     last_page_len = kv - need * ps
     last_page_len += ps
 
-    if q_max == 1:  # decode: one token per request, written on its last page
-        T, mode = B, Mode.DECODE
-        qo_indptr = np.arange(B + 1, dtype=np.int32)
-        positions = np.subtract(kv, 1, dtype=np.int64)
+    mode, T, qo_indptr, positions = _new_tokens(q, kv, q_max)
+    if mode is Mode.DECODE:  # one token per request, written on its last page
         written = kv_indices[kv_indptr[1:] - 1]
         slot_mapping = np.multiply(written, ps, dtype=np.int64)
         slot_mapping += last_page_len
         slot_mapping -= 1
     else:
-        T = int(q.sum(dtype=np.int64))
-        if T > INT32_MAX:
-            raise PlanError(f"q_lens: {T} new tokens in all, more than int32 row offsets hold")
-        qo_indptr = np.zeros(B + 1, np.int32)
-        np.cumsum(q, out=qo_indptr[1:])
-        prefix = kv - q
-        positions = np.repeat(prefix - qo_indptr[:-1], q).astype(np.int64)
-        positions += np.arange(T)
         page_of = np.repeat(kv_indptr[:-1], q) + (positions // ps)
         slot_mapping = kv_indices[page_of].astype(np.int64) * ps + positions % ps
-        first_written = prefix // ps
-        written = _gather_ranges(kv_indices, kv_indptr[:-1] + first_written, need - first_written)[1]
-        if not prefix.any():
-            mode = Mode.PREFILL
-        elif q_min == q_max <= MAX_VERIFY_Q_LEN and prefix.all():
-            mode = Mode.VERIFY
-        elif q_min == 1:
-            mode = Mode.MIXED
-        else:
-            mode = Mode.EXTEND
+        first_written = (kv - q) // ps
+        written = gather_ranges(kv_indices, kv_indptr[:-1] + first_written, need - first_written)[1]
     if check_ownership:
-        _check_ownership(spec, indptr, listed, written)
+        scan_ownership(spec, indptr, listed, written)
+    read_only(kv_indices, slot_mapping)
+    return _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
+                   slot_mapping, batch.block_table, None, backend)
 
-    read_only(qo_indptr, kv_indices, last_page_len, positions, slot_mapping)
+
+def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
+    """The plan of a step over the pool's page table: O(B + T), no page ids (see build_plan)."""
+    rows, q, kv, ps = batch.rows, batch.q_lens, batch.kv_lens, spec.page_size
+    if rows.shape != q.shape:
+        raise PlanError(f"shapes: rows {rows.shape} and q_lens {q.shape} must both be [B]")
+    q_max = _check_lengths(q, kv, ps)
+    if rows.min() < 0:
+        _fail("rows", rows < 0, "a page-table row is negative")
+    need = (kv + (ps - 1)) // ps
+    if q.shape[0] * (int(kv.max()) // ps + 1) > INT32_MAX:  # (sums of `need` must fit int32 indptrs)
+        raise PlanError(f"kv_lens: {int(need.sum(dtype=np.int64))} pages in all, more than int32 page offsets hold")
+    kv_indptr = np.zeros(q.shape[0] + 1, np.int32)
+    np.cumsum(need, out=kv_indptr[1:])
+    last_page_len = kv - need * ps
+    last_page_len += ps
+    mode, T, qo_indptr, positions = _new_tokens(q, kv, q_max)
+    return _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, None, last_page_len,
+                   None, None, rows, None)
+
+
+def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
+            slot_mapping, block_table, rows, backend) -> AttentionPlan:
+    """The layer groups' page ranges, the backend, and the sealed plan (shared by both batch forms)."""
+    read_only(qo_indptr, kv_indptr, last_page_len, positions)
     groups = tuple([
         GroupPlan(g, kv_indptr, kv_indices, last_page_len, kv)
         if g.kind is not Kind.WINDOW
-        else _window_plan(g, kv_indptr, kv_indices, last_page_len, q, kv, need, ps)
+        else _window_plan(g, kv_indptr, kv_indices, last_page_len, q, kv, need, spec.page_size)
         for g in spec.groups
     ])
     max_kv = int(kv.max())
     backend = backend or spec.backend
     if backend == AUTO:
-        backend = select_backend(spec, mode.value, B, T, int(q_max), max_kv, mode is Mode.PREFILL)
+        backend = select_backend(spec, mode.value, q.shape[0], T, q_max, max_kv, mode is Mode.PREFILL)
     caps = BACKENDS.get(backend)
     if caps is None:
         raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
@@ -300,19 +295,22 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     if mode.value not in caps.modes or (caps.prefix_free and mode is not Mode.PREFILL):
         raise PlanError(f"backend: {backend!r} serves {sorted(caps.modes)} steps"
                         f"{' without a cached prefix' if caps.prefix_free else ''}, not this {mode.value} step")
-    plan = AttentionPlan(
-        spec, mode, B, T, int(q_max), max_kv, q, kv, qo_indptr, kv_indptr, kv_indices,
-        last_page_len, positions, slot_mapping, groups, batch.block_table, backend,
-    )
+    plan = AttentionPlan(spec, mode, q.shape[0], T, q_max, max_kv, q, kv, qo_indptr, kv_indptr, kv_indices,
+                         last_page_len, positions, slot_mapping, groups, block_table, backend, rows)
     object.__setattr__(plan, "sealed", True)
     return plan
 
 
 def _window_plan(group: LayerGroup, kv_indptr, kv_indices, last_page_len, q, kv, need, ps: int) -> GroupPlan:
-    """Trim whole pages that no query of the step can see: keep the last window + q - 1 keys."""
+    """Trim whole pages that no query of the step can see: keep the last window + q - 1 keys.
+    Without page ids (a StepRows plan) only the ranges are derived: the device gathers the pages."""
     start_page = np.maximum(kv - q - (group.window - 1), 0) // ps
-    indptr, indices = _gather_ranges(kv_indices, kv_indptr[:-1] + start_page, need - start_page)
+    if kv_indices is None:
+        indptr, indices = np.zeros_like(kv_indptr), None
+        np.cumsum(need - start_page, out=indptr[1:])
+    else:
+        indptr, indices = gather_ranges(kv_indices, kv_indptr[:-1] + start_page, need - start_page)
     kv_start = (start_page * ps).astype(np.int32)
     kv_lens = (kv - kv_start).astype(np.int32)
-    read_only(kv_start, kv_lens)
+    read_only(indptr, kv_start, kv_lens)
     return GroupPlan(group, indptr, indices, last_page_len, kv_lens, kv_start)

@@ -106,7 +106,7 @@ def test_per_request_check_sees_one_dropped_key():
     short = type(g)(g.group, g.kv_indptr, g.kv_indices, g.kv_last_page_len, g.kv_lens - np.array([1, 0, 0, 0, 0], np.int32))
     from attrs import evolve
 
-    broken = reference._attend(evolve(plan, groups=(short,)), q, cache, 0)  # request 0 misses its own (newest) key
+    broken = reference._attend(evolve(plan, groups=(short,)), q, cache, 0, g.kv_indices)  # request 0 misses its own (newest) key
     batch_wide = ((broken - want).norm() / want.norm()).item()
     per_request = request_errors(broken, want, plan)
     assert batch_wide < 1e-2, (f"seed {seed}", batch_wide)  # a batch-wide check at the old tolerance passes

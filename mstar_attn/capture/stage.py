@@ -1,0 +1,86 @@
+"""Filling a pool slot's pinned staging from a plan, at the offsets `layout.py` gives. Pure numpy writes.
+
+`stage_pages` writes a StepBatch step (its page lists included); `stage_rows` a StepRows step (the
+page-table rows instead, and the table entries changed since the last commit); both share the
+O(rows) arrays (`stage_requests`) and slot_mapping (`stage_slots`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mstar_attn.capture.layout import Offsets
+from mstar_attn.capture.table import PageTable
+from mstar_attn.metadata.plan import AttentionPlan
+
+
+def stage_pages(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, num_rows: int,
+                scratch_slots: np.ndarray) -> list[tuple[int, int]]:
+    """Write a StepBatch step into a slot's staging h. Returns one int32 range per group: group g's
+    used index entries (its pages, then the padding requests' scratch entries); group 0's range
+    starts at 0, so it also carries every O(rows) array and slot_mapping."""
+    B, T, ps = plan.batch_size, plan.num_tokens, plan.spec.page_size
+    pad = rows - B
+    per = -(-q_len // ps)  # scratch entries per padding request
+    stage_requests(h, plan, offsets, rows, q_len)
+    ranges = []
+    for gp, (*_, o_idx) in zip(plan.groups, offsets.groups):
+        n = gp.kv_indices.shape[0]
+        h[o_idx : o_idx + n] = gp.kv_indices
+        if pad:  # q_len tokens of the scratch page, read and written by no request
+            h[o_idx + n : o_idx + n + per * pad] = plan.spec.scratch_page
+        ranges.append((o_idx, o_idx + n + per * pad))
+    stage_slots(h, offsets, plan.slot_mapping, T, num_rows, scratch_slots)
+    return ranges
+
+def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, num_rows: int,
+               slots: np.ndarray, updates: np.ndarray, table: PageTable, scratch_slots: np.ndarray) -> int:
+    """Write a StepRows step into a slot's staging h: the O(rows) arrays, the table rows (the
+    scratch row for padding requests), each group's first page, slot_mapping, and the table updates.
+    Returns how many updates did not fit the step's region (U): the caller sends those directly."""
+    B, ps = plan.batch_size, plan.spec.page_size
+    stage_requests(h, plan, offsets, rows, q_len)
+    h[offsets.table_rows : offsets.table_rows + B] = plan.rows
+    h[offsets.table_rows + B : offsets.table_rows + rows] = table.scratch_row
+    for gp, (*_, o_first, _) in zip(plan.groups, offsets.groups):
+        if gp.kv_start is None:
+            h[o_first : o_first + rows] = 0
+        else:
+            np.floor_divide(gp.kv_start, ps, out=h[o_first : o_first + B])
+            h[o_first + B : o_first + rows] = 0
+    stage_slots(h, offsets, slots, plan.num_tokens, num_rows, scratch_slots)
+    n, U, at = updates.shape[0], offsets.update_capacity, offsets.updates
+    if n > U:  # more than the step's region holds (admissions): all go straight to the device
+        n, left = 0, n
+    else:
+        left = 0
+    h[at : at + n] = updates[:n]
+    h[at + n : at + U] = table.dump
+    h[at + U : at + U + n] = table.flat[updates[:n]]
+    return left
+
+def stage_requests(h: np.ndarray, plan: AttentionPlan, offsets, rows: int, q_len: int) -> None:
+    """qo_indptr and each group's kv_indptr, last_page_len and kv_lens, padding requests included."""
+    B, T, ps = plan.batch_size, plan.num_tokens, plan.spec.page_size
+    pad, per = rows - B, -(-q_len // ps)
+    qo = offsets.qo
+    h[qo : qo + B + 1] = plan.qo_indptr
+    if pad:
+        h[qo + B + 1 : qo + rows + 1] = np.arange(T + q_len, T + q_len * pad + 1, q_len, dtype=np.int32)
+    for gp, (o_ptr, o_lpl, o_len, *_) in zip(plan.groups, offsets.groups):
+        n = gp.kv_indptr[-1]
+        h[o_ptr : o_ptr + B + 1] = gp.kv_indptr
+        h[o_lpl : o_lpl + B] = gp.kv_last_page_len
+        h[o_len : o_len + B] = gp.kv_lens
+        if pad:  # q_len tokens of the scratch page, read and written by no request
+            h[o_ptr + B + 1 : o_ptr + rows + 1] = np.arange(n + per, n + per * pad + 1, per, dtype=np.int32)
+            h[o_lpl + B : o_lpl + rows] = q_len - (per - 1) * ps
+            h[o_len + B : o_len + rows] = q_len
+
+def stage_slots(h: np.ndarray, offsets: Offsets, slot_mapping: np.ndarray, T: int, num_rows: int,
+                scratch_slots: np.ndarray) -> None:
+    """slot_mapping [T] int64 into its region; padding token rows write the scratch page's slots."""
+    wide = h[offsets.slots : offsets.head_end].view(np.int64)
+    wide[:T] = slot_mapping
+    if num_rows > T:
+        wide[T:num_rows] = scratch_slots[: num_rows - T]

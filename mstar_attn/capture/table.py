@@ -1,0 +1,214 @@
+"""The pool's page table: each request's pages, on the device with a host mirror, changed by what changed.
+
+An engine keeps its requests in table rows: `assign` gives a row pages (admission, or growth by
+several pages), `append` gives each of several rows one page (decode growth, one call per step),
+`release` takes pages back (a finished request, or a rejected speculative tail). Each costs
+O(pages changed). Steps then name rows (`StepRows`), and `GraphBufferPool.commit` turns the rows
+into each backend's page arrays on the device, so a step costs O(batch + new tokens) on the host
+whatever its contexts' lengths.
+
+Ownership is enforced where pages are assigned, not per step: a page is free, held by one row
+(exclusively), or shared read-only by several rows (a common prefix). A page can be held
+exclusively only if it was free, and shared only if no row holds it exclusively. `check_step`
+then only has to check, per step, that each page a step writes is held exclusively by the row
+writing it: O(new tokens).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mstar_attn.metadata._arrays import INT32_MAX, int_array, positive_int
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.plan import AttentionPlan, Mode
+from mstar_attn.metadata.spec import AttentionSpec
+
+FREE = -1  # owner of a page no row holds; a page shared by n rows has owner -1 - n
+
+
+class PageTable:
+    """max_requests rows of up to `width` page ids each (int32), in sequence order.
+
+    host [max_requests + 1, width] int32 numpy, the mirror: row r's first counts[r] entries are its
+    pages, the rest the scratch page (as is every entry of row max_requests, the scratch row that
+    padding requests read). dev: the same on `device` plus one dump element at the end, brought up to
+    date at each commit by a scatter of the entries changed since (8 bytes per page; `take_updates`).
+    owner [num_pages + 1] int32: FREE, the row holding the page, or -1 - (rows sharing it); the
+    scratch page's entry stays FREE, so no row ever holds it.
+    Host memory: 4 bytes per page of the cache plus the mirror; device: the mirror's size.
+    """
+
+    def __init__(self, spec: AttentionSpec, max_requests: int, width: int, device: torch.device):
+        self.spec = spec
+        self.max_requests = positive_int("max_requests", max_requests)
+        self.width = positive_int("max_pages_per_request", width)
+        if (self.max_requests + 1) * self.width + 1 > INT32_MAX:
+            raise PlanError(f"max_requests x max_pages_per_request: {self.max_requests} x {self.width} table entries "
+                            "are more than int32 positions address")
+        self.scratch_row = self.max_requests
+        shape = (self.max_requests + 1, self.width)
+        self.host = np.full(shape, spec.scratch_page, np.int32)
+        self.flat = self.host.reshape(-1)
+        self.dev = torch.full((shape[0] * shape[1] + 1,), spec.scratch_page, dtype=torch.int32, device=device)
+        self.dump = shape[0] * shape[1]  # the device element masked update lanes write
+        self.counts = np.zeros(self.max_requests + 1, np.int32)
+        self.owner = np.full(spec.num_pages + 1, FREE, np.int32)
+        self._pending: list[np.ndarray] = []  # flat positions changed since the last take_updates
+        self._stamp = np.zeros(self.max_requests + 1, np.int32)  # check_step's distinct-rows check
+        self._arange = np.arange(self.max_requests + 1, dtype=np.int32)
+
+    @property
+    def pending(self) -> int:
+        """Entries changed on the host and not yet sent to the device (upper bound; repeats counted)."""
+        return sum(p.shape[0] for p in self._pending)
+
+    def _row(self, row, where: str) -> int:
+        if isinstance(row, (bool, np.bool_)) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.max_requests:
+            raise PlanError(f"{where}: row {row!r} is not a table row (0..{self.max_requests - 1})")
+        return int(row)
+
+    def _pages(self, pages, where: str) -> np.ndarray:
+        p = int_array(f"{where}: pages", pages, 1)
+        if p.shape[0] and (p.min() < 0 or p.max() >= self.spec.num_pages):
+            bad = p[(p < 0) | (p >= self.spec.num_pages)][0]
+            raise PlanError(f"{where}: page {bad} is outside the pool (pages 0..{self.spec.num_pages - 1})")
+        return p
+
+    def assign(self, row: int, pages, *, shared: bool = False) -> None:
+        """Append `pages` (ids, in sequence order) to `row`'s list. shared=False: the row holds them
+        alone, so each must be free. shared=True: read-only pages of a prefix other rows may hold
+        too (as shared), never written by any step. PlanError (and nothing changed) otherwise."""
+        row, p = self._row(row, "assign"), self._pages(pages, "assign")
+        n, c = p.shape[0], int(self.counts[row])
+        if c + n > self.width:
+            raise PlanError(f"assign: row {row} would hold {c + n} pages, more than max_pages_per_request {self.width}")
+        if n == 0:
+            return
+        if np.unique(p).shape[0] != n or (shared and np.isin(p, self.host[row, :c]).any()):
+            raise PlanError(f"assign: row {row} is given some page twice")
+        own = self.owner[p]
+        taken = own >= 0 if shared else own != FREE
+        if taken.any():
+            page, o = int(p[taken][0]), int(own[taken][0])
+            held = f"held by row {o}" if o >= 0 else f"shared by {-1 - o} rows"
+            raise PlanError(f"assign: page {page} is {held}; " + ("a shared page may not be held by a row alone" if shared
+                            else "a page a row holds alone must be free"))
+        self.owner[p] = own - 1 if shared else row
+        self.host[row, c : c + n] = p
+        self.counts[row] = c + n
+        self._pending.append(np.arange(row * self.width + c, row * self.width + c + n, dtype=np.int32))
+
+    def append(self, rows, pages) -> None:
+        """Give each row rows[i] one more page, pages[i], held alone (decode growth: one call per step
+        for every request whose next token starts a page). O(len(rows)); PlanError and nothing
+        changed if a row repeats, is full or out of range, or a page is not free."""
+        r, p = int_array("append: rows", rows, 1), self._pages(pages, "append")
+        n = r.shape[0]
+        if p.shape[0] != n:
+            raise PlanError(f"append: {n} rows and {p.shape[0]} pages; give one page per row")
+        if n == 0:
+            return
+        if r.min() < 0 or r.max() >= self.max_requests:
+            raise PlanError(f"append: row {int(r[(r < 0) | (r >= self.max_requests)][0])} is not a table row "
+                            f"(0..{self.max_requests - 1})")
+        c = self.counts[r]
+        if c.max() >= self.width:
+            raise PlanError(f"append: row {int(r[c >= self.width][0])} already holds max_pages_per_request "
+                            f"{self.width} pages")
+        own = self.owner[p]
+        if (own != FREE).any():
+            raise PlanError(f"append: page {int(p[own != FREE][0])} is not free")
+        stamp, ar = self._stamp, self._arange[:n]
+        stamp[r] = ar
+        if (stamp[r] != ar).any():
+            raise PlanError(f"append: row {int(r[stamp[r] != ar][0])} is given two pages in one call")
+        self.owner[p] = r
+        if (self.owner[p] != r).any():  # a page given twice: the later row took it
+            i = int(np.flatnonzero(self.owner[p] != r)[0])
+            self.owner[p] = FREE
+            raise PlanError(f"append: page {int(p[i])} is given to two rows")
+        pos = r * self.width + c
+        self.flat[pos] = p
+        self.counts[r] = c + 1
+        self._pending.append(pos)
+
+    def release(self, row: int, keep: int = 0) -> np.ndarray:
+        """Take back row's pages past the first `keep` (all by default: the request left); returns them.
+        Pages the row held alone become free; a shared page is freed when its last row lets go."""
+        row = self._row(row, "release")
+        c = int(self.counts[row])
+        if isinstance(keep, (bool, np.bool_)) or not isinstance(keep, (int, np.integer)) or not 0 <= keep <= c:
+            raise PlanError(f"release: keep must be 0..{c} (the pages row {row} holds), got {keep!r}")
+        p = self.host[row, keep:c].copy()
+        own = self.owner[p]
+        self.owner[p] = np.where(own >= 0, FREE, np.where(own == FREE - 1, FREE, own + 1))
+        self.host[row, keep:c] = self.spec.scratch_page
+        self.counts[row] = keep
+        self._pending.append(np.arange(row * self.width + keep, row * self.width + c, dtype=np.int32))
+        return p
+
+    def pages(self, row: int) -> np.ndarray:
+        """A read-only copy of row's pages."""
+        row = self._row(row, "pages")
+        p = self.host[row, : self.counts[row]].copy()
+        p.flags.writeable = False
+        return p
+
+    def take_updates(self) -> np.ndarray:
+        """The flat positions changed since the last call (int32, repeats possible), and forget them.
+        Their values are read from the mirror when sent, so a repeat carries the latest value."""
+        if not self._pending:
+            return np.zeros(0, np.int32)
+        pos = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+        self._pending = []
+        return pos
+
+    def restore_updates(self, positions: np.ndarray) -> None:
+        """Put back positions take_updates returned (a commit that failed before sending them)."""
+        self._pending.insert(0, positions)
+
+    def check_step(self, plan: AttentionPlan) -> np.ndarray:
+        """PlanError unless `plan`'s rows are distinct table rows, each holding the pages its kv_len
+        needs and holding alone each page the step writes; returns the step's slot_mapping [T] int64.
+        O(B + T): the mirror's unassigned entries are the scratch page, which no row holds, so the
+        written page's owner check also proves the row holds enough pages."""
+        rows, ps, B = plan.rows, self.spec.page_size, plan.batch_size
+        if rows.max() >= self.max_requests:
+            i = int(np.flatnonzero(rows >= self.max_requests)[0])
+            raise PlanError(f"rows[{i}]: row {rows[i]} is not a table row (0..{self.max_requests - 1}) (request {i})")
+        stamp, ar = self._stamp, self._arange[:B]
+        stamp[rows] = ar
+        if (stamp[rows] != ar).any():
+            i = int(np.flatnonzero(stamp[rows] != ar)[0])
+            raise PlanError(f"rows[{i}]: row {rows[i]} is listed twice in the step (request {i})")
+        if plan.mode is Mode.DECODE:
+            row_t, pos = rows, plan.positions
+        else:
+            row_t, pos = np.repeat(rows, plan.q_lens), plan.positions
+        col = pos // ps
+        if col.max(initial=0) >= self.width:
+            t = int(np.flatnonzero(col >= self.width)[0])
+            raise PlanError(f"kv_lens: request {int(np.searchsorted(plan.qo_indptr, t, 'right') - 1)} needs more than "
+                            f"max_pages_per_request {self.width} pages")
+        page = self.flat[row_t * self.width + col]
+        bad = self.owner[page] != row_t
+        if bad.any():
+            t = int(np.flatnonzero(bad)[0])
+            i = int(np.searchsorted(plan.qo_indptr, t, "right") - 1)
+            r, c, own = int(row_t[t]), int(col[t]), int(self.owner[page[t]])
+            why = (f"holds {self.counts[r]} pages, fewer than kv_len {plan.kv_lens[i]} needs" if c >= self.counts[r] else
+                   f"writes page {page[t]}, which it shares read-only" if own < FREE else
+                   f"writes page {page[t]}, held by row {own}")
+            raise PlanError(f"rows[{i}]: row {r} {why} (request {i})")
+        slots = page.astype(np.int64)
+        slots *= ps
+        slots += pos % ps
+        return slots
+
+    def memory(self) -> dict[str, tuple[int, int]]:
+        return {"page table (device) and its host mirror": (self.dev.numel() * 4, 0)}
+
+    def host_bytes(self) -> int:
+        """Host (not pinned) bytes: the mirror, counts and the page owners."""
+        return self.host.nbytes + self.counts.nbytes + self.owner.nbytes + self._stamp.nbytes + self._arange.nbytes

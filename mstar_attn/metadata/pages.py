@@ -1,0 +1,67 @@
+"""Page-list helpers of the CSR planner: range gathers and the ownership scan. Pure numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mstar_attn.metadata._arrays import read_only
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.spec import AttentionSpec
+
+
+def gather_ranges(src: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate src[starts[i] : starts[i] + counts[i]] over i; returns (indptr [B+1], values)."""
+    indptr = np.zeros(counts.shape[0] + 1, np.int32)
+    np.cumsum(counts, out=indptr[1:])
+    offsets = np.repeat(starts - indptr[:-1], counts)
+    offsets += np.arange(indptr[-1], dtype=np.int32)
+    values = src[offsets]
+    read_only(indptr, values)
+    return indptr, values
+
+
+def request_of(indptr: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    return np.searchsorted(indptr, flat, side="right") - 1
+
+
+def written_hits(listed: np.ndarray, ordered: np.ndarray, num_pages: int) -> int:
+    """How many entries of `listed` are pages of `ordered` (the written pages, sorted, distinct).
+
+    A boolean table over page ids when the pool is at most 4x the step's listed pages; otherwise
+    a table of a power of two >= 4 * len(listed) slots indexed by page id modulo its size, whose
+    few hits (the written pages, plus ~len(ordered) / 4 collisions) are then checked exactly. Either
+    way O(pages listed + pages written), never O(pool size)."""
+    if num_pages <= 4 * listed.shape[0]:
+        table = np.zeros(num_pages, np.bool_)
+        table[ordered] = True
+        return int(np.count_nonzero(table.take(listed)))
+    size = 1 << max(4 * listed.shape[0] - 1, 1).bit_length()
+    table = np.zeros(size, np.bool_)
+    table[ordered & (size - 1)] = True
+    candidates = listed[table.take(listed & (size - 1))]
+    at = np.minimum(np.searchsorted(ordered, candidates), ordered.shape[0] - 1)
+    return int(np.count_nonzero(ordered[at] == candidates))
+
+
+def scan_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.ndarray) -> None:
+    """A page written this step must appear exactly once among all pages the step lists.
+
+    listed: every request's whole page list (spare pages included); written [n]: each request's
+    written pages, once each. Pages only read (a shared prefix) may be listed by several requests.
+    No page may repeat in `written` (two writers), and since each written page is listed once by
+    its writer, the listed entries that hit a written page must number exactly n: any excess is
+    another request listing it (to read it, write it, or hold it as a spare). O(n log n + pages).
+    """
+    ordered = np.sort(written)
+    twice = ordered[1:] == ordered[:-1]
+    if not twice.any() and written_hits(listed, ordered, spec.num_pages) == written.shape[0]:
+        return
+    if twice.any():
+        page = int(ordered[1:][twice][0])
+    else:
+        page = next(int(p) for p in written if np.count_nonzero(listed == p) > 1)
+    owners = sorted(set(request_of(indptr, np.flatnonzero(listed == page)).tolist()))
+    raise PlanError(
+        f"page_indices: page {page} is written this step and also listed by requests {owners}; "
+        "a page being written must belong to one request only"
+    )
