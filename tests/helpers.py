@@ -301,3 +301,87 @@ def check_replay(backend, gpu_step, combo: dict, seed: int) -> None:
                 assert torch.equal(replayed, eager), (f"seed {seed}", combo, plan.mode, g)
                 want = reference.run(plan, q.float(), cache, group=g)
                 assert_close_per_request(eager, want, plan, spec.dtype, (f"seed {seed}", combo, plan.mode, g))
+
+
+def table_steps(run, write_kv, backend: str, seed: int, steps: int = 40, heads=(32, 8), **pool_kw) -> dict:
+    """`steps` StepRows steps through one GPU backend over a pool's page table: requests arrive
+    (some sharing a prefix read-only), grow a page at a time and leave; decode and verify steps
+    replay captured graphs (buckets up to 128, past the FlashInfer fixed-schedule threshold, and
+    the bucket's plan made at capture on one-token scratch steps), other modes run eagerly.
+    Every output is checked per request against the reference on the same pages given as a
+    StepBatch, and write_kv against the reference's; replays equal eager calls bit for bit.
+    Returns how many steps of each bucket (None: eager) ran."""
+    from mstar_attn.capture.graphs import DecodeGraphs
+    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.metadata.batch import StepRows
+
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    ps, hq, hkv = 16, heads[0], heads[1]
+    spec = AttentionSpec(hq, hkv, 128, ps, 40000, groups=GPU_GROUPS[:2], backend=backend)
+    cache = random_cache(spec, seed)
+    pool = GraphBufferPool(spec, max_batch_size=160, max_num_tokens=2048, max_num_pages=spec.num_pages,
+                           buckets=(1, 8, 32, 128), max_requests=200, max_pages_per_request=400, **pool_kw)
+    table = pool.table
+    static = {"q": torch.zeros(128 * 4, hq, 128, device="cuda", dtype=torch.bfloat16),
+              "k": torch.zeros(128 * 4, hkv, 128, device="cuda", dtype=torch.bfloat16),
+              "v": torch.zeros(128 * 4, hkv, 128, device="cuda", dtype=torch.bfloat16)}
+
+    def layer(step, x, g):
+        write_kv(step, x["k"], x["v"], cache)
+        return run(step, x["q"], cache, group=g)
+
+    graphs = [DecodeGraphs(pool, lambda s, x, g=g: layer(s, x, g), static) for g in range(2)]
+    for gr in graphs:
+        gr.capture(q_lens=(1, 4))
+    free = list(rng.permutation(spec.num_pages).astype(np.int32))
+    kv_len = {}  # row -> tokens in the cache
+    counts: dict = {}
+    prefix = np.array([free.pop() for _ in range(4)], np.int32)  # 64 tokens some requests share, read-only
+    for i in range(steps):
+        while len(kv_len) < int(rng.choice([5, 30, 100, 150])) and len(kv_len) < 190:  # arrivals
+            row = int(rng.choice([r for r in range(200) if r not in kv_len]))
+            n = int(rng.integers(1, 2000))
+            if rng.random() < 0.3 and n > 64 + ps:
+                table.assign(row, prefix, shared=True)
+            own = -(-n // ps) - int(table.counts[row])
+            table.assign(row, [free.pop() for _ in range(own)])
+            kv_len[row] = n - 1
+        for row in rng.choice(list(kv_len), int(rng.integers(0, 3)), replace=False):  # departures
+            free.extend(table.release(int(row)).tolist())
+            del kv_len[row]
+        live = sorted(kv_len)
+        B = min(len(live), int(rng.choice([1, 7, 8, 30, 32, 100, 128, 150]))) if i % 3 else min(len(live), 128)
+        rows = np.array(rng.choice(live, B, replace=False), np.int32)
+        q_len = 4 if i % 4 == 1 else 1
+        if i % 6 == 5 and B > 1:  # an eager mixed step
+            q = np.where(np.arange(B) % 2, 1, rng.integers(2, 9, B)).astype(np.int32)
+        else:
+            q = np.full(B, q_len, np.int32)
+        kv = np.array([kv_len[r] for r in rows], np.int32) + q
+        grow = [(r, -(-int(k) // ps) - int(table.counts[r])) for r, k in zip(rows, kv)]
+        single = [int(r) for r, n in grow if n == 1]
+        table.append(single, [free.pop() for _ in single])  # decode growth: one call for every request
+        for r, n in grow:
+            if n > 1:
+                table.assign(int(r), [free.pop() for _ in range(n)])
+        plan = build_plan(StepRows(rows, q, kv), spec)
+        step = pool.commit(plan)
+        csr = build_plan(StepBatch.from_pages(q, kv, [table.pages(int(r))[: -(-int(k) // ps)] for r, k in zip(rows, kv)], ps),
+                         spec, check_ownership=False)
+        qx = torch.randn(plan.num_tokens, hq, 128, device="cuda", dtype=torch.bfloat16)
+        k_new, v_new = (torch.randn(plan.num_tokens, hkv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ref_cache = PagedKVCache(cache.k.clone(), cache.v.clone())
+        reference.write_kv(csr, k_new, v_new, ref_cache)
+        x = {"q": qx, "k": k_new, "v": v_new}
+        for g in range(2):
+            out = (graphs[g](step, **x) if graphs[g].serves(step) else layer(step, x, g)).clone()
+            assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v), (f"seed {seed}", i, g)
+            want = reference.run(csr, qx.float(), ref_cache, group=g)
+            assert_close_per_request(out, want, csr, torch.bfloat16, (f"seed {seed}", i, B, g, plan.mode, step.bucket))
+            if graphs[g].serves(step):
+                assert torch.equal(out, layer(step, x, g)), (f"seed {seed}", i, g)
+        counts[step.bucket] = counts.get(step.bucket, 0) + 1
+        for r, k in zip(rows, kv):
+            kv_len[int(r)] = int(k)
+    return counts

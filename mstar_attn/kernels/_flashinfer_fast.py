@@ -47,6 +47,22 @@ def share_workspace(wrapper, float_ws: torch.Tensor, int_ws: torch.Tensor, pinne
     wrapper._pin_memory_int_workspace_buffer = pinned_int_ws
 
 
+def split_kv(wrapper) -> bool:
+    """Whether the wrapper's last plan splits requests' KV into chunks (merged afterwards). The plan
+    info the C++ planners return ends with split_kv: DecodePlanInfo (10 entries, CUDA-core decode)
+    and PrefillPlanInfo (15, the tensor-core path). A plan without split is a function of the batch
+    size (and q_len) alone; the kernels read each request's length at run time."""
+    info = getattr(wrapper, "_plan_info", None)
+    try:
+        n, last = len(info), int(info[-1])
+    except (TypeError, ValueError, IndexError):
+        n, last = -1, -1
+    if n not in (10, 15) or last not in (0, 1):
+        raise RuntimeError(f"split_kv: {type(wrapper).__name__}._plan_info is not the plan info this module reads "
+                           "(see VERSIONS)")
+    return bool(last)
+
+
 class FastDecodePlan:
     """The frozen planner call of one graph-mode BatchDecodeWithPagedKVCacheWrapper.
 

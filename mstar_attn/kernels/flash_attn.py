@@ -68,7 +68,8 @@ class Scheduler:
     start at 0), so columns past a request's pages are never out of the cache either.
 
     Cost: 2 * num_slots * tables * max_batch * max_pages_per_request * 4 bytes (pinned + device),
-    and a bucketed commit copies rows * max_pages_per_request * 4 bytes per table. Size
+    and a bucketed commit of a StepBatch copies rows * max_pages_per_request * 4 bytes per table. A
+    StepRows step copies none: `expand` gathers its tables from the pool's page table on the device. Size
     the pool's max_pages_per_request to the longest context / page_size, not the whole pool.
     """
 
@@ -106,11 +107,32 @@ class Scheduler:
         n = sum(t.numel() * 4 for ts in self.dev for t in ts)
         return {"flash_attn page tables": (n, n if self.pool.device.type == "cuda" else 0)}
 
+    def _table(self, step: DeviceStep, t: int, width: int) -> torch.Tensor:
+        return self.dev[step.slot][t][: step.rows * width].view(step.rows, width)
+
+    def expand(self, step: DeviceStep) -> None:
+        """A StepRows step's page tables, gathered on the device from the pool's page table
+        (capturable: the pool runs it inside its per-bucket graph): [rows, table width] of the
+        step's rows, shifted left by each request's first page for a window group. No host copy."""
+        if step.plan.backend == VARLEN:
+            return
+        table = self.pool.table
+        full = table.dev[:-1].view(-1, table.width)
+        for t, g in self.firsts.items():
+            out = self._table(step, t, table.width)
+            if step.plan.groups[g].kv_start is None:
+                torch.index_select(full, 0, step.table_rows, out=out)
+            else:  # column j of request i: table column first_page[i] + j (the tail clamped: a valid page)
+                cols = torch.arange(table.width, device=out.device) + step.groups[g].first_page[:, None]
+                torch.gather(full.index_select(0, step.table_rows), 1, cols.clamp_(max=table.width - 1), out=out)
+
     def schedule(self, step: DeviceStep) -> tuple:
         """One entry per layer group: its page table, int32 device [rows, width] (None for varlen)."""
         plan = step.plan
         if plan.backend == VARLEN:
             return (None,) * len(plan.groups)
+        if plan.rows is not None:  # filled on the device by expand
+            return tuple(self._table(step, self.table_of[g], self.pool.table.width) for g in range(len(plan.groups)))
         B, rows, ps = plan.batch_size, step.rows, plan.spec.page_size
         pad_pages = -(-step.q_len // ps)  # a padding request reads q_len tokens of the scratch page
         tables = {}

@@ -18,7 +18,7 @@ import torch
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
-from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, supported
+from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
 INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its plan
+# A bucket whose rows x KV heads reach this many CTAs per SM of the GPU is planned once, without
+# split-KV, and never re-planned (see Scheduler); below it split-KV pays for small batches over
+# long contexts, and the schedule is re-planned per step. Measured: benchmarks/results/fixed_schedule_h100.md
+FIXED_CTAS_PER_SM = 4
 
 
 class Scheduler:
@@ -34,8 +38,11 @@ class Scheduler:
 
     Bucketed steps (decode, and verify) use graph-mode decode wrappers keyed by (slot, group, rows,
     q_len) over the slot's own device buffers, so a graph captured on one replays whatever the
-    latest commit planned; after a wrapper's first public plan() it is re-planned through
-    `FastDecodePlan` (the C++ planner alone). Verify uses tensor cores (FlashInfer's multi-token
+    latest commit planned. A bucket of rows x KV heads >= fixed_min_ctas (FIXED_CTAS_PER_SM per SM)
+    is planned once with split-KV off (each request one chunk, its length read by the kernel at run
+    time), so its plan holds for any lengths and is never redone: no host scheduling per step.
+    Smaller buckets keep split-KV and are re-planned at every commit through `FastDecodePlan` (the
+    C++ planner alone, after the wrapper's first public plan()). Verify uses tensor cores (FlashInfer's multi-token
     decode: causal, bottom-right aligned). Other steps use eager wrappers, one per (kind, slot,
     group): decode past the largest bucket, paged prefill for prefill / extend / mixed, ragged
     prefill when the plan names "flashinfer_ragged".
@@ -60,6 +67,9 @@ class Scheduler:
         self.tensor_cores = spec.gqa_group >= 4  # FlashInfer's advice for decode
         self.wrappers: dict[tuple, object] = {}
         self.fast: dict[tuple, FastDecodePlan] = {}
+        self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len) -> its wrapper, planned once for good
+        props = torch.cuda.get_device_properties(pool.device)
+        self.fixed_min_ctas = FIXED_CTAS_PER_SM * props.multi_processor_count
         self.use_fast = supported(flashinfer)
         self.plan_kwargs = dict(  # the same for every plan() call of this pool
             logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.dtype,
@@ -91,6 +101,9 @@ class Scheduler:
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         if step.bucket is not None:
             key = (step.slot, g, step.rows, step.q_len)
+            w = self.fixed.get(key)
+            if w is not None:
+                return w
             fast = self.fast.get(key)
             if fast is not None:
                 fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
@@ -98,8 +111,13 @@ class Scheduler:
             w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
             if w is None:
                 w = self.wrappers[("graph",) + key] = self._graph_wrapper(step, g)
+            fix = self.use_fast and step.rows * spec.num_kv_heads >= self.fixed_min_ctas
             w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
-                   window_left=group.window_left, seq_lens=dg.host_kv_lens, q_len_per_req=step.q_len, **self.plan_kwargs)
+                   window_left=group.window_left, seq_lens=dg.host_kv_lens, q_len_per_req=step.q_len,
+                   **({"disable_split_kv": True} if fix else {}), **self.plan_kwargs)
+            if fix and not split_kv(w):  # (the CUDA-core planner ignores the flag: it splits below ~9 CTAs / SM)
+                self.fixed[key] = w
+                return w
             if self.use_fast:
                 try:
                     self.fast[key] = FastDecodePlan(w, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,

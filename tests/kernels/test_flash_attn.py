@@ -16,6 +16,7 @@ from mstar_attn.kernels import flash_attn as fa
 from mstar_attn.kernels import reference
 from tests.helpers import (
     GPU_GROUPS, assert_close_per_request, check_modes, check_replay, fresh_seed, gpu_pool, make_step, many_steps,
+    table_steps,
     no_sync_on_the_step_path, random_batch,
 )
 from tests.helpers import MODES as GPU_MODES
@@ -318,3 +319,12 @@ def test_a_cache_not_known_finite_is_refused():
 @gpu
 def test_no_device_sync_on_the_step_path():
     no_sync_on_the_step_path(fa, gpu_step, fresh_seed())
+
+
+@gpu
+def test_page_table_steps_eager_and_replayed():
+    """StepRows steps: FA4's page tables gathered on the device from the pool's page table (window
+    groups shifted by their first page), eager and replayed, against the reference per request."""
+    seed = fresh_seed()
+    counts = table_steps(fa.run, fa.write_kv, "flash_attn", seed)
+    assert counts.get(128, 0) >= 5 and counts.get(None, 0) >= 5, (seed, counts)

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, LayerGroup, build_plan
+from mstar_attn import AttentionSpec, LayerGroup, StepBatch, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import (
     GPU_GROUPS, MODES, assert_close_per_request, check_modes, check_replay, fresh_seed, gpu_pool, make_step,
-    many_steps, no_sync_on_the_step_path, random_batch, random_cache,
+    many_steps, no_sync_on_the_step_path, random_batch, random_cache, table_steps,
 )
 
 pytestmark = pytest.mark.gpu
@@ -206,3 +206,65 @@ def test_replay_follows_new_plans_on_the_public_plan_path():
         assert graphs.serves(step)
         assert_close_per_request(graphs(step, q=q), reference.run(plan, q.float(), cache), plan, spec.dtype, (f"seed {seed}", i))
     assert not pool.scheduler_for("flashinfer").fast
+
+
+def test_page_table_steps_eager_and_replayed():
+    """StepRows steps over the pool's page table (pages gathered on the device, one graph per
+    bucket), arrivals, growth, departures and a shared prefix, against the reference per request.
+    Bucket 128 x 8 KV heads is past the fixed-schedule threshold on an H100 (4 x 132 CTAs): planned
+    once on scratch steps at capture, then replayed over thousands of tokens."""
+    seed = fresh_seed()
+    counts = table_steps(fi.run, fi.write_kv, "flashinfer", seed)
+    assert counts.get(128, 0) >= 5 and counts.get(None, 0) >= 5 and counts.get(8, 0) >= 3, (seed, counts)
+
+
+def test_fixed_schedule_buckets_are_planned_once_and_stay_correct():
+    """A bucket at or past fixed_min_ctas is planned once without split-KV (the plan info says so)
+    and never re-planned; smaller ones keep split-KV. Lengths grow 40x after the plan."""
+    seed = fresh_seed()
+    spec, plan, cache, q, *_ = gpu_step(seed, [1] * 70, list(np.random.default_rng(seed).integers(2000, 4000, 70)))
+    pool = gpu_pool(spec, buckets=(4, 128))
+    sched = pool.scheduler_for("flashinfer")
+    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(128, 32, 128, device="cuda",
+                                                                                         dtype=torch.bfloat16)})
+    graphs.capture()  # planned on kv_len 1
+    assert 128 * 8 >= sched.fixed_min_ctas > 4 * 8
+    assert {k[2] for k in sched.fixed} == {128} and {k[2] for k in sched.fast} == {4}
+    from mstar_attn.kernels._flashinfer_fast import split_kv
+    assert all(not split_kv(w) for w in sched.fixed.values())
+    step = pool.commit(plan)
+    assert step.scheduled[0] is sched.fixed[(step.slot, 0, 128, 1)]
+    assert_close_per_request(graphs(step, q=q), reference.run(plan, q.float(), cache), plan, torch.bfloat16, f"seed {seed}")
+
+
+def test_no_device_sync_on_the_page_table_path():
+    """After warm-up (the first commit of a bucket captures its device graph), StepRows commits
+    with table updates, and their replays, never sync the device."""
+    from mstar_attn.metadata.batch import StepRows
+
+    seed = fresh_seed()
+    spec = AttentionSpec(32, 8, 128, 16, 4000, groups=GPU_GROUPS[:2])
+    cache = random_cache(spec, seed)
+    pool = GraphBufferPool(spec, max_batch_size=16, max_num_tokens=64, max_num_pages=4000, buckets=(8,),
+                           max_requests=32, max_pages_per_request=64)
+    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(8, 32, 128, device="cuda",
+                                                                                         dtype=torch.bfloat16)})
+    graphs.capture()
+    for r in range(6):
+        pool.table.assign(r, list(range(r * 20, r * 20 + 10)))
+    kv = np.full(6, 16 * 9, np.int32)
+    q = torch.randn(6, 32, 128, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        graphs(pool.commit(build_plan(StepRows.decode(range(6), kv), spec)), q=q)  # each slot's first commit: capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(4):
+            kv += 16
+            pool.table.append(range(6), [r * 20 + 10 + i for r in range(6)])
+            step = pool.commit(build_plan(StepRows.decode(range(6), kv), spec))
+            out = graphs(step, q=q)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    csr = build_plan(StepBatch.from_pages([1] * 6, kv, [pool.table.pages(r) for r in range(6)], 16), spec)
+    assert_close_per_request(out, reference.run(csr, q.float(), cache), csr, torch.bfloat16, f"seed {seed}")
