@@ -376,7 +376,8 @@ def table_steps(run, write_kv, backend: str, seed: int, steps: int = 40, heads=(
         x = {"q": qx, "k": k_new, "v": v_new}
         for g in range(2):
             out = (graphs[g](step, **x) if graphs[g].serves(step) else layer(step, x, g)).clone()
-            assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v), (f"seed {seed}", i, g)
+            # (padding rows of a replay write the scratch page, the last: no request's page)
+            assert torch.equal(cache.k[:-1], ref_cache.k[:-1]) and torch.equal(cache.v[:-1], ref_cache.v[:-1]), (f"seed {seed}", i, g)
             want = reference.run(csr, qx.float(), ref_cache, group=g)
             assert_close_per_request(out, want, csr, torch.bfloat16, (f"seed {seed}", i, B, g, plan.mode, step.bucket))
             if graphs[g].serves(step):
