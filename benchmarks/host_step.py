@@ -158,12 +158,12 @@ def part_c(spec_for) -> list[dict]:
     out = []
     layers = 32
     for B, ctx in ((1, 512), (8, 512), (64, 2048), (256, 2048)):
-        spec = spec_for((32, 8), B * (ctx // PS + 40) + 64)
+        spec = spec_for((32, 8), B * (ctx // PS + 120) + 64)
         cache = PagedKVCache.allocate(spec, "cuda")
         for t in (cache.k, cache.v):
             t.normal_()
         pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=256, max_num_pages=spec.num_pages,
-                               max_requests=max(B, 8), max_pages_per_request=ctx // PS + 80)
+                               max_requests=max(B, 8), max_pages_per_request=ctx // PS + 120)
         eng = Engine(pool, B, ctx)
 
         def model(step, x):

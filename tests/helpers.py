@@ -303,7 +303,7 @@ def check_replay(backend, gpu_step, combo: dict, seed: int) -> None:
                 assert_close_per_request(eager, want, plan, spec.dtype, (f"seed {seed}", combo, plan.mode, g))
 
 
-def table_steps(run, write_kv, backend: str, seed: int, steps: int = 40, heads=(32, 8), **pool_kw) -> dict:
+def table_steps(run, write_kv, backend: str, seed: int, steps: int = 30, heads=(32, 8), **pool_kw) -> dict:
     """`steps` StepRows steps through one GPU backend over a pool's page table: requests arrive
     (some sharing a prefix read-only), grow a page at a time and leave; decode and verify steps
     replay captured graphs (buckets up to 128, past the FlashInfer fixed-schedule threshold, and
@@ -337,9 +337,9 @@ def table_steps(run, write_kv, backend: str, seed: int, steps: int = 40, heads=(
     free = list(rng.permutation(spec.num_pages).astype(np.int32))
     kv_len = {}  # row -> tokens in the cache
     counts: dict = {}
-    prefix = np.array([free.pop() for _ in range(4)], np.int32)  # 64 tokens some requests share, read-only
+    prefix = [free.pop() for _ in range(4)]  # 64 tokens some requests share, read-only
     for i in range(steps):
-        while len(kv_len) < int(rng.choice([5, 30, 100, 150])) and len(kv_len) < 190:  # arrivals
+        while len(kv_len) < (150 if i < 2 else int(rng.choice([5, 30, 100, 150]))) and len(kv_len) < 190:  # arrivals
             row = int(rng.choice([r for r in range(200) if r not in kv_len]))
             n = int(rng.integers(1, 2000))
             if rng.random() < 0.3 and n > 64 + ps:
@@ -348,7 +348,7 @@ def table_steps(run, write_kv, backend: str, seed: int, steps: int = 40, heads=(
             table.assign(row, [free.pop() for _ in range(own)])
             kv_len[row] = n - 1
         for row in rng.choice(list(kv_len), int(rng.integers(0, 3)), replace=False):  # departures
-            free.extend(table.release(int(row)).tolist())
+            free.extend(p for p in table.release(int(row)).tolist() if p not in prefix)  # (the prefix stays shared)
             del kv_len[row]
         live = sorted(kv_len)
         B = min(len(live), int(rng.choice([1, 7, 8, 30, 32, 100, 128, 150]))) if i % 3 else min(len(live), 128)

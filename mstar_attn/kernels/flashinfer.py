@@ -30,7 +30,7 @@ INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its
 # A bucket whose rows x KV heads reach this many CTAs per SM of the GPU is planned once, without
 # split-KV, and never re-planned (see Scheduler); below it split-KV pays for small batches over
 # long contexts, and the schedule is re-planned per step. Measured: benchmarks/results/fixed_schedule_h100.md
-FIXED_CTAS_PER_SM = 4
+FIXED_CTAS_PER_SM = None  # off by default until the H100 runs of the fixed path are clean (see the README)
 
 
 class Scheduler:
@@ -69,7 +69,7 @@ class Scheduler:
         self.fast: dict[tuple, FastDecodePlan] = {}
         self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len) -> its wrapper, planned once for good
         props = torch.cuda.get_device_properties(pool.device)
-        self.fixed_min_ctas = FIXED_CTAS_PER_SM * props.multi_processor_count
+        self.fixed_min_ctas = 1 << 62 if FIXED_CTAS_PER_SM is None else FIXED_CTAS_PER_SM * props.multi_processor_count
         self.use_fast = supported(flashinfer)
         self.plan_kwargs = dict(  # the same for every plan() call of this pool
             logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.dtype,

@@ -327,4 +327,4 @@ def test_page_table_steps_eager_and_replayed():
     groups shifted by their first page), eager and replayed, against the reference per request."""
     seed = fresh_seed()
     counts = table_steps(fa.run, fa.write_kv, "flash_attn", seed)
-    assert counts.get(128, 0) >= 5 and counts.get(None, 0) >= 5, (seed, counts)
+    assert counts.get(128, 0) >= 3 and counts.get(None, 0) >= 2, (seed, counts)
