@@ -265,7 +265,7 @@ class GraphBufferPool:
                         pos = torch.from_numpy(updates.astype(np.int64)).to(self.device)
                         self.table.dev.index_copy_(0, pos, torch.from_numpy(self.table.flat[updates]).to(self.device))
                         self.last_commit_bytes += left * 12
-                    self._rows_device_work(step, scheduler)
+                    self._rows_device_work(step, scheduler, offsets)
                 if scheduler is not None:  # (a second constructor call is cheaper than attrs.evolve)
                     step = DeviceStep(*fields, scheduler.schedule(step))
                 # a step committed on the current stream runs there (until step.wait() names another):
@@ -281,7 +281,7 @@ class GraphBufferPool:
                 self.bytes_to_device += self.last_commit_bytes
         return step
 
-    def _rows_device_work(self, step: DeviceStep, scheduler) -> None:
+    def _rows_device_work(self, step: DeviceStep, scheduler, offsets) -> None:
         """A StepRows commit's device work: copy the staged head, apply the table updates, gather each
         backend's page arrays from the table. A bucketed CUDA step replays it as one graph (captured
         at the first commit of its slot, rows, token rows and backend), so its host cost is one launch."""
@@ -289,9 +289,8 @@ class GraphBufferPool:
         graph = self._device_graphs.get(key)
         if graph is not None:
             graph.replay()
-            self.last_commit_bytes += self.layout.at(step.rows, step.num_rows).head_end * 4
+            self.last_commit_bytes += offsets.head_end * 4
             return
-        offsets = self.layout.at(step.rows, step.num_rows)
         dev, host, table, U = self.dev[step.slot], self.host[step.slot], self.table, offsets.update_capacity
 
         def work():
@@ -351,6 +350,8 @@ class GraphBufferPool:
         slot_bytes = self.layout.size * 4 * self.num_slots
         pinned = slot_bytes if self.device.type == "cuda" else 0
         parts = {"pool staging (pinned)": (0, pinned), "pool slot buffers": (slot_bytes, 0)}
+        if self.table is not None:  # (its host mirror and page owners are pageable: table.host_bytes())
+            parts.update(self.table.memory())
         for scheduler in self.schedulers.values():
             if scheduler is not None:
                 parts.update(scheduler.memory())

@@ -207,7 +207,8 @@ class PageTable:
         return slots
 
     def memory(self) -> dict[str, tuple[int, int]]:
-        return {"page table (device) and its host mirror": (self.dev.numel() * 4, 0)}
+        """Device bytes of the table (its pageable host side: host_bytes())."""
+        return {"page table": (self.dev.numel() * 4, 0)}
 
     def host_bytes(self) -> int:
         """Host (not pinned) bytes: the mirror, counts and the page owners."""

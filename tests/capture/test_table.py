@@ -206,4 +206,5 @@ def test_a_decode_step_rows_commit_copies_o_of_batch_bytes():
     pool.table.append(rows[:16], np.flatnonzero(pool.table.owner[:-1] == -1)[:16])  # 16 requests start a page
     pool.commit(build_plan(StepRows.decode(rows, kv), spec))
     assert pool.last_commit_bytes <= 16 << 10, pool.last_commit_bytes
+    assert pool.memory_report().components["page table"] == ((300 + 1) * 256 * 4 + 4, 0)
     print(f"B=256 decode StepRows commit: {pool.last_commit_bytes} bytes")
