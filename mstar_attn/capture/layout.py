@@ -6,11 +6,12 @@ per layer group and nothing the step does not use:
 
     rows [R] | first_page [G * R] | table updates: positions [U], values [U] | (pad to 8 bytes)
     qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad)
-    slot_mapping int64 [N] | group 0 indices [P + 1] | group 1 indices [P + 1] | ...
+    slot_mapping int64 [N] | one more slot_mapping int64 [N] per own_pages group |
+    group 0 indices [P + 1] | group 1 indices [P + 1] | ...
 
 The first region serves StepRows plans only (the page-table rows, the first table column each
 window group reads, the table entries assigned since the last commit, U = R // 2 + 16 per copy):
-such a commit copies from 0 to the end of slot_mapping, and the device fills the index regions.
+such a commit copies from 0 to the end of the slot mappings, and the device fills the index regions.
 A StepBatch commit copies from qo_indptr through group 0's used indices, then each other group's
 used indices. Only the first n_g (+ padding) entries of group g's index region are used; P
 (index_capacity) bounds the pages one group of one step may read, padding requests' scratch
@@ -35,18 +36,21 @@ class Offsets:
     qo: int  # qo_indptr [R+1]: a StepBatch commit copies from here
     slots: int  # slot_mapping (int64; an even int32 offset)
     groups: tuple[tuple[int, int, int, int, int], ...]
-    head_end: int  # end of slot_mapping: group 0's indices start here
+    head_end: int  # end of the slot mappings: group 0's indices start here
+    group_slots: tuple[int, ...] = ()  # each group's slot_mapping: `slots`, or its own (own_pages groups)
 
 
 @attrs.frozen
 class Layout:
     """max_rows: the most request rows (the pool's max batch); max_tokens: the most token rows;
-    index_capacity: P, the most page entries one group of one step holds; num_groups: G."""
+    index_capacity: P, the most page entries one group of one step holds; num_groups: G;
+    own_slots: per group, whether it writes through a slot_mapping of its own (LayerGroup.own_pages)."""
 
     max_rows: int
     max_tokens: int
     index_capacity: int
     num_groups: int
+    own_slots: tuple[bool, ...] = ()
 
     def at(self, rows: int, num_rows: int) -> Offsets:
         G, cap = self.num_groups, rows // 2 + 16
@@ -58,9 +62,14 @@ class Layout:
             groups.append((head, head + rows + 1, head + 2 * rows + 1, rows * (1 + g)))
             head += 3 * rows + 1
         slots = head + (head & 1)
-        end = slots + 2 * num_rows
+        group_slots, end = [], slots + 2 * num_rows
+        for g in range(G):
+            own = g < len(self.own_slots) and self.own_slots[g]
+            group_slots.append(end if own else slots)
+            end += 2 * num_rows if own else 0
         return Offsets(rows, num_rows, 0, updates, cap, qo, slots,
-                       tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), end)
+                       tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), end,
+                       tuple(group_slots))
 
     @property
     def size(self) -> int:

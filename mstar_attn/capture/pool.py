@@ -100,7 +100,8 @@ class GraphBufferPool:
         # room for padding requests' scratch entries, and for a whole scratch plan (capture: one
         # cached token and q_len new ones per request) besides max_num_pages real pages
         self.layout = Layout(max_batch, max(self.max_num_tokens, top * max_q),
-                             max_num_pages + top * -(-(max_q + 1) // ps), len(spec.groups))
+                             max_num_pages + top * -(-(max_q + 1) // ps), len(spec.groups),
+                             tuple(g.own_pages for g in spec.groups))
         cuda = self.device.type == "cuda"
         if cuda and self.device.index is None:  # "cuda": the current device, fixed now
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -251,8 +252,8 @@ class GraphBufferPool:
             try:
                 self._after_consumer(s, on)
                 offsets, qo, h_qo, slot_view, table_rows, group_views = views
-                groups = tuple(DeviceGroup(ptr, dev[o_idx:end], lpl, lens, first, h_ptr, h_lpl, h_lens)
-                               for (ptr, lpl, lens, first, h_ptr, h_lpl, h_lens), (*_, o_idx), (_, end)
+                groups = tuple(DeviceGroup(ptr, dev[o_idx:end], lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots)
+                               for (ptr, lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots), (*_, o_idx), (_, end)
                                in zip(group_views, offsets.groups, ranges))
                 fields = (plan, s, rows, num_rows, bucket, q_len, qo, h_qo, slot_view, table_rows, groups,
                           self.generations[s], self, side)
@@ -329,11 +330,12 @@ class GraphBufferPool:
         """Slot s's fixed views for `rows` requests and `num_rows` token rows."""
         offsets = self.layout.at(rows, num_rows)
         dev, host = self.dev[s], self.host[s]
+        slots = dev[offsets.slots : offsets.slots + 2 * num_rows].view(torch.int64)
         groups = tuple((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
                         dev[o_first : o_first + rows],
-                        host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows])
-                       for o_ptr, o_lpl, o_len, o_first, _ in offsets.groups)
-        slots = dev[offsets.slots : offsets.slots + 2 * num_rows].view(torch.int64)
+                        host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows],
+                        slots if at == offsets.slots else dev[at : at + 2 * num_rows].view(torch.int64))
+                       for (o_ptr, o_lpl, o_len, o_first, _), at in zip(offsets.groups, offsets.group_slots))
         table_rows = dev[offsets.table_rows : offsets.table_rows + rows]
         qo = offsets.qo
         return offsets, dev[qo : qo + rows + 1], host[qo : qo + rows + 1], slots, table_rows, groups

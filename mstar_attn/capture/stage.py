@@ -31,6 +31,9 @@ def stage_pages(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int,
             h[o_idx + n : o_idx + n + per * pad] = plan.spec.scratch_page
         ranges.append((o_idx, o_idx + n + per * pad))
     stage_slots(h, offsets, plan.slot_mapping, T, num_rows, scratch_slots)
+    for gp, at in zip(plan.groups, offsets.group_slots):
+        if gp.slot_mapping is not None:  # an own_pages group's slots
+            stage_slots(h, offsets, gp.slot_mapping, T, num_rows, scratch_slots, at)
     return ranges
 
 def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, num_rows: int,
@@ -78,9 +81,11 @@ def stage_requests(h: np.ndarray, plan: AttentionPlan, offsets, rows: int, q_len
             h[o_len + B : o_len + rows] = q_len
 
 def stage_slots(h: np.ndarray, offsets: Offsets, slot_mapping: np.ndarray, T: int, num_rows: int,
-                scratch_slots: np.ndarray) -> None:
-    """slot_mapping [T] int64 into its region; padding token rows write the scratch page's slots."""
-    wide = h[offsets.slots : offsets.head_end].view(np.int64)
+                scratch_slots: np.ndarray, at: int | None = None) -> None:
+    """slot_mapping [T] int64 into its region (the step's own at offsets.slots, or `at`); padding
+    token rows write the scratch page's slots."""
+    at = offsets.slots if at is None else at
+    wide = h[at : at + 2 * num_rows].view(np.int64)
     wide[:T] = slot_mapping
     if num_rows > T:
         wide[T:num_rows] = scratch_slots[: num_rows - T]

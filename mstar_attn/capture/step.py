@@ -26,6 +26,8 @@ class DeviceGroup:
     host_kv_indptr: torch.Tensor  # [rows+1] pinned CPU
     host_last_page_len: torch.Tensor  # [rows] pinned CPU
     host_kv_lens: torch.Tensor  # [rows] pinned CPU
+    slot_mapping: torch.Tensor  # [num_rows] int64 device: where the group's layers write (the step's
+    # slot_mapping itself, unless the group keeps its own page list: LayerGroup.own_pages)
 
 
 @attrs.frozen
@@ -37,7 +39,8 @@ class DeviceStep:
     decode). A padded request has q_len tokens, reads q_len tokens of the scratch page and writes
     its token rows there: no request's page is touched.
     num_rows: token rows of the step (rows * q_len when bucketed; plan.num_tokens otherwise).
-    slot_mapping [num_rows] int64 device: where each row's K/V goes.
+    slot_mapping [num_rows] int64 device: where each row's K/V goes (groups[g].slot_mapping for a
+    group with its own page list).
     generation: the pool slot's commit count when this step was made; once the slot is committed
     again the step is stale and every backend refuses it (StaleStepError).
     stream: the side stream it was committed on, or None (the caller's current stream): then the

@@ -31,9 +31,11 @@ def _backend_of(step, where: str) -> ModuleType:
     return load(name)
 
 
-def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache) -> None:
-    """Store the step's new K/V ([T or step.num_rows, kv_heads, head_dim]) through the backend that step.plan names."""
-    _backend_of(step, "write_kv").write_kv(step, k, v, cache)
+def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = None) -> None:
+    """Store the step's new K/V ([T or step.num_rows, kv_heads, head_dim]) for one layer of layer
+    group `group` through the backend that step.plan names. group: required when the spec has
+    own_pages groups (each writes its own pages), else optional."""
+    _backend_of(step, "write_kv").write_kv(step, k, v, cache, group)
 
 
 def run(step, q: torch.Tensor, cache, group: int = 0, k: torch.Tensor | None = None,

@@ -7,18 +7,20 @@ import torch
 from mstar_attn.kernels import _check
 
 
-def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache) -> None:
-    """Store a committed step's new K/V in the paged cache, graph-safe.
+def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = None) -> None:
+    """Store a committed step's new K/V in the paged cache of one layer of layer group `group`, graph-safe.
 
     step: a live DeviceStep. k, v: [T or any row count step.accepts_rows allows, kv_heads,
-    head_dim], spec.dtype, on the cache's device. Row t goes to flat slot step.slot_mapping[t]
-    (int64 device): a real token's slot, or for a padding row of a bucketed step a slot of the
-    scratch page (no request's page is touched).
+    head_dim], spec.dtype, on the cache's device. Row t goes to flat slot
+    step.groups[group].slot_mapping[t] (int64 device): a real token's slot, or for a padding row of
+    a bucketed step a slot of the scratch page (no request's page is touched). group: the layer's
+    group, required when the spec has own_pages groups (default 0: every group shares the slots).
     """
     plan = _check.step_plan(step, "write_kv")
+    group = _check.write_group(group, plan, "write_kv")
     _check.cache_fits(cache, plan, "write_kv", step=step)
     _check.new_kv(k, v, step, plan, cache, "write_kv")
     k_flat, v_flat = cache.flat()
-    slots = step.slot_mapping[: k.shape[0]]
+    slots = step.groups[group].slot_mapping[: k.shape[0]]
     k_flat.index_copy_(0, slots, k)
     v_flat.index_copy_(0, slots, v)

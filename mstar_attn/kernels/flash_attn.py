@@ -59,7 +59,8 @@ class Scheduler:
 
     Per pool slot and per table: a zeroed pinned host int32 buffer [max_batch * max_pages_per_request]
     and its device twin. Layer groups that read the plan's own pages (full and non-causal) share
-    table 0; each window group, whose plan trims front pages, has its own. A step's table is the
+    table 0; each window group (whose plan trims front pages) and each group with its own page
+    list (LayerGroup.own_pages) has its own. A step's table is the
     buffer's first rows * width entries viewed [rows, width]: width = max_pages_per_request for
     bucketed steps (decode, verify: the shape graphs were captured with), the step's widest
     request otherwise. Padding requests of a bucketed step read the scratch page.
@@ -76,12 +77,12 @@ class Scheduler:
     def __init__(self, pool: GraphBufferPool):
         _varlen_func()  # fail at pool construction, not at the first step
         self.pool = pool
-        kinds = [g.kind for g in pool.spec.groups]
-        shared = 0 if any(k is not Kind.WINDOW for k in kinds) else -1
+        alone = [g.kind is Kind.WINDOW or g.own_pages for g in pool.spec.groups]  # trimmed, or its own list
+        shared = 0 if not all(alone) else -1
         self.table_of, n = [], shared + 1
-        for k in kinds:
-            self.table_of.append(shared if k is not Kind.WINDOW else n)
-            n += k is Kind.WINDOW
+        for a in alone:
+            self.table_of.append(n if a else shared)
+            n += a
         self.firsts = {}  # table -> the first group that reads it (groups sharing a table read the same pages)
         for g, t in enumerate(self.table_of):
             self.firsts.setdefault(t, g)

@@ -17,14 +17,19 @@ from mstar_attn.metadata.spec import Kind
 _ORACLE_DTYPES = (torch.float32, torch.float64)
 
 
-def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
-    """Store the step's new keys and values. k, v: [T (or a committed step's padded rows), kv_heads,
-    head_dim], spec.dtype, on the cache's device; token t goes to slot plan.slot_mapping[t]."""
+def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group: int | None = None) -> None:
+    """Store the step's new keys and values for one layer of layer group `group` (required when the
+    spec has own_pages groups, else default 0). k, v: [T (or a committed step's padded rows),
+    kv_heads, head_dim], spec.dtype, on the cache's device; token t goes to slot plan.slots_of(group)[t]."""
     plan = _check.step_plan(step, "write_kv", plans_ok=True)
+    group = _check.write_group(group, plan, "write_kv")
     _check.cache_fits(cache, plan, "write_kv", step=step)
     _check.new_kv(k, v, step, plan, cache, "write_kv")
     T = plan.num_tokens
-    slots = step.slot_mapping[:T] if plan.rows is not None else torch.tensor(plan.slot_mapping, device=k.device)
+    if plan.rows is not None:  # a StepRows step: the pool derived the slots on the device
+        slots = step.groups[group].slot_mapping[:T]
+    else:
+        slots = torch.tensor(plan.slots_of(group), device=k.device)
     k_flat, v_flat = cache.flat()
     k_flat[slots] = k[:T]
     v_flat[slots] = v[:T]

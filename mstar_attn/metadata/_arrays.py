@@ -68,3 +68,9 @@ def optional_array_field(**kw):
 def read_only(*arrays: np.ndarray) -> None:
     for a in arrays:
         a.flags.writeable = False
+
+
+def fail_at(field: str, bad: np.ndarray, message: str) -> None:
+    """PlanError for the first request where `bad` [B] is True: names the field and the request."""
+    i = int(np.flatnonzero(bad)[0])
+    raise PlanError(f"{field}[{i}]: {message} (request {i})")

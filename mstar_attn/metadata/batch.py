@@ -19,6 +19,64 @@ def _table(x):
     return None if x is None else int_array("block_table", x, 2)
 
 
+def _page_lists(name: str, pages) -> tuple[np.ndarray, np.ndarray]:
+    """(indptr [B+1] int64, indices [n] int32) from one list of page ids per request, or PlanError."""
+    if isinstance(pages, (str, bytes)) or not isinstance(pages, (Sequence, np.ndarray)) or (isinstance(pages, np.ndarray) and pages.ndim == 0):
+        raise PlanError(f"{name}: expected one list of page ids per request, got {type(pages).__name__}")
+    rows = []
+    for i, p in enumerate(pages):
+        if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+            raise PlanError(f"{name}[{i}]: expected a list of page ids for request {i}, got {p!r:.60}")
+        rows.append(int_array(f"{name}[{i}]", p, 1))
+    counts = np.fromiter((r.shape[0] for r in rows), np.int64, len(rows))
+    indptr = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    return indptr, (np.concatenate(rows) if rows else np.zeros(0, np.int32))
+
+
+@attrs.frozen
+class GroupPages:
+    """The own page list of one layer group (LayerGroup.own_pages), B requests, host int32 arrays.
+
+    first_page   [B]    the logical page (token position // page_size) each request's list starts
+                        at: a window group's list may leave out the pages its window no longer sees
+    page_indptr  [B+1]  CSR: request i lists page_indices[page_indptr[i]:page_indptr[i+1]]
+    page_indices [n]    the pages of logical pages first_page[i], first_page[i] + 1, ... in order
+                        (spare pages may follow); ids index the group's own caches
+
+    build_plan checks that each list reaches back to the first key the step reads (for a window
+    group, the last window + q_len - 1 keys) and forward to the request's KV length.
+    """
+
+    first_page: np.ndarray = _vector("first_page")
+    page_indptr: np.ndarray = _vector("page_indptr")
+    page_indices: np.ndarray = _vector("page_indices")
+
+    @classmethod
+    def from_pages(cls, first_page, pages: Sequence) -> GroupPages:
+        """From each request's first logical page and its list of page ids."""
+        return cls(first_page, *_page_lists("group pages", pages))
+
+
+def _group_pages(value) -> tuple:
+    """{group index: GroupPages} (or pairs) -> a tuple of (group, GroupPages) sorted by group."""
+    if value is None:
+        return ()
+    items = value.items() if hasattr(value, "items") else value
+    try:
+        pairs = [(g, p) for g, p in items]
+    except (TypeError, ValueError):
+        raise PlanError(f"group_pages: expected {{layer group index: GroupPages}}, got {type(value).__name__}") from None
+    for g, p in pairs:
+        if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer)) or g < 0:
+            raise PlanError(f"group_pages: keys are layer-group indices, got {g!r}")
+        if not isinstance(p, GroupPages):
+            raise PlanError(f"group_pages[{g}]: expected a GroupPages, got {type(p).__name__}")
+    if len({int(g) for g, _ in pairs}) != len(pairs):
+        raise PlanError("group_pages: a layer group is given twice")
+    return tuple(sorted(((int(g), p) for g, p in pairs), key=lambda x: x[0]))
+
+
 @attrs.frozen
 class StepBatch:
     """One step's requests, all host (numpy) int32 arrays, B requests.
@@ -29,6 +87,8 @@ class StepBatch:
     page_indices[nnz]    page ids, in sequence order; a request may list more pages than it uses
     block_table [B, P]   padded page table, when the engine holds one (row i, first pages used)
     page_size            tokens per page, must equal the cache's
+    group_pages          {group: GroupPages}: the own list of each layer group with own_pages (a
+                         hybrid model's window groups); the other groups read the lists above
 
     Build with `from_csr` or `from_block_table`, whichever the engine holds: the planner
     reads the CSR form, and keeps the block table for backends that want one. The batch
@@ -44,13 +104,14 @@ class StepBatch:
     page_indices: np.ndarray = _vector("page_indices")
     page_size: int = attrs.field(converter=lambda x: positive_int("page_size", x))
     block_table: np.ndarray | None = optional_array_field(converter=_table)
+    group_pages: tuple[tuple[int, GroupPages], ...] = attrs.field(default=(), converter=_group_pages)
 
     @classmethod
-    def from_csr(cls, q_lens, kv_lens, page_indptr, page_indices, page_size: int) -> StepBatch:
-        return cls(q_lens, kv_lens, page_indptr, page_indices, page_size)
+    def from_csr(cls, q_lens, kv_lens, page_indptr, page_indices, page_size: int, group_pages=None) -> StepBatch:
+        return cls(q_lens, kv_lens, page_indptr, page_indices, page_size, None, group_pages)
 
     @classmethod
-    def from_block_table(cls, q_lens, kv_lens, block_table, page_size: int) -> StepBatch:
+    def from_block_table(cls, q_lens, kv_lens, block_table, page_size: int, group_pages=None) -> StepBatch:
         """Keeps the block table and derives the CSR of the pages each request uses."""
         table = int_array("block_table", block_table, 2)
         kv = int_array("kv_lens", kv_lens, 1)
@@ -62,27 +123,20 @@ class StepBatch:
         indptr = np.zeros(kv.shape[0] + 1, np.int32)
         np.cumsum(used, out=indptr[1:])
         indices = table[np.arange(table.shape[1]) < used[:, None]]
-        return cls(q_lens, kv, indptr, indices, ps, table)
+        return cls(q_lens, kv, indptr, indices, ps, table, group_pages)
 
     @classmethod
-    def from_pages(cls, q_lens, kv_lens, pages: Sequence, page_size: int) -> StepBatch:
+    def from_pages(cls, q_lens, kv_lens, pages: Sequence, page_size: int, group_pages=None) -> StepBatch:
         """From one list of page ids per request (tests and small engines)."""
-        if isinstance(pages, (str, bytes)) or not isinstance(pages, (Sequence, np.ndarray)) or (isinstance(pages, np.ndarray) and pages.ndim == 0):
-            raise PlanError(f"pages: expected one list of page ids per request, got {type(pages).__name__}")
-        rows = []
-        for i, p in enumerate(pages):
-            if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
-                raise PlanError(f"pages[{i}]: expected a list of page ids for request {i}, got {p!r:.60}")
-            rows.append(int_array(f"pages[{i}]", p, 1))
-        counts = np.fromiter((r.shape[0] for r in rows), np.int64, len(rows))
-        indptr = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(counts, out=indptr[1:])
-        indices = np.concatenate(rows) if rows else np.zeros(0, np.int32)
-        return cls(q_lens, kv_lens, indptr, indices, page_size)
+        return cls(q_lens, kv_lens, *_page_lists("pages", pages), page_size, None, group_pages)
 
     @property
     def batch_size(self) -> int:
         return self.q_lens.shape[0]
+
+    def pages_of_group(self, group: int) -> GroupPages | None:
+        """The own list of layer group `group`, or None (it reads the shared list)."""
+        return next((p for g, p in self.group_pages if g == group), None)
 
 
 @attrs.frozen

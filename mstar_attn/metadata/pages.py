@@ -43,7 +43,8 @@ def written_hits(listed: np.ndarray, ordered: np.ndarray, num_pages: int) -> int
     return int(np.count_nonzero(ordered[at] == candidates))
 
 
-def scan_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.ndarray) -> None:
+def scan_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.ndarray,
+                   field: str = "page_indices") -> None:
     """A page written this step must appear exactly once among all pages the step lists.
 
     listed: every request's whole page list (spare pages included); written [n]: each request's
@@ -62,6 +63,6 @@ def scan_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.
         page = next(int(p) for p in written if np.count_nonzero(listed == p) > 1)
     owners = sorted(set(request_of(indptr, np.flatnonzero(listed == page)).tolist()))
     raise PlanError(
-        f"page_indices: page {page} is written this step and also listed by requests {owners}; "
+        f"{field}: page {page} is written this step and also listed by requests {owners}; "
         "a page being written must belong to one request only"
     )

@@ -11,13 +11,16 @@ import enum
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, array_field, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.backends import AUTO, BACKENDS
-from mstar_attn.metadata.batch import StepBatch, StepRows
+from mstar_attn.metadata.batch import GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.groups import GroupPlan, own_plan, window_plan
 from mstar_attn.metadata.pages import gather_ranges, request_of, scan_ownership
 from mstar_attn.metadata.select import select_backend
-from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup
+from mstar_attn.metadata.spec import AttentionSpec, Kind
+
+__all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "scratch_plan"]
 
 MAX_VERIFY_Q_LEN = 16  # the longest uniform q_len a step may have and still be a VERIFY step
 
@@ -42,25 +45,6 @@ class Mode(enum.Enum):
 
 
 @attrs.frozen
-class GroupPlan:
-    """The page range one layer group's kernel reads, all int32 host arrays over B requests.
-
-    kv_indptr [B+1], kv_indices [n], kv_last_page_len [B], kv_lens [B]: as FlashInfer reads them
-    (kv_indices is None in a StepRows plan: the pool gathers the pages on the device).
-    kv_start [B] or None: position of the first key covered, when a sliding window trimmed whole
-    pages from the front (a multiple of page_size); None means 0 for every request. For full
-    and non-causal groups the arrays are the plan's own.
-    """
-
-    group: LayerGroup
-    kv_indptr: np.ndarray = array_field()
-    kv_indices: np.ndarray | None = nullable_array_field()
-    kv_last_page_len: np.ndarray = array_field()
-    kv_lens: np.ndarray = array_field()
-    kv_start: np.ndarray | None = optional_array_field()
-
-
-@attrs.frozen
 class AttentionPlan:
     """Everything any backend needs for one step, B requests and T new tokens, host arrays.
 
@@ -68,7 +52,9 @@ class AttentionPlan:
     q_lens, kv_lens [B] int32 kv_lens is after the step (prefix + new tokens)
     kv_indptr [B+1], kv_indices [n], kv_last_page_len [B] int32: the pages each request reads
     positions [T] int64       absolute position of each new token
-    slot_mapping [T] int64    page * page_size + offset where token t's K/V is written
+    slot_mapping [T] int64    page * page_size + offset where token t's K/V is written (for the
+                              groups reading the shared list; an own_pages group has its own,
+                              groups[g].slot_mapping: `slots_of(g)` gives either)
     block_table [B, P] int32  the engine's padded page table, when it gave one (else None)
     rows [B] int32            a StepRows plan's page-table rows (else None). Such a plan holds no
                               page ids: kv_indices and slot_mapping (plan and groups) are None, and
@@ -116,10 +102,10 @@ class AttentionPlan:
     def group_for_layer(self, layer: int) -> GroupPlan:
         return self.groups[self.spec.layer_groups[layer]]
 
-
-def _fail(field: str, bad: np.ndarray, message: str) -> None:
-    i = int(np.flatnonzero(bad)[0])
-    raise PlanError(f"{field}[{i}]: {message} (request {i})")
+    def slots_of(self, group: int) -> np.ndarray | None:
+        """slot_mapping [T] int64 of layer group `group`: its own (own_pages) or the plan's."""
+        own = self.groups[group].slot_mapping
+        return self.slot_mapping if own is None else own
 
 
 def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_ownership: bool = True) -> AttentionPlan:
@@ -156,7 +142,9 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
     per = -(-kv // ps)
     q_lens, kv_lens = np.full(batch_size, q_len, np.int32), np.full(batch_size, kv, np.int32)
     indptr = np.arange(batch_size + 1, dtype=np.int32) * per
-    batch = StepBatch.from_csr(q_lens, kv_lens, indptr, np.full(batch_size * per, spec.scratch_page, np.int32), ps)
+    pages = np.full(batch_size * per, spec.scratch_page, np.int32)
+    own = {g: GroupPages(np.zeros(batch_size, np.int32), indptr, pages) for g in spec.own_page_groups}
+    batch = StepBatch.from_csr(q_lens, kv_lens, indptr, pages, ps, own)
     return _plan(batch, spec, False, spec.num_pages + 1, backend)
 
 
@@ -169,11 +157,11 @@ def _check_lengths(q: np.ndarray, kv: np.ndarray, ps: int) -> int:
         raise PlanError(f"shapes: q_lens {q.shape} and kv_lens {kv.shape} must both be [B]")
     q_max = q.max()
     if q.min() < 1:
-        _fail("q_lens", q < 1, "every request needs at least one new token")
+        fail_at("q_lens", q < 1, "every request needs at least one new token")
     if (kv.min() < 1) if q_max == 1 else (kv < q).any():
-        _fail("kv_lens", kv < q, "kv_len (after the step) is smaller than q_len")
+        fail_at("kv_lens", kv < q, "kv_len (after the step) is smaller than q_len")
     if kv.max() > INT32_MAX - ps:
-        _fail("kv_lens", kv > INT32_MAX - ps, f"kv_len is past the int32 range the kernels index ({INT32_MAX - ps})")
+        fail_at("kv_lens", kv > INT32_MAX - ps, f"kv_len is past the int32 range the kernels index ({INT32_MAX - ps})")
     return int(q_max)
 
 
@@ -219,7 +207,7 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     spare = indptr[1:] - indptr[:-1]
     spare -= need
     if spare.min() < 0:
-        _fail("page_indices", spare < 0, "fewer pages than the KV length needs (or page_indptr decreases)")
+        fail_at("page_indices", spare < 0, "fewer pages than the KV length needs (or page_indptr decreases)")
     listed = idx[: indptr[-1]]
     if listed.shape[0] and (listed.min() < 0 or listed.max() >= page_limit):
         bad = (listed < 0) | (listed >= page_limit)
@@ -250,18 +238,40 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     if check_ownership:
         scan_ownership(spec, indptr, listed, written)
     read_only(kv_indices, slot_mapping)
+    own = {g: own_plan(g, pages, spec, q, kv, need, last_page_len, positions, mode is Mode.DECODE, page_limit,
+                       check_ownership)
+           for g, pages in _own_lists(batch, spec)}
     return _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
-                   slot_mapping, batch.block_table, None, backend)
+                   slot_mapping, batch.block_table, None, backend, own)
+
+
+def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPages]]:
+    """The batch's own page lists, checked against the spec: exactly the own_pages groups have one."""
+    for g, _ in batch.group_pages:
+        if g >= len(spec.groups):
+            raise PlanError(f"group_pages[{g}]: the spec has {len(spec.groups)} layer groups (0..{len(spec.groups) - 1})")
+        if not spec.groups[g].own_pages:
+            raise PlanError(f"group_pages[{g}]: layer group {g} reads the shared page list (its LayerGroup has "
+                            "own_pages=False), so the batch may not give it a list of its own")
+    given = {g for g, _ in batch.group_pages}
+    for g in spec.own_page_groups:
+        if g not in given:
+            raise PlanError(f"group_pages: layer group {g} keeps its own page list (own_pages=True); the batch must "
+                            f"give it: StepBatch.from_...(..., group_pages={{{g}: GroupPages(...)}})")
+    return list(batch.group_pages)
 
 
 def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     """The plan of a step over the pool's page table: O(B + T), no page ids (see build_plan)."""
     rows, q, kv, ps = batch.rows, batch.q_lens, batch.kv_lens, spec.page_size
+    if spec.own_page_groups:
+        raise PlanError(f"StepRows: layer group {spec.own_page_groups[0]} keeps its own page list (own_pages), which "
+                        "the pool's page table does not hold; describe such steps with a StepBatch")
     if rows.shape != q.shape:
         raise PlanError(f"shapes: rows {rows.shape} and q_lens {q.shape} must both be [B]")
     q_max = _check_lengths(q, kv, ps)
     if rows.min() < 0:
-        _fail("rows", rows < 0, "a page-table row is negative")
+        fail_at("rows", rows < 0, "a page-table row is negative")
     need = (kv + (ps - 1)) // ps
     if q.shape[0] * (int(kv.max()) // ps + 1) > INT32_MAX:  # (sums of `need` must fit int32 indptrs)
         raise PlanError(f"kv_lens: {int(need.sum(dtype=np.int64))} pages in all, more than int32 page offsets hold")
@@ -271,18 +281,19 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     last_page_len += ps
     mode, T, qo_indptr, positions = _new_tokens(q, kv, q_max)
     return _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, None, last_page_len,
-                   None, None, rows, None)
+                   None, None, rows, None, {})
 
 
 def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
-            slot_mapping, block_table, rows, backend) -> AttentionPlan:
-    """The layer groups' page ranges, the backend, and the sealed plan (shared by both batch forms)."""
+            slot_mapping, block_table, rows, backend, own) -> AttentionPlan:
+    """The layer groups' page ranges (own: those of groups with their own lists), the backend, and
+    the sealed plan (shared by both batch forms)."""
     read_only(qo_indptr, kv_indptr, last_page_len, positions)
     groups = tuple([
-        GroupPlan(g, kv_indptr, kv_indices, last_page_len, kv)
-        if g.kind is not Kind.WINDOW
-        else _window_plan(g, kv_indptr, kv_indices, last_page_len, q, kv, need, spec.page_size)
-        for g in spec.groups
+        own[i] if i in own
+        else GroupPlan(g, kv_indptr, kv_indices, last_page_len, kv) if g.kind is not Kind.WINDOW
+        else window_plan(g, kv_indptr, kv_indices, last_page_len, q, kv, need, spec.page_size)
+        for i, g in enumerate(spec.groups)
     ])
     max_kv = int(kv.max())
     backend = backend or spec.backend
@@ -299,18 +310,3 @@ def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, 
                          last_page_len, positions, slot_mapping, groups, block_table, backend, rows)
     object.__setattr__(plan, "sealed", True)
     return plan
-
-
-def _window_plan(group: LayerGroup, kv_indptr, kv_indices, last_page_len, q, kv, need, ps: int) -> GroupPlan:
-    """Trim whole pages that no query of the step can see: keep the last window + q - 1 keys.
-    Without page ids (a StepRows plan) only the ranges are derived: the device gathers the pages."""
-    start_page = np.maximum(kv - q - (group.window - 1), 0) // ps
-    if kv_indices is None:
-        indptr, indices = np.zeros_like(kv_indptr), None
-        np.cumsum(need - start_page, out=indptr[1:])
-    else:
-        indptr, indices = gather_ranges(kv_indices, kv_indptr[:-1] + start_page, need - start_page)
-    kv_start = (start_page * ps).astype(np.int32)
-    kv_lens = (kv - kv_start).astype(np.int32)
-    read_only(indptr, kv_start, kv_lens)
-    return GroupPlan(group, indptr, indices, last_page_len, kv_lens, kv_start)

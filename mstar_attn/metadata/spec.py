@@ -39,16 +39,26 @@ class LayerGroup:
 
     `window` is W for Kind.WINDOW: a query at position p sees keys p-W+1 .. p
     (FlashInfer's window_left = W - 1, FlashAttention's window_size = (W - 1, 0)).
+
+    own_pages: the group's layers keep their own page list (StepBatch.group_pages), so a window
+    group may hold only the pages its window still sees and the engine frees the rest (a hybrid
+    model's sliding-window layers). Its page ids index the caches of the group's layers, a space of
+    their own: they never conflict with the shared list's pages. False: the group reads the
+    batch's shared list (page_indptr / page_indices), as every group of a plain model does.
     """
 
     kind: Kind = attrs.field(default=Kind.CAUSAL, converter=_kind)
     window: int | None = None
+    own_pages: bool = False
 
     def __attrs_post_init__(self):
         if (self.kind is Kind.WINDOW) != (self.window is not None):
             raise PlanError(f"LayerGroup.window is set iff kind is 'window' (kind={self.kind.value}, window={self.window})")
         if self.window is not None:
             object.__setattr__(self, "window", positive_int("LayerGroup.window", self.window))
+        if not isinstance(self.own_pages, (bool, np.bool_)):
+            raise PlanError(f"LayerGroup.own_pages: expected True or False, got {self.own_pages!r}")
+        object.__setattr__(self, "own_pages", bool(self.own_pages))
 
     @property
     def causal(self) -> bool:
@@ -154,3 +164,8 @@ class AttentionSpec:
 
     def group_of(self, layer: int) -> int:
         return self.layer_groups[layer]
+
+    @property
+    def own_page_groups(self) -> tuple[int, ...]:
+        """Indices of the groups that keep their own page list (LayerGroup.own_pages)."""
+        return tuple(g for g, group in enumerate(self.groups) if group.own_pages)

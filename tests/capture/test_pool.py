@@ -249,3 +249,27 @@ def test_replay_refuses_another_pools_step_and_inputs_unlike_the_captured_ones()
     assert not replays
     graphs(step, q=torch.randn(3, 4, 16))
     assert replays == [1]
+
+
+@pytest.mark.parametrize("q, kv", [([1] * 3, [3, 17, 30]), ([4] * 3, [5, 22, 40]), ([3, 9], [3, 30])],
+                         ids=["decode", "verify", "prefill"])
+def test_an_own_pages_group_gets_its_own_slots_on_the_device(q, kv):
+    """A window group on its own page list writes through its own slot_mapping region: the plan's
+    slots for it, then the scratch page for padding rows; the other groups share the step's."""
+    from mstar_attn import GroupPages, StepBatch
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=4, num_pages=400, groups=(LayerGroup(), LayerGroup("window", window=6, own_pages=True)))
+    need = [-(-k // 4) for k in kv]
+    base, own = (np.split(rng.permutation(400)[: sum(need)], np.cumsum(need)[:-1]) for _ in range(2))
+    batch = StepBatch.from_pages(q, kv, base, 4, group_pages={1: GroupPages.from_pages([0] * len(kv), own)})
+    plan = build_plan(batch, spec)
+    step = pool_for(spec).commit(plan)
+    T = plan.num_tokens
+    assert step.groups[0].slot_mapping.data_ptr() == step.slot_mapping.data_ptr()
+    for g, dg in enumerate(step.groups):
+        got = dg.slot_mapping.numpy()
+        assert got.shape == (step.num_rows,) and np.array_equal(got[:T], plan.slots_of(g)), f"seed {seed}"
+        assert (got[T:] // 4 == spec.scratch_page).all(), f"seed {seed}"
+    assert not np.array_equal(plan.slots_of(0), plan.slots_of(1))

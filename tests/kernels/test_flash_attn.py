@@ -16,6 +16,7 @@ from mstar_attn.kernels import flash_attn as fa
 from mstar_attn.kernels import reference
 from tests.helpers import (
     GPU_GROUPS, assert_close_per_request, check_modes, check_replay, fresh_seed, gpu_pool, make_step, many_steps,
+    random_cache,
     table_steps,
     no_sync_on_the_step_path, random_batch,
 )
@@ -328,3 +329,19 @@ def test_page_table_steps_eager_and_replayed():
     seed = fresh_seed()
     counts = table_steps(fa.run, fa.write_kv, "flash_attn", seed)
     assert counts.get(128, 0) >= 3 and counts.get(None, 0) >= 2, (seed, counts)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cpu_own_page_lists_through_the_pool(cpu_pool, page_size):
+    """A hybrid model's window group on its own page list, its passed pages given back and reused:
+    the page tables and slots the pool and this backend derive serve the exact attention per request."""
+    from tests.group_pages import HybridTrace, serve
+
+    seed = fresh_seed()
+    groups = (LayerGroup(), LayerGroup("window", window=21, own_pages=True))
+    spec = AttentionSpec(8, 2, 64, page_size, 3000, groups=groups, layer_groups=(0, 1), soft_cap=4.0, backend="flash_attn")
+    trace = HybridTrace(spec, seed, max_batch=6, max_prompt=50)
+    pool = cpu_pool(spec, buckets=(1, 4, 8))
+    caches = [random_cache(spec, seed + g, device="cpu") for g in range(2)]
+    ran = serve(trace, pool, fa, caches, 12, seed)
+    assert {m for m, _ in ran} >= {"decode", "verify"}, ran

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import Kind, LayerGroup, build_plan
+from mstar_attn import AttentionSpec, Kind, LayerGroup, PlanError, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import (
     assert_close_per_request, fresh_seed, make_step, naive_attention, random_batch, request_errors, spec_for,
@@ -114,3 +114,32 @@ def test_per_request_check_sees_one_dropped_key():
     assert all(e[0] == 0 for e in per_request[1:])
     with pytest.raises(AssertionError, match="request 0 of 5"):
         assert_close_per_request(broken, want, plan, torch.bfloat16, f"seed {seed}")
+
+
+@pytest.mark.parametrize("page_size, window", [(1, 8), (4, 13), (16, 40)])
+def test_own_page_lists_match_the_exact_attention(page_size, window):
+    """A hybrid model over 25 steps: the window group writes and reads its own list, which gives
+    back pages the window has passed (reused by later requests, stale K/V and all); both groups
+    match the exact attention of each request's true K/V, and the window group holds fewer pages."""
+    from tests.group_pages import HybridTrace
+    from tests.helpers import random_cache
+
+    seed = fresh_seed()
+    groups = (LayerGroup(), LayerGroup("window", window=window, own_pages=True))
+    spec = AttentionSpec(4, 2, 16, page_size, 3000, dtype=torch.float32, groups=groups, layer_groups=(0, 1),
+                         soft_cap=3.0, backend="reference")
+    trace = HybridTrace(spec, seed, max_batch=8, max_prompt=60)
+    caches = [random_cache(spec, seed + g, device="cpu") for g in range(2)]
+    for i in range(25):
+        plan = trace.step(i)
+        k, v = trace.new_kv(plan)
+        q = trace.query(plan)
+        with pytest.raises(PlanError, match="pass group=spec.layer_groups"):
+            reference.write_kv(plan, k, v, caches[1])
+        for g in range(2):
+            reference.write_kv(plan, k, v, caches[g], group=g)
+            out = reference.run(plan, q, caches[g], group=g)
+            for r, (err, _, _) in enumerate(request_errors(out, trace.oracle(plan, q, g), plan)):
+                assert err < TOL[torch.float32], (f"seed {seed}", i, plan.mode, g, f"request {r}", err)
+        trace.advance(plan)
+    assert trace.most_own_pages < trace.most_shared_pages, (f"seed {seed}", trace.most_own_pages, trace.most_shared_pages)

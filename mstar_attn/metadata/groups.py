@@ -1,0 +1,107 @@
+"""One layer group's part of a plan: `GroupPlan`, and how it is derived for a window group (whole
+pages trimmed from the front of the shared list) or a group with its own page list. Pure numpy."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from mstar_attn.metadata._arrays import array_field, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata.batch import GroupPages
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.pages import gather_ranges, request_of, scan_ownership
+from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup
+
+
+@attrs.frozen
+class GroupPlan:
+    """The page range one layer group's kernel reads, all int32 host arrays over B requests.
+
+    kv_indptr [B+1], kv_indices [n], kv_last_page_len [B], kv_lens [B]: as FlashInfer reads them
+    (kv_indices is None in a StepRows plan: the pool gathers the pages on the device).
+    kv_start [B] or None: position of the first key covered, when a sliding window trimmed whole
+    pages from the front (a multiple of page_size); None means 0 for every request. For full
+    and non-causal groups reading the shared list the arrays are the plan's own.
+    slot_mapping [T] int64 or None: where the group's layers write each new token, for a group
+    with its own page list (LayerGroup.own_pages); None: the plan's slot_mapping.
+    """
+
+    group: LayerGroup
+    kv_indptr: np.ndarray = array_field()
+    kv_indices: np.ndarray | None = nullable_array_field()
+    kv_last_page_len: np.ndarray = array_field()
+    kv_lens: np.ndarray = array_field()
+    kv_start: np.ndarray | None = optional_array_field()
+    slot_mapping: np.ndarray | None = optional_array_field()
+
+
+def first_read_page(group: LayerGroup, q: np.ndarray, kv: np.ndarray, ps: int) -> np.ndarray:
+    """[B] the first logical page any query of the step can see: a window group sees the last
+    window + q - 1 keys; every other group sees from position 0."""
+    if group.kind is not Kind.WINDOW:
+        return np.zeros_like(kv)
+    return np.maximum(kv - q - (group.window - 1), 0) // ps
+
+
+def window_plan(group: LayerGroup, kv_indptr, kv_indices, last_page_len, q, kv, need, ps: int) -> GroupPlan:
+    """Trim whole pages of the shared list that no query of the step can see: keep the last window
+    + q - 1 keys. Without page ids (a StepRows plan) only the ranges are derived: the device gathers the pages."""
+    start_page = first_read_page(group, q, kv, ps)
+    if kv_indices is None:
+        indptr, indices = np.zeros_like(kv_indptr), None
+        np.cumsum(need - start_page, out=indptr[1:])
+    else:
+        indptr, indices = gather_ranges(kv_indices, kv_indptr[:-1] + start_page, need - start_page)
+    kv_start = (start_page * ps).astype(np.int32)
+    kv_lens = (kv - kv_start).astype(np.int32)
+    read_only(indptr, kv_start, kv_lens)
+    return GroupPlan(group, indptr, indices, last_page_len, kv_lens, kv_start)
+
+
+def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, q, kv, need, last_page_len, positions, decode: bool,
+             page_limit: int, check_ownership: bool) -> GroupPlan:
+    """Layer group g's plan from its own list: checked (shapes, reach, page ids, ownership within the
+    group's id space), trimmed to the pages the step reads, with the group's own slot_mapping."""
+    group, ps, B, name = spec.groups[g], spec.page_size, q.shape[0], f"group_pages[{g}]"
+    first, indptr, idx = pages.first_page, pages.page_indptr, pages.page_indices
+    if first.shape != (B,) or indptr.shape != (B + 1,):
+        raise PlanError(f"{name}: first_page {first.shape} and page_indptr {indptr.shape} must be [B] and [B+1] (B = {B})")
+    n_listed = idx.shape[0]
+    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
+        raise PlanError(f"{name}.page_indptr must start at 0 and stay within its page_indices (length {n_listed}), "
+                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
+    start = first_read_page(group, q, kv, ps)
+    bad = (first < 0) | (first > start)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanError(f"{name}.first_page[{i}]: the list starts at logical page {first[i]}, but the step reads from "
+                        f"page {start[i]} on (kv_len {kv[i]}, q_len {q[i]}, "
+                        + (f"window {group.window}" if group.window else "a full group reads from page 0")
+                        + f"; page = position // {ps}) (request {i})")
+    short = first.astype(np.int64) + (indptr[1:] - indptr[:-1]) < need
+    if short.any():
+        i = int(np.flatnonzero(short)[0])
+        raise PlanError(f"{name}.page_indices[{i}]: lists {indptr[i + 1] - indptr[i]} pages from logical page {first[i]}, "
+                        f"fewer than kv_len {kv[i]} needs (up to page {need[i] - 1}) (request {i})")
+    listed = idx[: indptr[-1]]
+    if listed.shape[0] and (listed.min() < 0 or listed.max() >= page_limit):
+        j = int(np.flatnonzero((listed < 0) | (listed >= page_limit))[0])
+        i = int(request_of(indptr, np.array([j]))[0])
+        what = "the scratch page, which no request may list" if listed[j] == spec.scratch_page else "outside the pool"
+        raise PlanError(f"{name}.page_indices: request {i} lists page {listed[j]}, {what} (pages 0..{spec.num_pages - 1})")
+    kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1] + (start - first), need - start)
+    if decode:  # one token per request, on its last page
+        written = kv_indices[kv_indptr[1:] - 1]
+        slots = np.multiply(written, ps, dtype=np.int64)
+        slots += last_page_len - 1
+    else:
+        page_of = np.repeat(kv_indptr[:-1] - start, q) + positions // ps
+        slots = kv_indices[page_of].astype(np.int64) * ps + positions % ps
+        first_written = (kv - q) // ps
+        written = gather_ranges(kv_indices, kv_indptr[:-1] + (first_written - start), need - first_written)[1]
+    if check_ownership:
+        scan_ownership(spec, indptr, listed, written, f"{name}.page_indices")
+    kv_start = (start * ps).astype(np.int32) if group.kind is Kind.WINDOW else None
+    kv_lens = kv if kv_start is None else (kv - kv_start).astype(np.int32)
+    read_only(slots, kv_lens, *(() if kv_start is None else (kv_start,)))
+    return GroupPlan(group, kv_indptr, kv_indices, last_page_len, kv_lens, kv_start, slots)

@@ -1,0 +1,132 @@
+"""Layer groups with their own page lists (metadata/groups.py): plans, slots, trimming and the errors."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mstar_attn import AttentionSpec, GroupPages, LayerGroup, PlanError, StepBatch, build_plan
+from mstar_attn.metadata.batch import StepRows
+from mstar_attn.metadata.plan import scratch_plan
+from tests.helpers import draw_lengths
+
+
+def hybrid_spec(ps, window, num_pages=4096, own=True):
+    """A full group, a window group on its own list (or, own=False, on the shared one), and a
+    second window group on the shared list."""
+    groups = (LayerGroup(), LayerGroup("window", window=window, own_pages=own), LayerGroup("window", window=window + 5))
+    return AttentionSpec(4, 2, 16, ps, num_pages, groups=groups, layer_groups=(0, 1, 2), backend="reference")
+
+
+@st.composite
+def hybrid_steps(draw):
+    """A random step, each request's own list starting anywhere from page 0 to the first page its
+    window sees, with 0-2 spare pages after; shared pages from ids 0..2047, own ones from 2048.."""
+    ps, q, kv = draw_lengths(draw, (1, 4, 16), 8, 40, 300)
+    window = draw(st.integers(1, 70))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    need = [-(-k // ps) for k in kv]
+    start = [max(k - n - (window - 1), 0) // ps for n, k in zip(q, kv)]
+    first = [int(rng.integers(0, s + 1)) for s in start]
+    counts = [n - f + int(rng.integers(0, 3)) for n, f in zip(need, first)]
+    own = np.split(2048 + rng.permutation(2048)[: sum(counts)], np.cumsum(counts)[:-1])
+    base = np.split(rng.permutation(2048)[: sum(need)], np.cumsum(need)[:-1])
+    return ps, window, q, kv, first, [o.tolist() for o in own], [b.tolist() for b in base]
+
+
+@settings(max_examples=150, deadline=None)
+@given(hybrid_steps())
+def test_an_own_list_plans_as_the_shared_list_would_over_the_same_pages(case):
+    """The window group's plan from its own list equals its plan from a shared list holding those
+    pages at the same logical positions (ranges, lengths, window start), and its slots are those pages'."""
+    ps, window, q, kv, first, own, base = case
+    pages = GroupPages.from_pages(first, own)
+    plan = build_plan(StepBatch.from_pages(q, kv, base, ps, group_pages={1: pages}), hybrid_spec(ps, window))
+    # the same pages in one shared list: the shared pages below each own list's first page, then the own ones
+    need = [-(-k // ps) for k in kv]
+    merged = [b[:f] + o[: n - f] for b, f, o, n in zip(base, first, own, need)]
+    same = build_plan(StepBatch.from_pages(q, kv, merged, ps), hybrid_spec(ps, window, own=False))
+    gp, want = plan.groups[1], same.groups[1]
+    for field in ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens", "kv_start"):
+        assert np.array_equal(getattr(gp, field), getattr(want, field)), (field, case)
+    assert np.array_equal(gp.slot_mapping, same.slot_mapping) and np.array_equal(plan.slots_of(1), same.slot_mapping)
+    # the groups on the shared list are untouched by the own list
+    alone = build_plan(StepBatch.from_pages(q, kv, base, ps), hybrid_spec(ps, window, own=False))
+    assert np.array_equal(plan.slot_mapping, alone.slot_mapping) and plan.groups[0].slot_mapping is None
+    for g in (0, 2):
+        assert np.array_equal(plan.groups[g].kv_indices, alone.groups[g].kv_indices)
+        assert np.array_equal(plan.slots_of(g), alone.slot_mapping)
+    # every own slot is on the request's own pages, at its token's offset
+    pos = plan.positions
+    req = np.repeat(np.arange(len(q)), q)
+    own_page = [own[i][p // ps - first[i]] for i, p in zip(req, pos)]
+    assert np.array_equal(gp.slot_mapping, np.array(own_page, np.int64) * ps + pos % ps)
+
+
+def _batch(q, kv, ps=4, own=None, first=None, base=None):
+    base = base or [list(range(10 * i, 10 * i + -(-k // ps))) for i, k in enumerate(kv)]
+    own = own or [list(range(100 + 10 * i, 100 + 10 * i + -(-k // ps))) for i, k in enumerate(kv)]
+    first = first or [0] * len(kv)
+    return StepBatch.from_pages(q, kv, base, ps, group_pages={1: GroupPages.from_pages(first, own)})
+
+
+def test_a_decode_step_writes_each_group_through_its_own_pages():
+    spec = hybrid_spec(4, 6)
+    # request 0: 9 tokens, window 6 from position 3: pages 0.. ; request 1: 30 tokens, sees 24..29: page 6 on
+    plan = build_plan(_batch([1, 1], [9, 30], own=[[100, 101, 102], [207, 208]], first=[0, 6]), spec)
+    assert plan.slot_mapping.tolist() == [2 * 4 + 0, 17 * 4 + 1]
+    assert plan.groups[1].slot_mapping.tolist() == [102 * 4 + 0, 208 * 4 + 1]
+    assert plan.groups[1].kv_indices.tolist() == [100, 101, 102, 207, 208]
+    assert plan.groups[1].kv_start.tolist() == [0, 24] and plan.groups[1].kv_lens.tolist() == [9, 6]
+
+
+@pytest.mark.parametrize("q, kv, first, own, match", [
+    ([1, 1], [9, 30], [0, 7], None, r"group_pages\[1\]\.first_page\[1\]: .*reads from page 6.*\(request 1\)"),
+    ([1, 1], [9, 30], [-1, 0], None, r"group_pages\[1\]\.first_page\[0\]"),
+    ([3, 1], [30, 9], [5, 0], [[105, 106], [200, 201, 202]],
+     r"group_pages\[1\]\.page_indices\[0\]: lists 2 pages from logical page 5, fewer than kv_len 30 needs"),
+    ([1, 1], [9, 30], [0, 6], [[100, 101, 4096], [207, 208]], r"group_pages\[1\]\.page_indices: request 0 lists page 4096, the scratch"),
+    ([1, 1], [9, 30], [0, 6], [[100, 101, 5000], [207, 208]], r"request 0 lists page 5000, outside the pool"),
+    ([1, 1], [9, 30], [0, 6], [[100, 101, 208], [207, 208]], r"group_pages\[1\]\.page_indices: page 208 is written"),
+    ([4, 4], [9, 30], [0, 5], [[100, 101, 102], [205, 206, 102]], r"group_pages\[1\]\.page_indices: page 102 is written"),
+])
+def test_bad_own_lists_name_the_field_and_the_request(q, kv, first, own, match):
+    with pytest.raises(PlanError, match=match):
+        build_plan(_batch(q, kv, own=own, first=first), hybrid_spec(4, 6))
+
+
+def test_read_only_pages_may_be_listed_by_several_requests():
+    """A window-list prefix page two requests read and neither writes (prefix caching) is fine."""
+    spec = hybrid_spec(4, 40)
+    plan = build_plan(_batch([1, 1], [9, 10], own=[[100, 101, 102], [100, 111, 112]]), spec)
+    assert plan.groups[1].kv_indices.tolist() == [100, 101, 102, 100, 111, 112]
+
+
+def test_the_own_lists_must_match_the_spec():
+    spec = hybrid_spec(4, 6)
+    base = StepBatch.from_pages([1], [5], [[0, 1]], 4)
+    with pytest.raises(PlanError, match=r"group_pages: layer group 1 keeps its own page list"):
+        build_plan(base, spec)
+    lists = GroupPages.from_pages([0], [[7, 8]])
+    with pytest.raises(PlanError, match=r"group_pages\[0\]: layer group 0 reads the shared page list"):
+        build_plan(StepBatch.from_pages([1], [5], [[0, 1]], 4, group_pages={0: lists, 1: lists}), spec)
+    with pytest.raises(PlanError, match=r"group_pages\[3\]: the spec has 3 layer groups"):
+        build_plan(StepBatch.from_pages([1], [5], [[0, 1]], 4, group_pages={1: lists, 3: lists}), spec)
+    with pytest.raises(PlanError, match=r"group_pages\[1\]: first_page \(2,\) and page_indptr \(2,\) must be \[B\] and \[B\+1\]"):
+        build_plan(StepBatch.from_pages([1], [5], [[0, 1]], 4, group_pages={1: GroupPages.from_pages([0, 0], [[7, 8]])}), spec)
+    with pytest.raises(PlanError, match="group_pages: keys are layer-group indices"):
+        StepBatch.from_pages([1], [5], [[0, 1]], 4, group_pages={"1": lists})
+    with pytest.raises(PlanError, match=r"group_pages\[1\]: expected a GroupPages"):
+        StepBatch.from_pages([1], [5], [[0, 1]], 4, group_pages={1: [[7, 8]]})
+    with pytest.raises(PlanError, match="LayerGroup.own_pages: expected True or False"):
+        LayerGroup("window", window=4, own_pages="yes")
+    with pytest.raises(PlanError, match="StepRows: layer group 1 keeps its own page list"):
+        build_plan(StepRows([0], [1], [5]), spec)
+
+
+def test_the_scratch_plan_gives_own_groups_the_scratch_page():
+    spec = hybrid_spec(4, 6)
+    plan = scratch_plan(spec, 3, q_len=4)
+    assert set(plan.groups[1].kv_indices.tolist()) == {spec.scratch_page}
+    assert set((plan.groups[1].slot_mapping // 4).tolist()) == {spec.scratch_page}
