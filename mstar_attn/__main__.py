@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=int, default=8, help="requests in the trace (default: 8)")
     d.add_argument("--page-size", type=int, default=4, help="tokens per KV page (default: 4)")
     d.add_argument("--seed", type=int, default=0, help="seeds the weights and the trace (default: 0)")
+    d.add_argument("--model", choices=["llama", "gemma2"], default="llama",
+                   help="the transformers family (default: llama); gemma2 interleaves sliding-window layers, on "
+                        "their own page lists, with full ones")
+    d.add_argument("--window", type=int, default=8, help="gemma2's sliding window in tokens (default: 8)")
     sub.add_parser("bench", add_help=False, help="per-shape GPU microbenchmark of the backends (needs CUDA); "
                                                  "its arguments go to mstar_attn.tuning (bench --help)")
     return p
@@ -34,7 +38,8 @@ def demo(args: argparse.Namespace) -> int:
     from mstar_attn.demo import DemoConfig, DemoError, run_demo
 
     cfg = DemoConfig(backend=args.backend, graphs=args.graphs, device=args.device, dtype=args.dtype, layers=args.layers,
-                     hidden=args.hidden, requests=args.requests, page_size=args.page_size, seed=args.seed)
+                     hidden=args.hidden, requests=args.requests, page_size=args.page_size, seed=args.seed,
+                     model=args.model, window=args.window)
     try:
         result = run_demo(cfg, out=sys.stdout, progress=sys.stderr)
     except (DemoError, PlanError) as e:

@@ -152,3 +152,29 @@ def serve(trace: HybridTrace, pool, backend, caches, steps: int, seed: int, grap
         key = (plan.mode.value, replay)
         ran[key] = ran.get(key, 0) + 1
     return ran
+
+
+def gpu_hybrid(backend, name: str, seed: int, steps: int = 40) -> dict:
+    """The trace on the GPU through `backend` (a kernels module named `name`): 32 / 8 heads of 128,
+    page 16, a full group and a window of 40 on its own list; decode and verify steps of buckets 1,
+    8 and 32 replay one graph of both groups' write_kv + run, other steps run eagerly (see serve)."""
+    from mstar_attn import LayerGroup
+    from mstar_attn.capture.graphs import DecodeGraphs
+    from tests.helpers import gpu_pool, random_cache
+
+    torch.manual_seed(seed)
+    groups = (LayerGroup(), LayerGroup("window", window=40, own_pages=True))
+    spec = AttentionSpec(32, 8, 128, 16, 12000, groups=groups, layer_groups=(0, 1), backend=name)
+    trace = HybridTrace(spec, seed, device="cuda", max_batch=32, max_prompt=300)
+    pool = gpu_pool(spec, buckets=(1, 8, 32), max_pages_per_request=400)
+    caches = [random_cache(spec, seed + g) for g in range(2)]
+    rows = 32 * 4
+    static = {"q": torch.zeros(rows, 32, 128, device="cuda", dtype=spec.dtype),
+              "k": torch.zeros(rows, 8, 128, device="cuda", dtype=spec.dtype),
+              "v": torch.zeros(rows, 8, 128, device="cuda", dtype=spec.dtype)}
+    graphs = DecodeGraphs(pool, lambda step, x: hybrid_layers(backend, caches, step, x), static)
+    graphs.capture(q_lens=(1, 4))
+    ran = serve(trace, pool, backend, caches, steps, seed, graphs)
+    assert ran.get(("decode", True)) and ran.get(("verify", True)), (f"seed {seed}", ran)
+    assert trace.most_own_pages < trace.most_shared_pages, (f"seed {seed}", trace.most_own_pages)
+    return ran

@@ -19,7 +19,7 @@ from mstar_attn.kernels import ALL_MODES, AUTO
 class StepAttention:
     """Attention through the backend each step's plan names (`kernels.write_kv` / `kernels.run`
     dispatch on plan.backend): `bind(spec, ...)` once, `ctx = prepare(plan)` per step, then per layer
-    `write_kv(ctx, k, v, cache)` and `run(ctx, q, cache, group=g, k=k, v=v)`.
+    `write_kv(ctx, k, v, cache, group=g)` and `run(ctx, q, cache, group=g, k=k, v=v)`.
 
     Here ctx is the plan itself and everything runs eagerly on the host's order. PoolAttention (GPU)
     commits plans into device buffers and can capture the decode forward as CUDA graphs: `capture`,
@@ -42,8 +42,8 @@ class StepAttention:
         """Token rows the forward feeds this step: q, k, v and every activation are [rows, ...]."""
         return ctx.num_tokens
 
-    def write_kv(self, ctx, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache) -> None:
-        kernels.write_kv(ctx, k, v, cache)
+    def write_kv(self, ctx, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group: int | None = None) -> None:
+        kernels.write_kv(ctx, k, v, cache, group)
 
     def run(self, ctx, q: torch.Tensor, cache: PagedKVCache, group: int, k=None, v=None) -> torch.Tensor:
         return kernels.run(ctx, q, cache, group, k, v)

@@ -30,6 +30,8 @@ class DemoConfig:
     requests: int = 8
     seed: int = 0
     page_size: int = 4
+    model: str = "llama"  # the transformers family: "llama", or "gemma2" (sliding-window layers on their own pages)
+    window: int = 8  # gemma2: the sliding window, in tokens (small, so requests outgrow it)
 
     @property
     def gpu(self) -> bool:

@@ -26,6 +26,7 @@ class PageAllocator:
     requests). `reused` counts allocations of pages some earlier request had already used."""
 
     def __init__(self, num_pages: int):
+        self.num_pages = num_pages
         self.free = list(range(num_pages - 1, -1, -1))
         self.refs = np.zeros(num_pages, np.int32)
         self.seen = np.zeros(num_pages, np.bool_)
@@ -39,6 +40,11 @@ class PageAllocator:
         self.seen[pages] = True
         self.refs[pages] = 1
         return pages
+
+    @property
+    def held(self) -> int:
+        """Pages held now (a page several requests share counts once)."""
+        return self.num_pages - len(self.free)
 
     def share(self, pages: list[int]) -> None:
         self.refs[pages] += 1
@@ -56,6 +62,8 @@ class Request:
 
     The first `shared` tokens' pages came from another request (whole pages, read-only). `logits`
     holds the engine's rows for positions shared .. len(tokens) - 2, float32 on the CPU, [n, vocab].
+    own_pages: the page list of the layer groups with their own (a window group): the pages of
+    logical pages own_first, own_first + 1, ... (those before it were given back, see `drop_passed`).
     """
 
     rid: int
@@ -67,6 +75,8 @@ class Request:
     cached: int = 0
     shared: int = 0
     logits: list[torch.Tensor] = attrs.Factory(list)
+    own_first: int = 0
+    own_pages: list[int] = attrs.Factory(list)
 
     def __attrs_post_init__(self):
         self.tokens = list(self.prompt)
@@ -90,12 +100,15 @@ def make_trace(cfg: DemoConfig, rng: np.random.Generator) -> list[Request]:
     return reqs
 
 
-def share_prefix(req: Request, live: list[Request], pages: PageAllocator, page_size: int) -> None:
+def share_prefix(req: Request, live: list[Request], pages: PageAllocator, page_size: int,
+                 own: PageAllocator | None = None, window: int = 0) -> None:
     """Give `req` the whole cached pages of the live request with the longest common prefix.
 
     Only full pages are shared, and at least one prompt token is left to compute (its logits give
     the first generated token). Pages past the shared ones are the request's own, so no shared page
     is ever written: the KV at a position depends only on the tokens up to it, identical for both.
+    With own page lists (`own`, a window of `window` tokens) the window pages the request's first
+    step reads are shared too, if the other request still holds them; else nothing is shared.
     """
     best, n = None, 0
     for other in live:
@@ -107,10 +120,33 @@ def share_prefix(req: Request, live: list[Request], pages: PageAllocator, page_s
         if m > n:
             best, n = other, m
     n = min(n, len(req.prompt) - 1) // page_size
+    first = max(n * page_size - (window - 1), 0) // page_size  # the first page the window then sees
+    if n and own is not None:
+        if best.own_first > first:
+            return
+        req.own_first, req.own_pages = first, best.own_pages[first - best.own_first : n - best.own_first]
+        own.share(req.own_pages)
     if n:
         req.pages = best.pages[:n]
         pages.share(req.pages)
         req.cached = req.shared = n * page_size
+
+
+def grow_pages(req: Request, pages: PageAllocator, own: PageAllocator | None, page_size: int) -> None:
+    """Pages for every token of `req` (its shared list, and its own list when there is one)."""
+    need = -(-len(req.tokens) // page_size)
+    req.pages += pages.alloc(need - len(req.pages))
+    if own is not None:
+        req.own_pages += own.alloc(need - req.own_first - len(req.own_pages))
+
+
+def drop_passed(req: Request, own: PageAllocator, window: int, page_size: int) -> None:
+    """After a step: give back the own-list pages no later step reads (the next query, at position
+    req.cached, sees keys from req.cached - window + 1 on)."""
+    keep = max(req.cached - (window - 1), 0) // page_size
+    if keep > req.own_first:
+        own.release(req.own_pages[: keep - req.own_first])
+        req.own_pages, req.own_first = req.own_pages[keep - req.own_first :], keep
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ second family (an encoder-decoder, a speculative-decoding draft model) is a sibl
 same surface, handed to the engine by `run.run_demo`:
 
     build_model(cfg, dtype, device) -> model      the stock HF model, also the oracle `check` runs
+    spec_fields(model) -> dict                     the AttentionSpec fields the model decides
     forward(model, attn, ctx, caches, ids, positions) -> logits [R, vocab]
+
+`gemma2.py` is the second family (sliding-window layers on their own page lists).
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
     return model.to(device=device, dtype=dtype).eval()
 
 
+def spec_fields(model) -> dict:
+    """One layer group: every layer full causal attention, the default scale, no soft-cap."""
+    return dict(layer_groups=(0,) * model.config.num_hidden_layers)
+
+
 def forward(model, attn: StepAttention, ctx, caches: list[PagedKVCache], ids: torch.Tensor,
             positions: torch.Tensor) -> torch.Tensor:
     """One engine step through the HF modules: the eager path, and the function decode graphs capture.
@@ -56,7 +64,7 @@ def forward(model, attn: StepAttention, ctx, caches: list[PagedKVCache], ids: to
         sa, x = layer.self_attn, layer.input_layernorm(h)
         q, k = apply_rotary_pos_emb(heads(sa.q_proj(x)), heads(sa.k_proj(x)), cos, sin, unsqueeze_dim=1)
         v = heads(sa.v_proj(x))
-        attn.write_kv(ctx, k, v, caches[i])
+        attn.write_kv(ctx, k, v, caches[i], group=spec.layer_groups[i])
         h = h + sa.o_proj(attn.run(ctx, q, caches[i], group=spec.layer_groups[i], k=k, v=v).reshape(R, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.lm_head(m.norm(h))

@@ -15,6 +15,29 @@ from mstar_attn.demo.config import DemoConfig
 
 
 @attrs.define
+class PagesHeld:
+    """KV pages the live requests hold between steps, for a model whose window layers keep their own
+    page list: per request on that list (most_own), and in all on each list (peak_shared: the
+    full layers' list, what every layer would hold without own lists; peak_own: the window layers')."""
+
+    window: int
+    page_size: int
+    most_own: int = 0
+    peak_shared: int = 0
+    peak_own: int = 0
+
+    @property
+    def bound(self) -> int:
+        """The most own pages a request can hold between steps: those of its last `window - 1` tokens, plus one."""
+        return -(-(self.window - 1) // self.page_size) + 1
+
+    def after_step(self, live, pages, own) -> None:
+        self.most_own = max([self.most_own, *(len(r.own_pages) for r in live)])
+        self.peak_shared = max(self.peak_shared, pages.held)
+        self.peak_own = max(self.peak_own, own.held)
+
+
+@attrs.define
 class DemoResult:
     """What `run_demo` did. Host times in µs, one entry per step: plan_us (build_plan), commit_us
     (prepare: GraphBufferPool.commit on GPU backends), step_us (the whole step, the eager measurement
@@ -38,6 +61,7 @@ class DemoResult:
     num_graphs: int = 0  # graphs captured
     capture_s: float = 0.0
     tokens: dict[int, list[int]] = attrs.Factory(dict)  # request id -> prompt + generated tokens
+    pages_held: PagesHeld | None = None  # with window layers on their own page lists (gemma2)
 
     @property
     def modes(self) -> Counter:
@@ -116,8 +140,9 @@ def summary(res: DemoResult) -> str:
     bad = [k.rid for k in res.checks if not k.ok]
     host = [p + q for p, q in zip(res.plan_us, res.commit_us)]
     clock = "CUDA events" if torch.device(c.device).type == "cuda" else "host clock"
+    family = {"llama": "Llama", "gemma2": f"Gemma 2 (sliding window {c.window} / full layers, soft-capped)"}[c.model]
     lines = [
-        f"model     Llama {c.layers} layers, hidden {c.hidden}, {c.heads} q / {c.kv_heads} kv heads, vocab {c.vocab}, "
+        f"model     {family} {c.layers} layers, hidden {c.hidden}, {c.heads} q / {c.kv_heads} kv heads, vocab {c.vocab}, "
         f"{c.dtype} on {c.device}, page size {c.page_size}",
         f"trace     {c.requests} requests, {res.steps} steps, {res.prompt_tokens} prompt tokens "
         f"({res.shared_tokens} read from shared prefix pages by {res.prefix_hits} requests) "
@@ -130,6 +155,12 @@ def summary(res: DemoResult) -> str:
             f"decode step: graphs {np.median(res.graph_us):.0f} µs vs eager {np.median(res.eager_us):.0f} µs "
             f"({res.speedup:.2f}x; {clock}, median over {res.replayed} decode steps, each run both ways on the same "
             f"inputs; {res.num_graphs} graphs captured in {res.capture_s:.1f} s)")
+    if res.pages_held is not None:
+        p = res.pages_held
+        lines.append(
+            f"pages     window layers on their own page lists: at most {p.most_own} pages per request between steps "
+            f"(bound (window - 1) / page size + 1 = {p.bound}); peak held: full layers {p.peak_shared}, window layers "
+            f"{p.peak_own} (without per-group lists: {p.peak_shared})")
     graphs = f"; CUDA graphs replayed {res.replayed} of {res.modes[Mode.DECODE.value]} decode steps" if c.graphs else ""
     lines += [
         f"served    {served}{graphs}",

@@ -1,7 +1,8 @@
 """The serving loop: `run_demo` serves the trace through the engine and checks it against transformers.
 
-The model family is named here only: `llama.build_model` and `llama.forward` (a second family is a
-sibling module with the same two functions, swapped in on those lines).
+The model family is named here only (FAMILIES): `llama` or `gemma2`, modules with the same surface
+(build_model, spec_fields, forward). Layer groups with their own page lists (Gemma 2's window layers)
+get a second page allocator: their pages are taken as requests grow and given back as the window passes.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from typing import TextIO
 import numpy as np
 import torch
 
-from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
-from mstar_attn.demo import llama
+from mstar_attn import AttentionSpec, GroupPages, PagedKVCache, StepBatch, build_plan
+from mstar_attn.demo import gemma2, llama
 from mstar_attn.demo.attention import StepAttention, make_attention
 from mstar_attn.demo.check import check_request
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError
-from mstar_attn.demo.engine import Engine, PageAllocator, make_trace, share_prefix
-from mstar_attn.demo.report import DemoResult, Progress, summary, write
+from mstar_attn.demo.engine import Engine, PageAllocator, drop_passed, grow_pages, make_trace, share_prefix
+from mstar_attn.demo.report import DemoResult, PagesHeld, Progress, summary, write
+
+FAMILIES = {"llama": llama, "gemma2": gemma2}
 
 
 def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None = None, out: TextIO | None = None,
@@ -32,30 +35,37 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
     cfg = cfg.resolve()
     if cfg.dtype not in DTYPES:
         raise DemoError(f"unknown dtype {cfg.dtype!r} (known: {', '.join(DTYPES)})")
-    if min(cfg.requests, cfg.layers, cfg.page_size, cfg.hidden) < 1:
-        raise DemoError("--requests, --layers, --hidden and --page-size must be >= 1")
+    if min(cfg.requests, cfg.layers, cfg.page_size, cfg.hidden, cfg.window) < 1:
+        raise DemoError("--requests, --layers, --hidden, --page-size and --window must be >= 1")
+    family = FAMILIES.get(cfg.model)
+    if family is None:
+        raise DemoError(f"unknown model {cfg.model!r} (known: {', '.join(FAMILIES)})")
     dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
     attn = attention or make_attention(cfg)
     rng = np.random.default_rng(cfg.seed)
     reqs = make_trace(cfg, rng)
     ps = cfg.page_size
     num_pages = sum(-(-(len(r.prompt) + r.max_new) // ps) for r in reqs)  # enough with no sharing at all
-    spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, ps, num_pages, dtype=dtype,
-                         layer_groups=(0,) * cfg.layers, backend=attn.name)
     bar = Progress(progress, len(reqs))
     with torch.inference_mode():
-        model = llama.build_model(cfg, dtype, device)
+        model = family.build_model(cfg, dtype, device)
+        spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, ps, num_pages, dtype=dtype,
+                             backend=attn.name, **family.spec_fields(model))
+        own_groups = spec.own_page_groups  # each on the one own list the engine keeps (one window here)
+        window = max((spec.groups[g].window for g in own_groups), default=0)
         caches = [PagedKVCache.allocate(spec, device) for _ in range(cfg.layers)]
         for c in caches:
             c.k.zero_(), c.v.zero_()
         # the largest batch, as a power of two (the decode buckets), and the most tokens one step can have
         attn.bind(spec, 1 << (cfg.requests - 1).bit_length(), sum(len(r.prompt) for r in reqs) + len(reqs))
-        engine = Engine(llama.forward, model, attn, caches, device, cfg.graphs)
+        engine = Engine(family.forward, model, attn, caches, device, cfg.graphs)
         if cfg.graphs:
             bar.note("capturing the decode forward as CUDA graphs ...")
             engine.capture()  # before any request: capture's warm-up writes to page 0, which no one holds yet
             bar.note(f"captured {engine.num_graphs} graphs in {engine.capture_s:.1f} s")
         pages = PageAllocator(num_pages)
+        own = PageAllocator(num_pages) if own_groups else None  # page ids of the own-list groups' caches
+        held = PagesHeld(window, ps)
         served: dict[str, Counter] = {}
         plan_us, step_us = [], []
         waiting, running, finished = deque(reqs), [], []
@@ -67,12 +77,13 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
             new = []
             while waiting and waiting[0].arrival <= step:
                 new.append(waiting.popleft())
-                share_prefix(new[-1], running, pages, ps)
+                share_prefix(new[-1], running, pages, ps, own, window)
             batch = [(running + new)[i] for i in rng.permutation(len(running) + len(new))]  # order is free
             for r in batch:
-                r.pages += pages.alloc(-(-len(r.tokens) // ps) - len(r.pages))
+                grow_pages(r, pages, own, ps)
+            lists = GroupPages.from_pages([r.own_first for r in batch], [r.own_pages for r in batch]) if own else None
             step_batch = StepBatch.from_pages([len(r.tokens) - r.cached for r in batch], [len(r.tokens) for r in batch],
-                                              [r.pages for r in batch], ps)
+                                              [r.pages for r in batch], ps, {g: lists for g in own_groups})
             t1 = time.perf_counter_ns()
             plan = build_plan(step_batch, spec)
             t2 = time.perf_counter_ns()
@@ -83,10 +94,16 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
                 r.logits.append(rows[plan.qo_indptr[i] : plan.qo_indptr[i + 1]])
                 r.cached = len(r.tokens)
                 r.tokens.append(tok)
+                if own is not None:
+                    drop_passed(r, own, window, ps)
                 if r.done:
                     pages.release(r.pages)
+                    if own is not None:
+                        own.release(r.own_pages)
                     finished.append(r)
             running = [r for r in batch if not r.done]
+            if own is not None:
+                held.after_step(running, pages, own)
             served.setdefault(plan.backend, Counter())[plan.mode.value] += 1
             plan_us.append((t2 - t1) / 1e3)
             step_us.append((time.perf_counter_ns() - t0) / 1e3 - engine.aside_us)
@@ -98,7 +115,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         cfg, len(step_us), sum(len(r.prompt) for r in reqs), sum(r.shared for r in reqs),
         sum(r.shared > 0 for r in reqs), sum(r.max_new for r in reqs), served, pages.reused, plan_us, step_us, checks,
         engine.commit_us, engine.graph_us, engine.eager_us, engine.num_graphs, engine.capture_s,
-        {r.rid: r.tokens for r in reqs},
+        {r.rid: r.tokens for r in reqs}, held if own is not None else None,
     )
     if out is not None:
         write(out, summary(result))

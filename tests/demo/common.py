@@ -16,9 +16,9 @@ class Counting(StepAttention):
         self.calls["prepare"] += 1
         return super().prepare(plan)
 
-    def write_kv(self, ctx, k, v, cache):
+    def write_kv(self, ctx, k, v, cache, group=None):
         self.calls["write_kv"] += 1
-        super().write_kv(ctx, k, v, cache)
+        super().write_kv(ctx, k, v, cache, group)
 
     def run(self, ctx, q, cache, group, **kv):
         self.calls["run"] += 1

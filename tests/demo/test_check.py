@@ -35,9 +35,9 @@ class Scaled(StepAttention):
 class DropsDecodeWrites(StepAttention):
     """Forgets to store K/V in decode steps: later steps read whatever the pages held."""
 
-    def write_kv(self, ctx, k, v, cache):
+    def write_kv(self, ctx, k, v, cache, group=None):
         if ctx.mode is not Mode.DECODE:
-            super().write_kv(ctx, k, v, cache)
+            super().write_kv(ctx, k, v, cache, group)
 
 
 @pytest.mark.parametrize("broken", [RowShift, Scaled, DropsDecodeWrites])

@@ -53,3 +53,11 @@ def test_cli_on_gpu(capsys, args):
     out = capsys.readouterr().out
     assert "matches transformers: yes" in out and "flashinfer" in out
     assert ("decode step: graphs" in out) == (not args)  # the CUDA default: FlashInfer with graphs on
+
+
+def test_cli_gemma2(capsys):
+    args = ["demo", "--model", "gemma2", "--window", "6", "--requests", "3", "--layers", "2", "--hidden", "128",
+            "--backend", "reference", "--device", "cpu"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Gemma 2 (sliding window 6" in out and "matches transformers: yes" in out

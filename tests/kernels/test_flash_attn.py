@@ -345,3 +345,11 @@ def test_cpu_own_page_lists_through_the_pool(cpu_pool, page_size):
     caches = [random_cache(spec, seed + g, device="cpu") for g in range(2)]
     ran = serve(trace, pool, fa, caches, 12, seed)
     assert {m for m, _ in ran} >= {"decode", "verify"}, ran
+
+
+@gpu
+def test_own_page_lists_eager_and_replayed():
+    """As the FlashInfer test of the same name: a window group on its own page list, eager and replayed."""
+    from tests.group_pages import gpu_hybrid
+
+    gpu_hybrid(fa, "flash_attn", fresh_seed())

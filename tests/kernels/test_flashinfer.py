@@ -269,3 +269,12 @@ def test_no_device_sync_on_the_page_table_path():
         torch.cuda.set_sync_debug_mode(0)
     csr = build_plan(StepBatch.from_pages([1] * 6, kv, [pool.table.pages(r) for r in range(6)], 16), spec)
     assert_close_per_request(out, reference.run(csr, q.float(), cache), csr, torch.bfloat16, f"seed {seed}")
+
+
+def test_own_page_lists_eager_and_replayed():
+    """A hybrid model's window group on its own page list (passed pages given back and reused by
+    later requests): prompts shorter than, equal to and far past the window, decode and verify
+    replayed, prefill and mixed eager, both groups per request against the exact attention."""
+    from tests.group_pages import gpu_hybrid
+
+    gpu_hybrid(fi, "flashinfer", fresh_seed())
