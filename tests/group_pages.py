@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from mstar_attn import AttentionSpec, GroupPages, StepBatch, build_plan
-from tests.helpers import naive_attention
 
 
 @attrs.define
@@ -90,13 +89,24 @@ class HybridTrace:
         return torch.randn(shape, generator=self.gen).to(dtype or self.spec.dtype).to(self.device)
 
     def oracle(self, plan, q: torch.Tensor, group: int) -> torch.Tensor:
-        """The exact attention of layer group `group` for the step's queries, float64 on the CPU."""
-        g = self.spec.groups[group]
-        return torch.cat([
-            naive_attention(q[plan.qo_indptr[i] : plan.qo_indptr[i + 1]], torch.stack(r.k), torch.stack(r.v), kind=g.kind,
-                            window=g.window, scale=self.spec.sm_scale, soft_cap=self.spec.soft_cap)
-            for i, r in enumerate(self.batch)
-        ])
+        """The exact attention of layer group `group` for the step's queries, float64 on the CPU:
+        each request's queries over its true K/V with the group's mask (helpers.naive_attention,
+        every head at once)."""
+        g, spec = self.spec.groups[group], self.spec
+        q = q.double().cpu()
+        out = torch.empty_like(q)
+        for i, r in enumerate(self.batch):
+            a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
+            rep = spec.num_qo_heads // spec.num_kv_heads
+            k, v = (torch.stack(x).double().repeat_interleave(rep, dim=1) for x in (r.k, r.v))  # [L, Hq, D]
+            logits = torch.einsum("qhd,khd->hqk", q[a:b], k) * spec.sm_scale
+            if spec.soft_cap:
+                logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)
+            pos = torch.arange(k.shape[0] - (b - a), k.shape[0])[:, None]
+            key = torch.arange(k.shape[0])[None, :]
+            hidden = ((key > pos) if g.causal else torch.zeros_like(key > pos)) | ((key <= pos - g.window) if g.window else False)
+            out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(logits.masked_fill(hidden, float("-inf")), -1), v)
+        return out
 
     def advance(self, plan) -> None:
         """The step ran: each request's cache holds its new tokens; own pages no later step can see
@@ -120,12 +130,13 @@ class HybridTrace:
 
 def hybrid_layers(backend, caches, step, x: dict) -> torch.Tensor:
     """One layer of each group through `backend` (a kernels module): write_kv then run, per group
-    its own cache; returns the outputs stacked [groups, rows, qo_heads, head_dim]."""
+    its own cache; returns the outputs stacked [rows, groups, qo_heads, head_dim] (rows first, as
+    DecodeGraphs slices its output's rows)."""
     outs = []
     for g, cache in enumerate(caches):
         backend.write_kv(step, x["k"], x["v"], cache, group=g)
         outs.append(backend.run(step, x["q"], cache, group=g))
-    return torch.stack(outs)
+    return torch.stack(outs, dim=1)
 
 
 def serve(trace: HybridTrace, pool, backend, caches, steps: int, seed: int, graphs=None) -> dict:
@@ -147,7 +158,7 @@ def serve(trace: HybridTrace, pool, backend, caches, steps: int, seed: int, grap
             assert torch.equal(out, hybrid_layers(backend, caches, step, x)), (f"seed {seed}", i, plan.mode)
         for g in range(len(caches)):
             want = trace.oracle(plan, x["q"].cpu(), g)
-            assert_close_per_request(out[g], want, plan, trace.spec.dtype, (f"seed {seed}", i, plan.mode, f"group {g}"))
+            assert_close_per_request(out[:, g], want, plan, trace.spec.dtype, (f"seed {seed}", i, plan.mode, f"group {g}"))
         trace.advance(plan)
         key = (plan.mode.value, replay)
         ran[key] = ran.get(key, 0) + 1
