@@ -35,29 +35,37 @@ class PagedKVCache:
     `from_tensors`). Backends whose kernel reads whole pages, rows past each sequence's length
     included ("flash_attn"), refuse a cache not known finite: an uninitialised row times a zero
     probability is still NaN.
+    group: the layer group whose layers this cache serves, or None (not tagged). A tagged cache is
+    refused by write_kv / run calls naming another group: with own page lists (LayerGroup.own_pages)
+    the groups' page ids are separate spaces, so a cache written through another group's slots
+    would overwrite pages another request holds.
     """
 
     k: torch.Tensor = _tensor("k")
     v: torch.Tensor = _tensor("v")
     finite: bool = attrs.field(default=False, kw_only=True)
+    group: int | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self):
         k, v = self.k, self.v
         if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
             raise PlanError(f"PagedKVCache: k and v differ: {tuple(k.shape)} {k.dtype} {k.device} vs "
                             f"{tuple(v.shape)} {v.dtype} {v.device}")
+        g = self.group
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 0):
+            raise PlanError(f"PagedKVCache.group: expected a layer-group index or None, got {g!r}")
 
     @classmethod
-    def allocate(cls, spec: AttentionSpec, device: torch.device | str = "cpu") -> PagedKVCache:
-        """Zero-filled, spec.cache_shape, spec.dtype: finite from the start."""
+    def allocate(cls, spec: AttentionSpec, device: torch.device | str = "cpu", group: int | None = None) -> PagedKVCache:
+        """Zero-filled, spec.cache_shape, spec.dtype: finite from the start. group: see the class doc."""
         return cls(torch.zeros(spec.cache_shape, dtype=spec.dtype, device=device),
-                   torch.zeros(spec.cache_shape, dtype=spec.dtype, device=device), finite=True)
+                   torch.zeros(spec.cache_shape, dtype=spec.dtype, device=device), finite=True, group=group)
 
     @classmethod
-    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor) -> PagedKVCache:
+    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, group: int | None = None) -> PagedKVCache:
         """Wrap tensors the engine allocated, after checking every element is finite (reads the
         whole cache once, in chunks, with one device sync; PlanError if any is not)."""
-        cache = cls(k, v)
+        cache = cls(k, v, group=group)
         ok = torch.ones((), dtype=torch.bool, device=k.device)
         for t in (k, v):
             pages = max(1, _CHECK_CHUNK_BYTES // max(1, t[0].numel() * t.element_size()))
@@ -76,9 +84,12 @@ class PagedKVCache:
         """K and V as [pages * page_size, H, D] views indexed by slot."""
         return self.k.view(-1, *self.k.shape[2:]), self.v.view(-1, *self.v.shape[2:])
 
-    def check(self, spec: AttentionSpec, where: str) -> None:
+    def check(self, spec: AttentionSpec, where: str, group: int | None = None) -> None:
         """PlanError unless this cache fits `spec`: dtype, page_size, heads, head_dim, and a page
-        for every page id plus the scratch page. Host-side metadata only."""
+        for every page id plus the scratch page; and, when both are known, it serves layer group
+        `group`. Host-side metadata only."""
+        if self.group is not None and group is not None and self.group != group:
+            raise PlanError(f"{where}: the cache serves layer group {self.group}, the call names group {group}")
         k = self.k
         if k.dtype != spec.dtype or k.shape[1:] != spec.cache_shape[1:] or k.shape[0] < spec.cache_shape[0]:
             raise PlanError(f"{where}: cache is {tuple(k.shape)} {k.dtype}; the spec needs at least "

@@ -48,7 +48,7 @@ class HybridTrace:
 
     def _prompt(self) -> int:
         W = self.window
-        return int(self.rng.choice([1, W - 1, W, W + 1, int(self.rng.integers(1, self.max_prompt + 1))]))
+        return int(self.rng.choice([1, max(W - 1, 1), W, W + 1, int(self.rng.integers(1, self.max_prompt + 1))]))
 
     def step(self, i: int):
         """The plan of step i: arrivals prefill beside decode tokens, else every 3rd step a verify of
@@ -67,7 +67,8 @@ class HybridTrace:
         for r, n in zip(self.batch, q):
             need = -(-(r.cached + n) // ps)
             r.shared += [self.free["shared"].pop() for _ in range(need - len(r.shared))]
-            r.own += [self.free["own"].pop() for _ in range(need - r.first - len(r.own))]
+            spare = int(self.rng.random() < 0.2)  # sometimes a page more than the step needs (held for later)
+            r.own += [self.free["own"].pop() for _ in range(max(need - r.first - len(r.own) + spare, 0))]
         kv = [r.cached + n for r, n in zip(self.batch, q)]
         own = GroupPages.from_pages([r.first for r in self.batch], [r.own for r in self.batch])
         batch = StepBatch.from_pages(q, kv, [r.shared for r in self.batch], ps,
@@ -178,7 +179,7 @@ def gpu_hybrid(backend, name: str, seed: int, steps: int = 40) -> dict:
     spec = AttentionSpec(32, 8, 128, 16, 12000, groups=groups, layer_groups=(0, 1), backend=name)
     trace = HybridTrace(spec, seed, device="cuda", max_batch=32, max_prompt=300)
     pool = gpu_pool(spec, buckets=(1, 8, 32), max_pages_per_request=400)
-    caches = [random_cache(spec, seed + g) for g in range(2)]
+    caches = [attrs.evolve(random_cache(spec, seed + g), group=g) for g in range(2)]
     rows = 32 * 4
     static = {"q": torch.zeros(rows, 32, 128, device="cuda", dtype=spec.dtype),
               "k": torch.zeros(rows, 8, 128, device="cuda", dtype=spec.dtype),

@@ -101,35 +101,35 @@ def make_trace(cfg: DemoConfig, rng: np.random.Generator) -> list[Request]:
 
 
 def share_prefix(req: Request, live: list[Request], pages: PageAllocator, page_size: int,
-                 own: PageAllocator | None = None, window: int = 0) -> None:
+                 own: PageAllocator | None = None, window: int | None = None) -> None:
     """Give `req` the whole cached pages of the live request with the longest common prefix.
 
     Only full pages are shared, and at least one prompt token is left to compute (its logits give
     the first generated token). Pages past the shared ones are the request's own, so no shared page
     is ever written: the KV at a position depends only on the tokens up to it, identical for both.
-    With own page lists (`own`, a window of `window` tokens) the window pages the request's first
-    step reads are shared too, if the other request still holds them; else nothing is shared.
+    With own page lists (`own`; a window of `window` tokens, None: never trimmed) the own-list pages
+    the request's first step reads are shared too, so only a request that still holds them may give
+    its prefix (one that has given them back is passed over).
     """
-    best, n = None, 0
+    best, n, first = None, 0, 0
     for other in live:
         m = 0
         for a, b in zip(req.prompt, other.tokens[: other.cached]):
             if a != b:
                 break
             m += 1
-        if m > n:
-            best, n = other, m
-    n = min(n, len(req.prompt) - 1) // page_size
-    first = max(n * page_size - (window - 1), 0) // page_size  # the first page the window then sees
-    if n and own is not None:
-        if best.own_first > first:
-            return
+        m = min(m, len(req.prompt) - 1) // page_size  # whole pages
+        f = 0 if window is None else max(m * page_size - (window - 1), 0) // page_size  # first page the window sees
+        if m > n and (own is None or other.own_first <= f):
+            best, n, first = other, m, f
+    if not n:
+        return
+    if own is not None:
         req.own_first, req.own_pages = first, best.own_pages[first - best.own_first : n - best.own_first]
         own.share(req.own_pages)
-    if n:
-        req.pages = best.pages[:n]
-        pages.share(req.pages)
-        req.cached = req.shared = n * page_size
+    req.pages = best.pages[:n]
+    pages.share(req.pages)
+    req.cached = req.shared = n * page_size
 
 
 def grow_pages(req: Request, pages: PageAllocator, own: PageAllocator | None, page_size: int) -> None:

@@ -52,8 +52,9 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, ps, num_pages, dtype=dtype,
                              backend=attn.name, **family.spec_fields(model))
         own_groups = spec.own_page_groups  # each on the one own list the engine keeps (one window here)
-        window = max((spec.groups[g].window for g in own_groups), default=0)
-        caches = [PagedKVCache.allocate(spec, device) for _ in range(cfg.layers)]
+        windows = [spec.groups[g].window for g in own_groups]
+        window = None if None in windows else max(windows, default=0)  # None: an own list is never trimmed
+        caches = [PagedKVCache.allocate(spec, device, group=g) for g in spec.layer_groups]
         for c in caches:
             c.k.zero_(), c.v.zero_()
         # the largest batch, as a power of two (the decode buckets), and the most tokens one step can have
@@ -94,7 +95,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
                 r.logits.append(rows[plan.qo_indptr[i] : plan.qo_indptr[i + 1]])
                 r.cached = len(r.tokens)
                 r.tokens.append(tok)
-                if own is not None:
+                if own is not None and window is not None:
                     drop_passed(r, own, window, ps)
                 if r.done:
                     pages.release(r.pages)

@@ -38,7 +38,8 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = 
     _backend_of(step, "write_kv").write_kv(step, k, v, cache, group)
 
 
-def run(step, q: torch.Tensor, cache, group: int = 0, k: torch.Tensor | None = None,
+def run(step, q: torch.Tensor, cache, group: int | None = None, k: torch.Tensor | None = None,
         v: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention for one layer through the backend that step.plan names (see each backend's run)."""
+    """Attention for one layer of layer group `group` (required when the spec has own_pages
+    groups, else default 0) through the backend that step.plan names (see each backend's run)."""
     return _backend_of(step, "run").run(step, q, cache, group, k, v)

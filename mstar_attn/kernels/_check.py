@@ -37,23 +37,24 @@ def group_index(group, plan: AttentionPlan, where: str) -> int:
     return int(group)
 
 
-def write_group(group, plan: AttentionPlan, where: str) -> int:
-    """The layer group whose slots write_kv writes: `group`, which a spec with own_pages groups
-    requires (their slots differ from the shared list's); else any valid index, default 0."""
+def layer_group(group, plan: AttentionPlan, where: str) -> int:
+    """The layer group a write_kv / run call serves: `group`, which a spec with own_pages groups
+    requires (their pages and slots differ from the shared list's); else default 0."""
     if group is None:
         own = plan.spec.own_page_groups
         if own:
-            raise PlanError(f"{where}: layer group {own[0]} keeps its own page list (own_pages), so each layer's K/V "
-                            "goes to its group's pages: pass group=spec.layer_groups[layer]")
+            raise PlanError(f"{where}: layer group {own[0]} keeps its own page list (own_pages), so each layer reads "
+                            "and writes its group's pages: pass group=spec.layer_groups[layer]")
         return 0
     return group_index(group, plan, where)
 
 
-def cache_fits(cache, plan: AttentionPlan, where: str, finite: bool = False, step=None) -> None:
-    """The cache fits the plan's spec; for a committed step, it is on the pool's device."""
+def cache_fits(cache, plan: AttentionPlan, where: str, finite: bool = False, step=None, group: int | None = None) -> None:
+    """The cache fits the plan's spec (and serves `group`, when the cache is tagged with one); for a
+    committed step, it is on the pool's device."""
     if not hasattr(cache, "k") or not hasattr(cache, "check"):
         raise PlanError(f"{where}: cache must be a PagedKVCache, got {type(cache).__name__}")
-    cache.check(plan.spec, f"{where}: cache")
+    cache.check(plan.spec, f"{where}: cache", group)
     if isinstance(step, DeviceStep) and cache.k.device != step.pool.device:
         raise PlanError(f"{where}: the cache is on {cache.k.device}, the step's pool on {step.pool.device}")
     if finite and not cache.finite:

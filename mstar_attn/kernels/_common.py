@@ -17,8 +17,8 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = 
     group, required when the spec has own_pages groups (default 0: every group shares the slots).
     """
     plan = _check.step_plan(step, "write_kv")
-    group = _check.write_group(group, plan, "write_kv")
-    _check.cache_fits(cache, plan, "write_kv", step=step)
+    group = _check.layer_group(group, plan, "write_kv")
+    _check.cache_fits(cache, plan, "write_kv", step=step, group=group)
     _check.new_kv(k, v, step, plan, cache, "write_kv")
     k_flat, v_flat = cache.flat()
     slots = step.groups[group].slot_mapping[: k.shape[0]]

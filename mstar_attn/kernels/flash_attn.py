@@ -157,9 +157,10 @@ def _mask(group: LayerGroup) -> dict:
     return dict(causal=group.causal, window_size=(None, None) if group.window is None else (group.window_left, 0))
 
 
-def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
+def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | None = None,
         k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention for one layer of layer group `group`. Returns [q rows, qo_heads, head_dim], q.dtype.
+    """Attention for one layer of layer group `group` (required when the spec has own_pages groups,
+    else default 0). Returns [q rows, qo_heads, head_dim], q.dtype.
 
     q: [rows, qo_heads, head_dim], spec.dtype (fp16 / bf16), on the cache's device. rows is
     plan.num_tokens; a bucketed step (decode, or verify of q_len step.q_len) also takes the
@@ -169,19 +170,19 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
     cache, so write_kv must run first). The paged path needs a cache known finite (see PagedKVCache).
     """
     plan = _check.step_plan(step, "run")
-    group = _check.group_index(group, plan, "run")
+    group = _check.layer_group(group, plan, "run")
     spec = plan.spec
     kw = dict(softmax_scale=spec.sm_scale, softcap=spec.soft_cap, num_splits=1, max_seqlen_q=plan.max_q_len,
               **_mask(spec.groups[group]))
     if plan.backend == VARLEN:
-        _check.cache_fits(cache, plan, "run", step=step)
+        _check.cache_fits(cache, plan, "run", step=step, group=group)
         _check.query(q, step, plan, cache, "run")
         if k is None or v is None:
             raise PlanError("run: 'flash_attn_varlen' attends over the step's new K/V; pass k and v")
         _check.new_kv(k, v, step, plan, cache, "run")
         return _varlen_func()(q, k, v, cu_seqlens_q=step.qo_indptr, cu_seqlens_k=step.qo_indptr,
                               max_seqlen_k=plan.max_q_len, **kw)[0]
-    _check.cache_fits(cache, plan, "run", finite=True, step=step)
+    _check.cache_fits(cache, plan, "run", finite=True, step=step, group=group)
     _check.query(q, step, plan, cache, "run")
     b = q.shape[0] // step.q_len if step.bucket is not None else plan.batch_size
     return _varlen_func()(q, cache.k, cache.v, cu_seqlens_q=step.qo_indptr[: b + 1], seqused_k=step.groups[group].kv_lens[:b],

@@ -161,9 +161,9 @@ class Scheduler:
         return self._share(w, step.slot, g)
 
 
-def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
+def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | None = None,
         k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention for one layer of layer group `group`.
+    """Attention for one layer of layer group `group` (required when the spec has own_pages groups, else default 0).
 
     q: [T, qo_heads, head_dim] (a bucketed step also takes its padding requests' rows, see
     DeviceStep.accepts_rows), spec.dtype, on the cache's device; returns the same number of rows.
@@ -171,8 +171,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int = 0,
     "flashinfer_ragged" (attention over the new tokens alone).
     """
     plan = _check.step_plan(step, "run")
-    group = _check.group_index(group, plan, "run")
-    _check.cache_fits(cache, plan, "run", step=step)
+    group = _check.layer_group(group, plan, "run")
+    _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run")
     w = step.scheduled[group]
     if plan.backend == "flashinfer_ragged":

@@ -22,8 +22,8 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group:
     spec has own_pages groups, else default 0). k, v: [T (or a committed step's padded rows),
     kv_heads, head_dim], spec.dtype, on the cache's device; token t goes to slot plan.slots_of(group)[t]."""
     plan = _check.step_plan(step, "write_kv", plans_ok=True)
-    group = _check.write_group(group, plan, "write_kv")
-    _check.cache_fits(cache, plan, "write_kv", step=step)
+    group = _check.layer_group(group, plan, "write_kv")
+    _check.cache_fits(cache, plan, "write_kv", step=step, group=group)
     _check.new_kv(k, v, step, plan, cache, "write_kv")
     T = plan.num_tokens
     if plan.rows is not None:  # a StepRows step: the pool derived the slots on the device
@@ -35,8 +35,9 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group:
     v_flat[slots] = v[:T]
 
 
-def run(step, q: torch.Tensor, cache: PagedKVCache, group: int = 0, k=None, v=None) -> torch.Tensor:
-    """Attention of the step's queries over the cache for one layer of layer group `group`.
+def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=None, v=None) -> torch.Tensor:
+    """Attention of the step's queries over the cache for one layer of layer group `group`
+    (required when the spec has own_pages groups, else default 0).
 
     q: [T (or a committed step's padded rows), num_qo_heads, head_dim] on the cache's device, in
     spec.dtype or, as an oracle, float32 / float64. Returns q's shape and dtype, computed in
@@ -44,8 +45,8 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int = 0, k=None, v=No
     sequence. k, v: unused, the new K/V are read from the cache (write_kv first).
     """
     plan = _check.step_plan(step, "run", plans_ok=True)
-    group = _check.group_index(group, plan, "run")
-    _check.cache_fits(cache, plan, "run", step=step)
+    group = _check.layer_group(group, plan, "run")
+    _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run", (plan.spec.dtype, *_ORACLE_DTYPES))
     gp = plan.groups[group]
     indices = gp.kv_indices if plan.rows is None else step.groups[group].kv_indices[: gp.kv_indptr[-1]].cpu().numpy()

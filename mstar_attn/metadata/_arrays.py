@@ -15,8 +15,10 @@ from mstar_attn.metadata.errors import PlanError
 INT32_MAX = 2**31 - 1
 
 
-def int_array(name: str, value, ndim: int) -> np.ndarray:
-    """A read-only int32 copy of `value` (a list or numpy array of integers of rank `ndim`), or PlanError."""
+def int_array(name: str, value, ndim: int, request: int | None = None) -> np.ndarray:
+    """A read-only int32 copy of `value` (a list or numpy array of integers of rank `ndim`), or PlanError.
+    request: the request the whole array belongs to (one request's page list), named in errors;
+    None: a 1-D array is indexed by request."""
     try:
         a = np.asarray(value)
     except (ValueError, TypeError) as e:  # ragged nested lists, objects numpy cannot hold
@@ -30,8 +32,9 @@ def int_array(name: str, value, ndim: int) -> np.ndarray:
         if a.min() < -INT32_MAX - 1 or a.max() > INT32_MAX:
             bad = np.flatnonzero(((a < -INT32_MAX - 1) | (a > INT32_MAX)).reshape(-1))[0]
             where = np.unravel_index(bad, a.shape)
+            owner = request if request is not None else where[0] if ndim == 1 else None
             raise PlanError(f"{name}[{', '.join(map(str, where))}] = {a[where]} is outside int32"
-                            + (f" (request {where[0]})" if ndim == 1 else ""))
+                            + (f" (request {owner})" if owner is not None else ""))
     out = np.array(a, dtype=np.int32)
     out.flags.writeable = False
     return out

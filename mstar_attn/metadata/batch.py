@@ -27,7 +27,7 @@ def _page_lists(name: str, pages) -> tuple[np.ndarray, np.ndarray]:
     for i, p in enumerate(pages):
         if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
             raise PlanError(f"{name}[{i}]: expected a list of page ids for request {i}, got {p!r:.60}")
-        rows.append(int_array(f"{name}[{i}]", p, 1))
+        rows.append(int_array(f"{name}[{i}]", p, 1, request=i))
     counts = np.fromiter((r.shape[0] for r in rows), np.int64, len(rows))
     indptr = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(counts, out=indptr[1:])
@@ -48,14 +48,14 @@ class GroupPages:
     group, the last window + q_len - 1 keys) and forward to the request's KV length.
     """
 
-    first_page: np.ndarray = _vector("first_page")
-    page_indptr: np.ndarray = _vector("page_indptr")
-    page_indices: np.ndarray = _vector("page_indices")
+    first_page: np.ndarray = _vector("GroupPages.first_page")
+    page_indptr: np.ndarray = _vector("GroupPages.page_indptr")
+    page_indices: np.ndarray = _vector("GroupPages.page_indices")
 
     @classmethod
     def from_pages(cls, first_page, pages: Sequence) -> GroupPages:
         """From each request's first logical page and its list of page ids."""
-        return cls(first_page, *_page_lists("group pages", pages))
+        return cls(first_page, *_page_lists("GroupPages pages", pages))
 
 
 def _group_pages(value) -> tuple:

@@ -61,7 +61,10 @@ def window_plan(group: LayerGroup, kv_indptr, kv_indices, last_page_len, q, kv, 
 def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, q, kv, need, last_page_len, positions, decode: bool,
              page_limit: int, check_ownership: bool) -> GroupPlan:
     """Layer group g's plan from its own list: checked (shapes, reach, page ids, ownership within the
-    group's id space), trimmed to the pages the step reads, with the group's own slot_mapping."""
+    group's id space), trimmed to the pages the step reads, with the group's own slot_mapping.
+
+    q, kv, need (pages kv needs), last_page_len [B] int32 and positions [T] int64: the plan's, host
+    numpy; page ids below page_limit are valid (num_pages, or num_pages + 1 for scratch plans)."""
     group, ps, B, name = spec.groups[g], spec.page_size, q.shape[0], f"group_pages[{g}]"
     first, indptr, idx = pages.first_page, pages.page_indptr, pages.page_indices
     if first.shape != (B,) or indptr.shape != (B + 1,):
@@ -70,6 +73,10 @@ def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, q, kv, need, last_p
     if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
         raise PlanError(f"{name}.page_indptr must start at 0 and stay within its page_indices (length {n_listed}), "
                         f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
+    down = indptr[1:] < indptr[:-1]
+    if down.any():
+        i = int(np.flatnonzero(down)[0])
+        raise PlanError(f"{name}.page_indptr[{i + 1}]: decreases ({indptr[i]} then {indptr[i + 1]}) (request {i})")
     start = first_read_page(group, q, kv, ps)
     bad = (first < 0) | (first > start)
     if bad.any():

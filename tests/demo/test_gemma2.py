@@ -31,6 +31,15 @@ def test_gemma2_matches_transformers_while_window_pages_are_given_back(gemma_run
     assert "Gemma 2" in text and "window layers on their own page lists" in text and "matches transformers: yes" in text
 
 
+def test_a_shared_prompt_prefix_shares_the_window_pages_too():
+    """With a window of 24 some requests start on another's prefix: its full-layer pages and the
+    window pages their first step reads (the giver still holds them), and still match transformers."""
+    res = run_demo(attrs.evolve(GEMMA, window=24))
+    assert res.prefix_hits >= 1 and res.shared_tokens >= GEMMA.page_size
+    assert res.matched and res.tokens_match
+    assert res.pages_held.most_own <= res.pages_held.bound
+
+
 def test_freeing_a_page_the_window_still_sees_is_refused(monkeypatch):
     """An engine bug that gives back one page too many: the next plan names the list and the
     request instead of reading a page someone else may hold."""

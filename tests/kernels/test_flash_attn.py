@@ -6,6 +6,7 @@ they check the page tables, lengths and arguments this backend passes. GPU tests
 run the real kernels, eagerly and replayed through DecodeGraphs.
 """
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -342,7 +343,7 @@ def test_cpu_own_page_lists_through_the_pool(cpu_pool, page_size):
     spec = AttentionSpec(8, 2, 64, page_size, 3000, groups=groups, layer_groups=(0, 1), soft_cap=4.0, backend="flash_attn")
     trace = HybridTrace(spec, seed, max_batch=6, max_prompt=50)
     pool = cpu_pool(spec, buckets=(1, 4, 8))
-    caches = [random_cache(spec, seed + g, device="cpu") for g in range(2)]
+    caches = [attrs.evolve(random_cache(spec, seed + g, device="cpu"), group=g) for g in range(2)]
     ran = serve(trace, pool, fa, caches, 12, seed)
     assert {m for m, _ in ran} >= {"decode", "verify"}, ran
 

@@ -1,5 +1,6 @@
 """The reference backend against a naive per-sequence float64 softmax, on the CPU."""
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -129,13 +130,16 @@ def test_own_page_lists_match_the_exact_attention(page_size, window):
     spec = AttentionSpec(4, 2, 16, page_size, 3000, dtype=torch.float32, groups=groups, layer_groups=(0, 1),
                          soft_cap=3.0, backend="reference")
     trace = HybridTrace(spec, seed, max_batch=8, max_prompt=60)
-    caches = [random_cache(spec, seed + g, device="cpu") for g in range(2)]
+    caches = [attrs.evolve(random_cache(spec, seed + g, device="cpu"), group=g) for g in range(2)]
     for i in range(25):
         plan = trace.step(i)
         k, v = trace.new_kv(plan)
         q = trace.query(plan)
-        with pytest.raises(PlanError, match="pass group=spec.layer_groups"):
-            reference.write_kv(plan, k, v, caches[1])
+        for call in (lambda: reference.write_kv(plan, k, v, caches[1]), lambda: reference.run(plan, q, caches[1])):
+            with pytest.raises(PlanError, match="pass group=spec.layer_groups"):
+                call()
+        with pytest.raises(PlanError, match="the cache serves layer group 1, the call names group 0"):
+            reference.write_kv(plan, k, v, caches[1], group=0)  # the shared list's slots in the window layer's cache
         for g in range(2):
             reference.write_kv(plan, k, v, caches[g], group=g)
             out = reference.run(plan, q, caches[g], group=g)

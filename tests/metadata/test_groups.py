@@ -130,3 +130,13 @@ def test_the_scratch_plan_gives_own_groups_the_scratch_page():
     plan = scratch_plan(spec, 3, q_len=4)
     assert set(plan.groups[1].kv_indices.tolist()) == {spec.scratch_page}
     assert set((plan.groups[1].slot_mapping // 4).tolist()) == {spec.scratch_page}
+
+
+def test_malformed_group_pages_name_the_list_and_the_request():
+    with pytest.raises(PlanError, match=r"GroupPages pages\[1\]\[1\] = 1099511627776 is outside int32 \(request 1\)"):
+        GroupPages.from_pages([0, 0], [[1], [1, 2**40]])
+    with pytest.raises(PlanError, match=r"GroupPages.first_page: integers required"):
+        GroupPages([0.5], [0, 1], [3])
+    bad = GroupPages([0, 0, 0], [0, 2, 1, 3], [100, 101, 102])
+    with pytest.raises(PlanError, match=r"group_pages\[1\]\.page_indptr\[2\]: decreases \(2 then 1\) \(request 1\)"):
+        build_plan(StepBatch.from_pages([1] * 3, [2] * 3, [[0], [1], [2]], 4, group_pages={1: bad}), hybrid_spec(4, 6))
