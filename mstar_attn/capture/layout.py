@@ -6,7 +6,8 @@ per layer group and nothing the step does not use:
 
     rows [R] | first_page [G * R] | table updates: positions [U], values [U] | (pad to 8 bytes)
     qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad)
-    slot_mapping int64 [N] | one more slot_mapping int64 [N] per own_pages group |
+    slot_mapping int64 [N] | one more slot_mapping per own_pages group (int64 [N]; a cross group's
+    [E], the most encoder tokens a step stores) |
     group 0 indices [P + 1] | group 1 indices [P + 1] | ...
 
 The first region serves StepRows plans only (the page-table rows, the first table column each
@@ -44,13 +45,14 @@ class Offsets:
 class Layout:
     """max_rows: the most request rows (the pool's max batch); max_tokens: the most token rows;
     index_capacity: P, the most page entries one group of one step holds; num_groups: G;
-    own_slots: per group, whether it writes through a slot_mapping of its own (LayerGroup.own_pages)."""
+    slot_rows: per group, the rows of its own slot_mapping: 0, none (it writes through the step's);
+    -1, the step's token rows N (an own_pages group); E > 0, E rows (a cross group's encoder tokens)."""
 
     max_rows: int
     max_tokens: int
     index_capacity: int
     num_groups: int
-    own_slots: tuple[bool, ...] = ()
+    slot_rows: tuple[int, ...] = ()
 
     def at(self, rows: int, num_rows: int) -> Offsets:
         G, cap = self.num_groups, rows // 2 + 16
@@ -64,9 +66,9 @@ class Layout:
         slots = head + (head & 1)
         group_slots, end = [], slots + 2 * num_rows
         for g in range(G):
-            own = g < len(self.own_slots) and self.own_slots[g]
-            group_slots.append(end if own else slots)
-            end += 2 * num_rows if own else 0
+            n = self.slot_rows[g] if g < len(self.slot_rows) else 0
+            group_slots.append(end if n else slots)
+            end += 2 * (num_rows if n < 0 else n)
         return Offsets(rows, num_rows, 0, updates, cap, qo, slots,
                        tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), end,
                        tuple(group_slots))

@@ -68,14 +68,15 @@ class GraphBufferPool:
     device: "cuda" (or a CUDA device); "cpu" runs the bookkeeping on the host (tests, the
     reference backend). max_requests: give the pool a page table (`pool.table`, a PageTable of
     max_requests rows x max_pages_per_request pages) and take StepRows plans; None: StepBatch plans
-    only. A pool serves every backend its plans name (one Scheduler per backend
+    only. max_encoder_tokens: the most encoder tokens one step stores into cross-attention groups'
+    pages (default max_num_tokens). A pool serves every backend its plans name (one Scheduler per backend
     module, made at the first plan that needs it, or ahead with `scheduler_for`).
     """
 
     def __init__(self, spec: AttentionSpec, *, max_batch_size: int, max_num_tokens: int, max_num_pages: int,
                  device: torch.device | str = "cuda", buckets: tuple[int, ...] = DEFAULT_BUCKETS, num_slots: int = 2,
                  max_pages_per_request: int | None = None, float_workspace_bytes: int = FLOAT_WORKSPACE_BYTES,
-                 max_requests: int | None = None):
+                 max_requests: int | None = None, max_encoder_tokens: int | None = None):
         if not isinstance(spec, AttentionSpec):
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -86,6 +87,7 @@ class GraphBufferPool:
         max_batch = positive_int("max_batch_size", max_batch_size)
         self.max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         self.max_num_pages = positive_int("max_num_pages", max_num_pages)
+        self.max_encoder_tokens = positive_int("max_encoder_tokens", max_num_tokens if max_encoder_tokens is None else max_encoder_tokens)
         if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
             raise PlanError(f"buckets: expected a sequence of batch sizes, got {buckets!r}")
         # buckets above max_batch_size could never serve a step: dropped
@@ -101,7 +103,7 @@ class GraphBufferPool:
         # cached token and q_len new ones per request) besides max_num_pages real pages
         self.layout = Layout(max_batch, max(self.max_num_tokens, top * max_q),
                              max_num_pages + top * -(-(max_q + 1) // ps), len(spec.groups),
-                             tuple(g.own_pages for g in spec.groups))
+                             tuple(self.max_encoder_tokens if g.cross else -int(g.own_pages) for g in spec.groups))
         cuda = self.device.type == "cuda"
         if cuda and self.device.index is None:  # "cuda": the current device, fixed now
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -176,6 +178,9 @@ class GraphBufferPool:
                             f"max_batch_size {L.max_rows} / max_num_tokens {self.max_num_tokens}")
         pad = (bucket - plan.batch_size) * -(-plan.max_q_len // self.spec.page_size) if bucket else 0
         for g, gp in enumerate(plan.groups):
+            if gp.group.cross and gp.slot_mapping.shape[0] > self.max_encoder_tokens:
+                raise PlanError(f"commit: group {g} stores {gp.slot_mapping.shape[0]} encoder tokens, more than the "
+                                f"pool's max_encoder_tokens {self.max_encoder_tokens}")
             if gp.kv_indptr[-1] + pad > L.index_capacity:
                 raise PlanError(f"commit: group {g} reads {gp.kv_indptr[-1]} pages, more than the pool holds "
                                 f"(max_num_pages {self.max_num_pages}, plus room for bucket padding: {L.index_capacity})")
@@ -334,8 +339,9 @@ class GraphBufferPool:
         groups = tuple((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
                         dev[o_first : o_first + rows],
                         host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows],
-                        slots if at == offsets.slots else dev[at : at + 2 * num_rows].view(torch.int64))
-                       for (o_ptr, o_lpl, o_len, o_first, _), at in zip(offsets.groups, offsets.group_slots))
+                        slots if at == offsets.slots else dev[at : at + 2 * (n if n > 0 else num_rows)].view(torch.int64))
+                       for (o_ptr, o_lpl, o_len, o_first, _), at, n
+                       in zip(offsets.groups, offsets.group_slots, self.layout.slot_rows))
         table_rows = dev[offsets.table_rows : offsets.table_rows + rows]
         qo = offsets.qo
         return offsets, dev[qo : qo + rows + 1], host[qo : qo + rows + 1], slots, table_rows, groups

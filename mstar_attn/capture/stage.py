@@ -32,7 +32,10 @@ def stage_pages(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int,
         ranges.append((o_idx, o_idx + n + per * pad))
     stage_slots(h, offsets, plan.slot_mapping, T, num_rows, scratch_slots)
     for gp, at in zip(plan.groups, offsets.group_slots):
-        if gp.slot_mapping is not None:  # an own_pages group's slots
+        if gp.group.cross:  # the encoder tokens stored this step (no padding rows: write_kv takes exactly these)
+            n = gp.slot_mapping.shape[0]
+            stage_slots(h, offsets, gp.slot_mapping, n, n, scratch_slots, at)
+        elif gp.slot_mapping is not None:  # an own_pages group's slots
             stage_slots(h, offsets, gp.slot_mapping, T, num_rows, scratch_slots, at)
     return ranges
 

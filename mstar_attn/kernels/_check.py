@@ -89,10 +89,18 @@ def query(q, step, plan: AttentionPlan, cache, where: str, dtypes=None) -> None:
     rows(q, "q", step, plan, where)
 
 
-def new_kv(k, v, step, plan: AttentionPlan, cache, where: str) -> None:
-    """k, v: the step's new keys and values, cache dtype and device, rows as q's."""
+def new_kv(k, v, step, plan: AttentionPlan, cache, where: str, group: int = 0) -> None:
+    """k, v: the step's new keys and values, cache dtype and device, rows as q's; for a
+    cross-attention group, exactly the encoder tokens the step stores (sum of its new_lens)."""
+    cross = plan.spec.groups[group].cross
     for name, t in (("k", k), ("v", v)):
         _tensor(t, name, plan.spec.num_kv_heads, plan, cache.k.device, where, (plan.spec.dtype,))
-        rows(t, name, step, plan, where)
+        if not cross:
+            rows(t, name, step, plan, where)
+        elif t.shape[0] != plan.groups[group].slot_mapping.shape[0] or t.shape[0] == 0:
+            n = plan.groups[group].slot_mapping.shape[0]
+            raise PlanError(f"{where}: {name} has {t.shape[0]} rows; layer group {group} is cross attention and this "
+                            + (f"step stores {n} encoder tokens (the requests' whose GroupPages.new_lens is set)" if n else
+                               "step stores no encoder K/V (new_lens is 0 for every request)"))
     if k.shape[0] != v.shape[0]:
         raise PlanError(f"{where}: k has {k.shape[0]} rows and v {v.shape[0]}")

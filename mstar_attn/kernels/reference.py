@@ -24,8 +24,8 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group:
     plan = _check.step_plan(step, "write_kv", plans_ok=True)
     group = _check.layer_group(group, plan, "write_kv")
     _check.cache_fits(cache, plan, "write_kv", step=step, group=group)
-    _check.new_kv(k, v, step, plan, cache, "write_kv")
-    T = plan.num_tokens
+    _check.new_kv(k, v, step, plan, cache, "write_kv", group)
+    T = plan.num_tokens if not plan.spec.groups[group].cross else plan.groups[group].slot_mapping.shape[0]
     if plan.rows is not None:  # a StepRows step: the pool derived the slots on the device
         slots = step.groups[group].slot_mapping[:T]
     else:
@@ -68,7 +68,7 @@ def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: in
         logits = torch.einsum("qhd,khd->hqk", q[q0:q1].to(work), k) * spec.sm_scale
         if spec.soft_cap > 0:
             logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)
-        if gp.group.kind is not Kind.NONCAUSAL:
+        if gp.group.causal:
             q_pos = torch.arange(int(plan.kv_lens[i]) - (q1 - q0), int(plan.kv_lens[i]), device=q.device)
             k_pos = torch.arange(start, start + n_kv, device=q.device)
             hidden = k_pos[None, :] > q_pos[:, None]

@@ -19,6 +19,10 @@ def _table(x):
     return None if x is None else int_array("block_table", x, 2)
 
 
+def _optional_vector(name: str):
+    return optional_array_field(converter=lambda x: None if x is None else int_array(name, x, 1))
+
+
 def _page_lists(name: str, pages) -> tuple[np.ndarray, np.ndarray]:
     """(indptr [B+1] int64, indices [n] int32) from one list of page ids per request, or PlanError."""
     if isinstance(pages, (str, bytes)) or not isinstance(pages, (Sequence, np.ndarray)) or (isinstance(pages, np.ndarray) and pages.ndim == 0):
@@ -46,16 +50,38 @@ class GroupPages:
 
     build_plan checks that each list reaches back to the first key the step reads (for a window
     group, the last window + q_len - 1 keys) and forward to the request's KV length.
+
+    A cross-attention group (Kind.CROSS, see `cross`) also gives:
+    kv_lens  [B]  each request's encoder length (>= 1): the keys its decoder queries all see
+    new_lens [B]  encoder tokens this step stores: kv_lens[i] for a request whose encoder K/V
+                  write_kv(step, k, v, cache, group=g) writes this step (its first), else 0
     """
 
     first_page: np.ndarray = _vector("GroupPages.first_page")
     page_indptr: np.ndarray = _vector("GroupPages.page_indptr")
     page_indices: np.ndarray = _vector("GroupPages.page_indices")
+    kv_lens: np.ndarray | None = _optional_vector("GroupPages.kv_lens")
+    new_lens: np.ndarray | None = _optional_vector("GroupPages.new_lens")
 
     @classmethod
     def from_pages(cls, first_page, pages: Sequence) -> GroupPages:
         """From each request's first logical page and its list of page ids."""
         return cls(first_page, *_page_lists("GroupPages pages", pages))
+
+    @classmethod
+    def cross(cls, pages: Sequence, encoder_lens, write=None) -> GroupPages:
+        """A cross-attention group's lists: each request's encoder K/V pages (from logical page 0)
+        and encoder length; write [B] bool: the requests whose encoder K/V this step stores
+        (default none: every request's encoder K/V were written at an earlier step)."""
+        lens = int_array("GroupPages.kv_lens", encoder_lens, 1)
+        if write is None:
+            new = np.zeros_like(lens)
+        else:
+            w = np.asarray(write)
+            if w.dtype.kind not in "bi" or w.shape != lens.shape:
+                raise PlanError(f"GroupPages.cross: write must be [B] bools, one per request, got {w.dtype} {w.shape}")
+            new = np.where(w.astype(bool), lens, 0)
+        return cls(np.zeros_like(lens), *_page_lists("GroupPages pages", pages), lens, new)
 
 
 def _group_pages(value) -> tuple:

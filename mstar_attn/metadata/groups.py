@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import array_field, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.batch import GroupPages
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.pages import gather_ranges, request_of, scan_ownership
@@ -23,7 +23,9 @@ class GroupPlan:
     pages from the front (a multiple of page_size); None means 0 for every request. For full
     and non-causal groups reading the shared list the arrays are the plan's own.
     slot_mapping [T] int64 or None: where the group's layers write each new token, for a group
-    with its own page list (LayerGroup.own_pages); None: the plan's slot_mapping.
+    with its own page list (LayerGroup.own_pages); None: the plan's slot_mapping. A cross-attention
+    group's kv_lens are its encoder lengths and its slot_mapping [sum(new_lens)] places the encoder
+    tokens stored this step (see cross_plan).
     """
 
     group: LayerGroup
@@ -112,3 +114,57 @@ def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, q, kv, need, last_p
     kv_lens = kv if kv_start is None else (kv - kv_start).astype(np.int32)
     read_only(slots, kv_lens, *(() if kv_start is None else (kv_start,)))
     return GroupPlan(group, kv_indptr, kv_indices, last_page_len, kv_lens, kv_start, slots)
+
+
+def cross_plan(g: int, pages: GroupPages, spec: AttentionSpec, B: int, page_limit: int,
+               check_ownership: bool) -> GroupPlan:
+    """Cross-attention group g's plan: every decoder query of request i sees all kv_lens[i] encoder
+    keys on the group's own pages. Its slot_mapping [sum(new_lens)] int64 places the encoder tokens
+    stored this step, request by request (empty on steps that store none)."""
+    group, ps, name = spec.groups[g], spec.page_size, f"group_pages[{g}]"
+    kv, new, first, indptr, idx = pages.kv_lens, pages.new_lens, pages.first_page, pages.page_indptr, pages.page_indices
+    if kv is None:
+        raise PlanError(f"{name}.kv_lens: layer group {g} is cross attention; give each request's encoder length "
+                        "(GroupPages.cross(pages, encoder_lens, write))")
+    new = np.zeros_like(kv) if new is None else new
+    if first.shape != (B,) or kv.shape != (B,) or new.shape != (B,) or indptr.shape != (B + 1,):
+        raise PlanError(f"{name}: first_page {first.shape}, kv_lens {kv.shape}, new_lens {new.shape} and page_indptr "
+                        f"{indptr.shape} must be [B], [B], [B] and [B+1] (B = {B})")
+    if kv.min() < 1:
+        fail_at(f"{name}.kv_lens", kv < 1, "a step with cross-attention layers needs encoder input for every request "
+                                            "(encoder length >= 1)")
+    if kv.max() > INT32_MAX - ps:
+        fail_at(f"{name}.kv_lens", kv > INT32_MAX - ps, "the encoder length is past the int32 range the kernels index")
+    if first.any():
+        fail_at(f"{name}.first_page", first != 0, "a cross-attention list starts at the encoder's first page (0)")
+    if ((new != 0) & (new != kv)).any():
+        fail_at(f"{name}.new_lens", (new != 0) & (new != kv), "a step stores a request's whole encoder K/V or none (0)")
+    n_listed = idx.shape[0]
+    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed or (indptr[1:] < indptr[:-1]).any():
+        raise PlanError(f"{name}.page_indptr must start at 0, not decrease and stay within its page_indices "
+                        f"(length {n_listed}), got {indptr[0]}..{indptr[-1]}")
+    need = (kv + (ps - 1)) // ps
+    short = indptr[1:] - indptr[:-1] < need
+    if short.any():
+        fail_at(f"{name}.page_indices", short, "fewer pages than the encoder length needs")
+    listed = idx[: indptr[-1]]
+    if listed.shape[0] and (listed.min() < 0 or listed.max() >= page_limit):
+        j = int(np.flatnonzero((listed < 0) | (listed >= page_limit))[0])
+        i = int(request_of(indptr, np.array([j]))[0])
+        what = "the scratch page, which no request may list" if listed[j] == spec.scratch_page else "outside the pool"
+        raise PlanError(f"{name}.page_indices: request {i} lists page {listed[j]}, {what} (pages 0..{spec.num_pages - 1})")
+    kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1], need)
+    last_page_len = (kv - (need - 1) * ps).astype(np.int32)
+    T = int(new.sum(dtype=np.int64))
+    if T > INT32_MAX:
+        raise PlanError(f"{name}.new_lens: {T} encoder tokens in one step, more than int32 row offsets hold")
+    starts = np.zeros(B + 1, np.int64)
+    np.cumsum(new, out=starts[1:])
+    pos = np.arange(T, dtype=np.int64) - np.repeat(starts[:-1], new)  # each stored token's encoder position
+    slots = kv_indices[np.repeat(kv_indptr[:-1], new) + pos // ps].astype(np.int64) * ps + pos % ps
+    if check_ownership and T:
+        w = new > 0
+        written = gather_ranges(kv_indices, kv_indptr[:-1][w], need[w])[1]
+        scan_ownership(spec, indptr, listed, written, f"{name}.page_indices")
+    read_only(last_page_len, slots)
+    return GroupPlan(group, kv_indptr, kv_indices, last_page_len, kv, None, slots)

@@ -15,7 +15,7 @@ from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullabl
 from mstar_attn.metadata.backends import AUTO, BACKENDS
 from mstar_attn.metadata.batch import GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.groups import GroupPlan, own_plan, window_plan
+from mstar_attn.metadata.groups import GroupPlan, cross_plan, own_plan, window_plan
 from mstar_attn.metadata.pages import gather_ranges, request_of, scan_ownership
 from mstar_attn.metadata.select import select_backend
 from mstar_attn.metadata.spec import AttentionSpec, Kind
@@ -143,7 +143,9 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
     q_lens, kv_lens = np.full(batch_size, q_len, np.int32), np.full(batch_size, kv, np.int32)
     indptr = np.arange(batch_size + 1, dtype=np.int32) * per
     pages = np.full(batch_size * per, spec.scratch_page, np.int32)
-    own = {g: GroupPages(np.zeros(batch_size, np.int32), indptr, pages) for g in spec.own_page_groups}
+    own = {g: GroupPages(np.zeros(batch_size, np.int32), indptr, pages,
+                         *((kv_lens, None) if spec.groups[g].cross else (None, None)))
+           for g in spec.own_page_groups}
     batch = StepBatch.from_csr(q_lens, kv_lens, indptr, pages, ps, own)
     return _plan(batch, spec, False, spec.num_pages + 1, backend)
 
@@ -238,8 +240,9 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     if check_ownership:
         scan_ownership(spec, indptr, listed, written)
     read_only(kv_indices, slot_mapping)
-    own = {g: own_plan(g, pages, spec, q, kv, need, last_page_len, positions, mode is Mode.DECODE, page_limit,
-                       check_ownership)
+    own = {g: cross_plan(g, pages, spec, q.shape[0], page_limit, check_ownership) if spec.groups[g].cross
+           else own_plan(g, pages, spec, q, kv, need, last_page_len, positions, mode is Mode.DECODE, page_limit,
+                         check_ownership)
            for g, pages in _own_lists(batch, spec)}
     return _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
                    slot_mapping, batch.block_table, None, backend, own)
@@ -253,6 +256,10 @@ def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPa
         if not spec.groups[g].own_pages:
             raise PlanError(f"group_pages[{g}]: layer group {g} reads the shared page list (its LayerGroup has "
                             "own_pages=False), so the batch may not give it a list of its own")
+    for g, pages in batch.group_pages:
+        if not spec.groups[g].cross and (pages.kv_lens is not None or pages.new_lens is not None):
+            raise PlanError(f"group_pages[{g}]: kv_lens / new_lens are for cross-attention groups; layer group {g} "
+                            "reads the step's own tokens")
     given = {g for g, _ in batch.group_pages}
     for g in spec.own_page_groups:
         if g not in given:
@@ -297,12 +304,16 @@ def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, 
     ])
     max_kv = int(kv.max())
     backend = backend or spec.backend
+    cross = any(g.cross for g in spec.groups)  # (cross layers read the encoder's K/V, never only the step's)
     if backend == AUTO:
-        backend = select_backend(spec, mode.value, q.shape[0], T, q_max, max_kv, mode is Mode.PREFILL)
+        backend = select_backend(spec, mode.value, q.shape[0], T, q_max, max_kv, mode is Mode.PREFILL and not cross)
     caps = BACKENDS.get(backend)
     if caps is None:
         raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
     caps.check(spec, backend)
+    if caps.prefix_free and cross:
+        raise PlanError(f"backend: {backend!r} attends over the step's new K/V only; the spec's cross-attention layers "
+                        "read the encoder's K/V from the cache (use a paged backend)")
     if mode.value not in caps.modes or (caps.prefix_free and mode is not Mode.PREFILL):
         raise PlanError(f"backend: {backend!r} serves {sorted(caps.modes)} steps"
                         f"{' without a cached prefix' if caps.prefix_free else ''}, not this {mode.value} step")

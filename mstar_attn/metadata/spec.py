@@ -20,6 +20,8 @@ class Kind(enum.Enum):
     CAUSAL = "causal"  # full causal attention, queries at the end of the sequence
     WINDOW = "window"  # causal, each query sees only the last `window` keys (itself included)
     NONCAUSAL = "noncausal"  # every query sees every key of its request
+    CROSS = "cross"  # encoder-decoder cross attention: every query sees all of its request's encoder K/V,
+    # which sit on the group's own pages with lengths of their own (GroupPages.kv_lens)
 
 
 def _kind(value) -> Kind:
@@ -45,6 +47,8 @@ class LayerGroup:
     model's sliding-window layers). Its page ids index the caches of the group's layers, a space of
     their own: they never conflict with the shared list's pages. False: the group reads the
     batch's shared list (page_indptr / page_indices), as every group of a plain model does.
+    Kind.CROSS groups always keep their own list (own_pages is True for them): the encoder's K/V,
+    written once, read non-causally by every decoder query of the request.
     """
 
     kind: Kind = attrs.field(default=Kind.CAUSAL, converter=_kind)
@@ -58,11 +62,15 @@ class LayerGroup:
             object.__setattr__(self, "window", positive_int("LayerGroup.window", self.window))
         if not isinstance(self.own_pages, (bool, np.bool_)):
             raise PlanError(f"LayerGroup.own_pages: expected True or False, got {self.own_pages!r}")
-        object.__setattr__(self, "own_pages", bool(self.own_pages))
+        object.__setattr__(self, "own_pages", bool(self.own_pages) or self.kind is Kind.CROSS)
 
     @property
     def causal(self) -> bool:
-        return self.kind is not Kind.NONCAUSAL
+        return self.kind is not Kind.NONCAUSAL and self.kind is not Kind.CROSS
+
+    @property
+    def cross(self) -> bool:
+        return self.kind is Kind.CROSS
 
     @property
     def window_left(self) -> int:

@@ -354,3 +354,26 @@ def test_own_page_lists_eager_and_replayed():
     from tests.group_pages import gpu_hybrid
 
     gpu_hybrid(fa, "flash_attn", fresh_seed())
+
+
+def test_cpu_cross_attention_through_the_pool(cpu_pool):
+    """Cross-attention layers through the pool and this backend's page tables: encoder K/V stored
+    at each request's first step, read non-causally after, every request against the exact attention."""
+    from tests.cross_pages import GROUPS, CrossTrace, serve
+
+    seed = fresh_seed()
+    spec = AttentionSpec(8, 2, 64, 16, 3000, groups=GROUPS, layer_groups=(0, 1), backend="flash_attn")
+    trace = CrossTrace(spec, seed, max_batch=6, max_encoder=400)
+    pool = cpu_pool(spec, buckets=(1, 4, 8), max_encoder_tokens=4000)
+    caches = [attrs.evolve(random_cache(spec, seed + g, device="cpu"), group=g) for g in range(2)]
+    ran = serve(trace, pool, fa, caches, 12, seed)
+    assert any(stored for *_, stored in ran) and any(m == "decode" for m, *_ in ran), ran
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_cross_attention_eager_and_replayed(page_size):
+    """As the FlashInfer test of the same name."""
+    from tests.cross_pages import gpu_cross
+
+    gpu_cross(fa, "flash_attn", fresh_seed(), page_size)

@@ -8,7 +8,7 @@ import torch
 from mstar_attn import AttentionSpec, Kind, LayerGroup, PlanError, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import (
-    assert_close_per_request, fresh_seed, make_step, naive_attention, random_batch, request_errors, spec_for,
+    assert_close_per_request, fresh_seed, make_step, naive_attention, random_batch, random_cache, request_errors, spec_for,
 )
 
 GROUPS = (LayerGroup(), LayerGroup("window", window=37), LayerGroup("noncausal"))
@@ -123,7 +123,6 @@ def test_own_page_lists_match_the_exact_attention(page_size, window):
     back pages the window has passed (reused by later requests, stale K/V and all); both groups
     match the exact attention of each request's true K/V, and the window group holds fewer pages."""
     from tests.group_pages import HybridTrace
-    from tests.helpers import random_cache
 
     seed = fresh_seed()
     groups = (LayerGroup(), LayerGroup("window", window=window, own_pages=True))
@@ -147,3 +146,26 @@ def test_own_page_lists_match_the_exact_attention(page_size, window):
                 assert err < TOL[torch.float32], (f"seed {seed}", i, plan.mode, g, f"request {r}", err)
         trace.advance(plan)
     assert trace.most_own_pages < trace.most_shared_pages, (f"seed {seed}", trace.most_own_pages, trace.most_shared_pages)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_cross_attention_matches_the_exact_attention(page_size):
+    """An encoder-decoder over 20 steps: each request's encoder K/V (1 to 2,000 tokens) stored once
+    through write_kv(group=cross) at its first step, then read non-causally by every decoder query."""
+    from tests.cross_pages import GROUPS, CrossTrace, serve
+
+    seed = fresh_seed()
+    spec = AttentionSpec(4, 2, 16, page_size, 16000, dtype=torch.float32, groups=GROUPS, layer_groups=(0, 1),
+                         backend="reference")
+    trace = CrossTrace(spec, seed, max_batch=6, max_encoder=2000)
+    caches = [attrs.evolve(random_cache(spec, seed + g, device="cpu"), group=g) for g in range(2)]
+    ran = serve(trace, None, reference, caches, 20, seed)
+    assert any(stored for *_, stored in ran) and ran.get(("decode", False, False)), (f"seed {seed}", ran)
+    for i in range(20, 60):  # a step that stores no encoder K/V refuses a cross write
+        plan = trace.step(i)
+        if not plan.groups[1].slot_mapping.shape[0]:
+            break
+        trace.new_kv(plan), trace.advance(plan)
+    k = torch.randn(plan.num_tokens, 2, 16)
+    with pytest.raises(PlanError, match="layer group 1 is cross attention and this step stores no encoder K/V"):
+        reference.write_kv(plan, k, k, caches[1], group=1)

@@ -140,3 +140,71 @@ def test_malformed_group_pages_name_the_list_and_the_request():
     bad = GroupPages([0, 0, 0], [0, 2, 1, 3], [100, 101, 102])
     with pytest.raises(PlanError, match=r"group_pages\[1\]\.page_indptr\[2\]: decreases \(2 then 1\) \(request 1\)"):
         build_plan(StepBatch.from_pages([1] * 3, [2] * 3, [[0], [1], [2]], 4, group_pages={1: bad}), hybrid_spec(4, 6))
+
+
+def cross_spec(ps=4, backend="reference"):
+    return AttentionSpec(4, 2, 16, ps, 4096, groups=(LayerGroup(), LayerGroup("cross")), layer_groups=(0, 1), backend=backend)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 4, 16]))
+def test_a_cross_plan_reads_every_encoder_key_and_stores_new_encoders_on_their_pages(seed, ps):
+    """Each request reads the first ceil(encoder / page_size) pages of its cross list (spare pages
+    after are left out); the requests storing their encoder this step get one slot per encoder
+    token, in request order, on those pages."""
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 8))
+    enc, q = rng.integers(1, 200, B), rng.integers(1, 4, B)
+    write = rng.random(B) < 0.5
+    need = -(-enc // ps)
+    counts = need + rng.integers(0, 2, B)
+    pages = np.split(rng.permutation(4096)[: int(counts.sum())], np.cumsum(counts)[:-1])
+    base = np.split(np.arange(int((-(-q // ps)).sum())), np.cumsum(-(-q // ps))[:-1])
+    plan = build_plan(StepBatch.from_pages(q, q, base, ps, group_pages={1: GroupPages.cross(pages, enc, write)}),
+                      cross_spec(ps))
+    gp = plan.groups[1]
+    assert gp.group.cross and not gp.group.causal and gp.kv_start is None
+    assert np.array_equal(gp.kv_lens, enc) and np.array_equal(np.diff(gp.kv_indptr), need)
+    assert np.array_equal((need - 1) * ps + gp.kv_last_page_len, enc)
+    for i in range(B):
+        assert np.array_equal(gp.kv_indices[gp.kv_indptr[i] : gp.kv_indptr[i + 1]], pages[i][: need[i]])
+    want = [int(pages[i][t // ps]) * ps + t % ps for i in range(B) if write[i] for t in range(int(enc[i]))]
+    assert gp.slot_mapping.tolist() == want, seed
+    assert np.array_equal(plan.slots_of(0), plan.slot_mapping)
+
+
+def _cross_batch(enc, pages, write=None, q=(1, 1), **kw):
+    base = [[10 * i] for i in range(len(q))]
+    return StepBatch.from_pages(list(q), list(q), base, 4, group_pages={1: GroupPages.cross(pages, enc, write)}, **kw)
+
+
+@pytest.mark.parametrize("enc, pages, write, match", [
+    ([0, 3], [[], [5]], None, r"group_pages\[1\]\.kv_lens\[0\]: a step with cross-attention layers needs encoder input"),
+    ([9, 3], [[1, 2], [5]], None, r"group_pages\[1\]\.page_indices\[0\]: fewer pages than the encoder length needs"),
+    ([4, 3], [[1], [1]], [True, False], r"group_pages\[1\]\.page_indices: page 1 is written this step and also listed"),
+    ([4, 3], [[4096], [5]], None, r"request 0 lists page 4096, the scratch page"),
+])
+def test_bad_cross_lists_name_the_field_and_the_request(enc, pages, write, match):
+    with pytest.raises(PlanError, match=match):
+        build_plan(_cross_batch(enc, pages, write), cross_spec())
+
+
+def test_cross_groups_need_their_lengths_and_keep_to_paged_kernels():
+    spec = cross_spec()
+    with pytest.raises(PlanError, match=r"group_pages\[1\]\.kv_lens: layer group 1 is cross attention"):
+        build_plan(StepBatch.from_pages([1], [1], [[0]], 4, group_pages={1: GroupPages.from_pages([0], [[5]])}), spec)
+    lists = GroupPages([0], [0, 1], [5], [3], [2])
+    with pytest.raises(PlanError, match=r"group_pages\[1\]\.new_lens\[0\]: a step stores a request's whole encoder"):
+        build_plan(StepBatch.from_pages([1], [1], [[0]], 4, group_pages={1: lists}), spec)
+    own = (LayerGroup(), LayerGroup("window", window=4, own_pages=True))
+    with pytest.raises(PlanError, match=r"group_pages\[1\]: kv_lens / new_lens are for cross-attention groups"):
+        build_plan(StepBatch.from_pages([1], [1], [[0]], 4, group_pages={1: GroupPages([0], [0, 1], [5], [3])}),
+                   AttentionSpec(4, 2, 16, 4, 64, groups=own, backend="reference"))
+    ragged = AttentionSpec(4, 2, 64, 4, 64, groups=(LayerGroup(), LayerGroup("cross")), backend="flashinfer_ragged")
+    with pytest.raises(PlanError, match="attends over the step's new K/V only; the spec's cross-attention layers"):
+        build_plan(StepBatch.from_pages([3], [3], [[0]], 4, group_pages={1: GroupPages.cross([[5]], [2])}), ragged)
+    with pytest.raises(PlanError, match="GroupPages.cross: write must be"):
+        GroupPages.cross([[5]], [2], ["yes"])
+    with pytest.raises(PlanError, match="LayerGroup.own_pages"):
+        LayerGroup("cross", own_pages=None)
+    assert LayerGroup("cross").own_pages and not LayerGroup("cross").causal
