@@ -8,12 +8,12 @@ Layers, bottom up: metadata (pure) < cache < capture (state) < kernels (backends
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import get_backend
 from mstar_attn.metadata import (
-    BACKENDS, AttentionPlan, AttentionSpec, GroupPages, GroupPlan, Kind, LayerGroup, Mode, PlanError, StaleStepError, StepBatch,
+    BACKENDS, AttentionPlan, AttentionSpec, CrossRows, GroupPages, GroupPlan, Kind, LayerGroup, Mode, PlanError, StaleStepError, StepBatch,
     build_plan,
 )
 
 __all__ = [
-    "AttentionPlan", "AttentionSpec", "BACKENDS", "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache",
+    "AttentionPlan", "AttentionSpec", "BACKENDS", "CrossRows", "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache",
     "PlanError", "StaleStepError", "StepBatch", "build_plan", "get_backend",
 ]
 __version__ = "0.2.0"

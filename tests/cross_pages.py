@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 import torch
 
-from mstar_attn import AttentionSpec, GroupPages, LayerGroup, StepBatch, build_plan
+from mstar_attn import AttentionSpec, CrossRows, GroupPages, LayerGroup, StepBatch, build_plan
 
 GROUPS = (LayerGroup(), LayerGroup("cross"))
 
@@ -26,6 +26,7 @@ class _Request:
     cached: int = 0
     pages: list = attrs.Factory(list)
     cross: list = attrs.Factory(list)
+    row: int = -1  # its cross-table row (table mode)
     k: list = attrs.Factory(list)
     v: list = attrs.Factory(list)
     enc_k: torch.Tensor | None = None
@@ -35,10 +36,14 @@ class _Request:
 class CrossTrace:
     """Per step: `plan = trace.step(i)`; `k, v, k_enc, v_enc = trace.new_kv(plan)` (the decoder
     tokens' K/V [T, ...] and the encoder K/V stored this step [sum(new_lens), ...], or None);
-    `trace.query(plan)`; `trace.oracle(plan, q, g)`; `trace.advance(plan)`."""
+    `trace.query(plan)`; `trace.oracle(plan, q, g)`; `trace.advance(plan)`.
+    table: a pool's cross table: encoder pages are assigned to its rows at admission and steps
+    name rows (CrossRows); None: steps list the pages (GroupPages.cross)."""
 
-    def __init__(self, spec: AttentionSpec, seed: int, device="cpu", max_batch: int = 16, max_encoder: int = 3000):
-        self.spec, self.device, self.max_batch, self.max_encoder = spec, device, max_batch, max_encoder
+    def __init__(self, spec: AttentionSpec, seed: int, device="cpu", max_batch: int = 16, max_encoder: int = 3000,
+                 table=None):
+        self.spec, self.device, self.max_batch, self.max_encoder, self.table = spec, device, max_batch, max_encoder, table
+        self.free_rows = [] if table is None else list(range(table.max_requests))
         self.rng = np.random.default_rng(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.free = {name: [int(p) for p in self.rng.permutation(spec.num_pages)] for name in ("self", "cross")}
@@ -54,6 +59,9 @@ class CrossTrace:
             if r.cached >= r.target:
                 self.free["self"] += r.pages
                 self.free["cross"] += r.cross
+                if self.table is not None:
+                    assert sorted(self.table.release(r.row).tolist()) == sorted(r.cross)
+                    self.free_rows.append(r.row)
         self.live = [r for r in self.live if r.cached < r.target]
         if i == 0 or (len(self.live) < self.max_batch and self.rng.random() < 0.4):
             for _ in range(4 if i == 0 else int(self.rng.integers(1, 3))):
@@ -61,6 +69,9 @@ class CrossTrace:
                 prompt = int(self.rng.choice([1, 1, 2, 4]))
                 r = _Request(n, prompt, prompt + int(self.rng.integers(2, 30)))
                 r.cross = [self.free["cross"].pop() for _ in range(-(-n // self.spec.page_size))]
+                if self.table is not None:  # (rows are taken from the front: freed rows come back late)
+                    r.row = self.free_rows.pop(0)
+                    self.table.assign(r.row, r.cross)
                 self.live.append(r)
         self.batch = self.live[: self.max_batch]
         q = [r.prompt if r.cached == 0 else 1 for r in self.batch]
@@ -68,8 +79,11 @@ class CrossTrace:
         for r, n in zip(self.batch, q):
             r.pages += [self.free["self"].pop() for _ in range(-(-(r.cached + n) // ps) - len(r.pages))]
         kv = [r.cached + n for r, n in zip(self.batch, q)]
-        cross = GroupPages.cross([r.cross for r in self.batch], [r.encoder for r in self.batch],
-                                 [r.cached == 0 for r in self.batch])
+        lens, write = [r.encoder for r in self.batch], [r.cached == 0 for r in self.batch]
+        if self.table is None:
+            cross = GroupPages.cross([r.cross for r in self.batch], lens, write)
+        else:
+            cross = CrossRows.of([r.row for r in self.batch], lens, write)
         g = next(g for g, group in enumerate(self.spec.groups) if group.cross)
         return build_plan(StepBatch.from_pages(q, kv, [r.pages for r in self.batch], ps, group_pages={g: cross}), self.spec)
 
@@ -160,18 +174,19 @@ def serve(trace: CrossTrace, pool, backend, caches, steps: int, seed: int, graph
     return ran
 
 
-def gpu_cross(backend, name: str, seed: int, page_size: int, steps: int = 25) -> dict:
+def gpu_cross(backend, name: str, seed: int, page_size: int, rows: bool, steps: int = 25) -> dict:
     """The trace on the GPU through `backend` (a kernels module named `name`): 32 / 8 heads of 128,
     bf16, encoders of 1 to 3,000 tokens; decode steps of buckets 1, 8 and 16 replay one graph of the
     self layer's write_kv + run and the cross layer's run (encoder K/V stored eagerly before it),
-    other steps run eagerly (see serve)."""
+    other steps run eagerly (see serve). rows: the encoder pages in the pool's cross table (CrossRows,
+    gathered on the device), else listed by each step (GroupPages.cross)."""
     from mstar_attn.capture.graphs import DecodeGraphs
     from tests.helpers import gpu_pool, random_cache
 
     torch.manual_seed(seed)
     spec = AttentionSpec(32, 8, 128, page_size, 60000 // page_size + 2000, groups=GROUPS, layer_groups=(0, 1), backend=name)
-    trace = CrossTrace(spec, seed, device="cuda", max_batch=16, max_encoder=3000)
-    pool = gpu_pool(spec, buckets=(1, 8, 16), max_encoder_tokens=4 * 3000 * 2)
+    pool = gpu_pool(spec, buckets=(1, 8, 16), max_encoder_tokens=4 * 3000 * 2, max_requests=64 if rows else None)
+    trace = CrossTrace(spec, seed, device="cuda", max_batch=16, max_encoder=3000, table=pool.cross_table)
     caches = [attrs.evolve(random_cache(spec, seed + g), group=g) for g in range(2)]
     static = {"q": torch.zeros(16, 32, 128, device="cuda", dtype=spec.dtype),
               "k": torch.zeros(16, 8, 128, device="cuda", dtype=spec.dtype),

@@ -22,6 +22,7 @@ import contextlib
 import numpy as np
 import torch
 
+from mstar_attn.capture import cross
 from mstar_attn.capture.layout import Layout
 from mstar_attn.capture.expand import gather_csr
 from mstar_attn.capture.stage import stage_pages, stage_rows
@@ -124,7 +125,11 @@ class GraphBufferPool:
         self.next_slot = 0
         # StepRows steps: the page table, and per bucketed (slot, rows, num_rows, backend) a CUDA graph
         # of the commit's device work (the copy, the table updates, the gathers), sharing one memory pool
-        self.table = None if max_requests is None else PageTable(spec, max_requests, self.max_pages_per_request, self.device)
+        # (a spec with own page lists takes StepBatch steps only; its cross groups may name rows of a cross table)
+        self.table = None if max_requests is None or spec.own_page_groups else PageTable(
+            spec, max_requests, self.max_pages_per_request, self.device)
+        self.cross_table = None if max_requests is None or not any(g.cross for g in spec.groups) else PageTable(
+            spec, max_requests, self.max_pages_per_request, self.device, "cross table")
         self._device_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_memory = None
         self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
@@ -178,8 +183,8 @@ class GraphBufferPool:
                             f"max_batch_size {L.max_rows} / max_num_tokens {self.max_num_tokens}")
         pad = (bucket - plan.batch_size) * -(-plan.max_q_len // self.spec.page_size) if bucket else 0
         for g, gp in enumerate(plan.groups):
-            if gp.group.cross and gp.slot_mapping.shape[0] > self.max_encoder_tokens:
-                raise PlanError(f"commit: group {g} stores {gp.slot_mapping.shape[0]} encoder tokens, more than the "
+            if gp.stored > self.max_encoder_tokens:
+                raise PlanError(f"commit: group {g} stores {gp.stored} encoder tokens, more than the "
                                 f"pool's max_encoder_tokens {self.max_encoder_tokens}")
             if gp.kv_indptr[-1] + pad > L.index_capacity:
                 raise PlanError(f"commit: group {g} reads {gp.kv_indptr[-1]} pages, more than the pool holds "
@@ -224,6 +229,8 @@ class GraphBufferPool:
         if scheduler is not None:
             scheduler.check(plan, bucket)
         slots = None if plan.rows is None else self.table.check_step(plan)  # the last check: O(B + T)
+        xg = cross.rows_group(plan)
+        x_slots = None if xg is None else cross.check(self.cross_table, plan, xg)
         s = self.next_slot if slot is None else slot
         if not self.ready[s].query():
             self.stalls += 1
@@ -241,10 +248,12 @@ class GraphBufferPool:
         here = torch.cuda.current_stream(self.device.index) if cuda else None  # (an int index: no device lookup)
         side = stream if stream is not None and cuda and stream != here else None
         self.last_commit_bytes = 0
-        updates = None if slots is None else self.table.take_updates()  # (put back if the commit fails below)
+        table = self.table if xg is None else self.cross_table
+        updates = None if slots is None and xg is None else table.take_updates()  # (put back if the commit fails)
         h, offsets = self.host_np[s], views[0]
         if slots is None:
             ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self._scratch_slots)
+            left = 0 if xg is None else cross.stage(h, plan, xg, offsets, rows, x_slots, updates, table)
         else:
             left = stage_rows(h, plan, offsets, rows, q_len, num_rows, slots, updates, self.table, self._scratch_slots)
             ps, pad = self.spec.page_size, rows - B
@@ -264,8 +273,11 @@ class GraphBufferPool:
                           self.generations[s], self, side)
                 step = DeviceStep(*fields)
                 if slots is None:
-                    for a, b in self._copy_ranges(offsets, ranges):
+                    for a, b in self._copy_ranges(offsets, ranges, plan):
                         self.upload(dev[a:b], host[a:b])
+                    if xg is not None:
+                        self.last_commit_bytes += cross.device_work(table, dev, offsets, xg, table_rows,
+                                                                    updates, left, self.layout.index_capacity)
                 else:
                     if left:  # more table updates than the step's region holds (admissions): sent first
                         pos = torch.from_numpy(updates.astype(np.int64)).to(self.device)
@@ -280,7 +292,7 @@ class GraphBufferPool:
                     self.claim_consumer(s, here, "commit")
             except BaseException:
                 if updates is not None:  # they may not have reached the device: send them again next time
-                    self.table.restore_updates(updates)
+                    table.restore_updates(updates)
                 raise
             finally:
                 self.ready[s].record(on)
@@ -328,8 +340,14 @@ class GraphBufferPool:
             self._reuse[s].record(consumer)
             on.wait_event(self._reuse[s])
 
-    def _copy_ranges(self, offsets, ranges):
-        return [(offsets.qo, ranges[0][1]), *ranges[1:]]
+    def _copy_ranges(self, offsets, ranges, plan):
+        """A StepBatch commit's copies: from qo_indptr (from 0 with CrossRows: the rows and table
+        updates) through group 0's indices, then each other group's; a CrossRows group's indices
+        are gathered on the device instead."""
+        gathered = [gp.table_rows is not None for gp in plan.groups]
+        start = 0 if any(gathered) else offsets.qo
+        out = [(start, offsets.head_end if gathered[0] else ranges[0][1])]
+        return out + [r for r, skip in zip(ranges[1:], gathered[1:]) if not skip]
 
     def _make_views(self, s: int, rows: int, num_rows: int) -> tuple:
         """Slot s's fixed views for `rows` requests and `num_rows` token rows."""
@@ -358,8 +376,9 @@ class GraphBufferPool:
         slot_bytes = self.layout.size * 4 * self.num_slots
         pinned = slot_bytes if self.device.type == "cuda" else 0
         parts = {"pool staging (pinned)": (0, pinned), "pool slot buffers": (slot_bytes, 0)}
-        if self.table is not None:  # (its host mirror and page owners are pageable: table.host_bytes())
-            parts.update(self.table.memory())
+        for table in (self.table, self.cross_table):  # (their host mirrors and page owners are pageable: host_bytes())
+            if table is not None:
+                parts.update(table.memory())
         for scheduler in self.schedulers.values():
             if scheduler is not None:
                 parts.update(scheduler.memory())

@@ -25,16 +25,18 @@ def stage_pages(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int,
     stage_requests(h, plan, offsets, rows, q_len)
     ranges = []
     for gp, (*_, o_idx) in zip(plan.groups, offsets.groups):
-        n = gp.kv_indices.shape[0]
-        h[o_idx : o_idx + n] = gp.kv_indices
-        if pad:  # q_len tokens of the scratch page, read and written by no request
-            h[o_idx + n : o_idx + n + per * pad] = plan.spec.scratch_page
+        n = int(gp.kv_indptr[-1])
+        if gp.kv_indices is not None:  # (CrossRows: the device gathers the list, padding included)
+            h[o_idx : o_idx + n] = gp.kv_indices
+            if pad:  # q_len tokens of the scratch page, read and written by no request
+                h[o_idx + n : o_idx + n + per * pad] = plan.spec.scratch_page
         ranges.append((o_idx, o_idx + n + per * pad))
     stage_slots(h, offsets, plan.slot_mapping, T, num_rows, scratch_slots)
     for gp, at in zip(plan.groups, offsets.group_slots):
         if gp.group.cross:  # the encoder tokens stored this step (no padding rows: write_kv takes exactly these)
-            n = gp.slot_mapping.shape[0]
-            stage_slots(h, offsets, gp.slot_mapping, n, n, scratch_slots, at)
+            if gp.slot_mapping is not None:  # (CrossRows: staged by capture/cross.py)
+                n = gp.slot_mapping.shape[0]
+                stage_slots(h, offsets, gp.slot_mapping, n, n, scratch_slots, at)
         elif gp.slot_mapping is not None:  # an own_pages group's slots
             stage_slots(h, offsets, gp.slot_mapping, T, num_rows, scratch_slots, at)
     return ranges

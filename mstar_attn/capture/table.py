@@ -39,8 +39,8 @@ class PageTable:
     Host memory: 4 bytes per page of the cache plus the mirror; device: the mirror's size.
     """
 
-    def __init__(self, spec: AttentionSpec, max_requests: int, width: int, device: torch.device):
-        self.spec = spec
+    def __init__(self, spec: AttentionSpec, max_requests: int, width: int, device: torch.device, name: str = "page table"):
+        self.spec, self.name = spec, name
         self.max_requests = positive_int("max_requests", max_requests)
         self.width = positive_int("max_pages_per_request", width)
         if (self.max_requests + 1) * self.width + 1 > INT32_MAX:
@@ -208,7 +208,7 @@ class PageTable:
 
     def memory(self) -> dict[str, tuple[int, int]]:
         """Device bytes of the table (its pageable host side: host_bytes())."""
-        return {"page table": (self.dev.numel() * 4, 0)}
+        return {self.name: (self.dev.numel() * 4, 0)}
 
     def host_bytes(self) -> int:
         """Host (not pinned) bytes: the mirror, counts and the page owners."""

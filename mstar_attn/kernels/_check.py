@@ -18,9 +18,9 @@ def step_plan(step, where: str, plans_ok: bool = False) -> AttentionPlan:
         step.check(where)
         return step.plan
     if plans_ok and isinstance(step, AttentionPlan):
-        if step.rows is not None:
-            raise PlanError(f"{where}: a StepRows plan names no pages (they are in the pool's page table); commit it "
-                            "and pass the DeviceStep")
+        if step.rows is not None or any(gp.table_rows is not None for gp in step.groups):
+            raise PlanError(f"{where}: a StepRows plan names no pages (nor do CrossRows: they are in the pool's tables); "
+                            "commit it and pass the DeviceStep")
         if not step.sealed:
             raise PlanError(f"{where}: plan was not made by build_plan (an attrs.evolve'd or hand-made plan is not "
                             "checked again)")
@@ -97,8 +97,8 @@ def new_kv(k, v, step, plan: AttentionPlan, cache, where: str, group: int = 0) -
         _tensor(t, name, plan.spec.num_kv_heads, plan, cache.k.device, where, (plan.spec.dtype,))
         if not cross:
             rows(t, name, step, plan, where)
-        elif t.shape[0] != plan.groups[group].slot_mapping.shape[0] or t.shape[0] == 0:
-            n = plan.groups[group].slot_mapping.shape[0]
+        elif t.shape[0] != plan.groups[group].stored or t.shape[0] == 0:
+            n = plan.groups[group].stored
             raise PlanError(f"{where}: {name} has {t.shape[0]} rows; layer group {group} is cross attention and this "
                             + (f"step stores {n} encoder tokens (the requests' whose GroupPages.new_lens is set)" if n else
                                "step stores no encoder K/V (new_lens is 0 for every request)"))

@@ -139,6 +139,11 @@ class Scheduler:
         tables = {}
         for t, g in self.firsts.items():
             gp = plan.groups[g]
+            if gp.kv_indices is None:  # CrossRows: the rows of the pool's cross table, gathered on the device
+                xt = self.pool.cross_table
+                tables[t] = self._table(step, t, xt.width)
+                torch.index_select(xt.dev[:-1].view(-1, xt.width), 0, step.table_rows, out=tables[t])
+                continue
             c = np.diff(gp.kv_indptr)
             width = self.pool.max_pages_per_request if step.bucket is not None else int(c.max())
             n = rows * width

@@ -25,8 +25,9 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group:
     group = _check.layer_group(group, plan, "write_kv")
     _check.cache_fits(cache, plan, "write_kv", step=step, group=group)
     _check.new_kv(k, v, step, plan, cache, "write_kv", group)
-    T = plan.num_tokens if not plan.spec.groups[group].cross else plan.groups[group].slot_mapping.shape[0]
-    if plan.rows is not None:  # a StepRows step: the pool derived the slots on the device
+    gp = plan.groups[group]
+    T = plan.num_tokens if not gp.group.cross else gp.stored
+    if plan.rows is not None or gp.table_rows is not None:  # StepRows / CrossRows: the pool derived the slots
         slots = step.groups[group].slot_mapping[:T]
     else:
         slots = torch.tensor(plan.slots_of(group), device=k.device)
@@ -49,7 +50,7 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=
     _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run", (plan.spec.dtype, *_ORACLE_DTYPES))
     gp = plan.groups[group]
-    indices = gp.kv_indices if plan.rows is None else step.groups[group].kv_indices[: gp.kv_indptr[-1]].cpu().numpy()
+    indices = gp.kv_indices if gp.kv_indices is not None else step.groups[group].kv_indices[: gp.kv_indptr[-1]].cpu().numpy()
     return _attend(plan, q, cache, group, indices)
 
 

@@ -74,18 +74,45 @@ class GroupPages:
         and encoder length; write [B] bool: the requests whose encoder K/V this step stores
         (default none: every request's encoder K/V were written at an earlier step)."""
         lens = int_array("GroupPages.kv_lens", encoder_lens, 1)
-        if write is None:
-            new = np.zeros_like(lens)
-        else:
-            w = np.asarray(write)
-            if w.dtype.kind not in "bi" or w.shape != lens.shape:
-                raise PlanError(f"GroupPages.cross: write must be [B] bools, one per request, got {w.dtype} {w.shape}")
-            new = np.where(w.astype(bool), lens, 0)
+        new = _write_lens(lens, write, "GroupPages.cross")
         return cls(np.zeros_like(lens), *_page_lists("GroupPages pages", pages), lens, new)
 
 
+def _write_lens(lens: np.ndarray, write, where: str) -> np.ndarray:
+    """new_lens [B]: lens[i] where write[i] ([B] bools), else 0 (write None: all 0)."""
+    if write is None:
+        return np.zeros_like(lens)
+    w = np.asarray(write)
+    if w.dtype.kind not in "bi" or w.shape != lens.shape:
+        raise PlanError(f"{where}: write must be [B] bools, one per request, got {w.dtype} {w.shape}")
+    return np.where(w.astype(bool), lens, 0).astype(np.int32)
+
+
+@attrs.frozen
+class CrossRows:
+    """A cross-attention group's encoder pages as rows of the pool's cross table
+    (`GraphBufferPool.cross_table`, assigned once when a request's encoder runs), B requests:
+
+    rows     [B]  each request's table row (requests may share one: the same encoder input)
+    kv_lens  [B]  encoder lengths (>= 1)
+    new_lens [B]  kv_lens[i] for a request whose encoder K/V this step stores, else 0
+
+    Nothing here is O(pages): commit gathers the page lists on the device, so decode steps copy
+    no cross page ids at all (see GraphBufferPool).
+    """
+
+    rows: np.ndarray = _vector("CrossRows.rows")
+    kv_lens: np.ndarray = _vector("CrossRows.kv_lens")
+    new_lens: np.ndarray = _vector("CrossRows.new_lens")
+
+    @classmethod
+    def of(cls, rows, encoder_lens, write=None) -> CrossRows:
+        lens = int_array("CrossRows.kv_lens", encoder_lens, 1)
+        return cls(rows, lens, _write_lens(lens, write, "CrossRows.of"))
+
+
 def _group_pages(value) -> tuple:
-    """{group index: GroupPages} (or pairs) -> a tuple of (group, GroupPages) sorted by group."""
+    """{group index: GroupPages or CrossRows} (or pairs) -> a tuple of (group, lists) sorted by group."""
     if value is None:
         return ()
     items = value.items() if hasattr(value, "items") else value
@@ -96,8 +123,8 @@ def _group_pages(value) -> tuple:
     for g, p in pairs:
         if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer)) or g < 0:
             raise PlanError(f"group_pages: keys are layer-group indices, got {g!r}")
-        if not isinstance(p, GroupPages):
-            raise PlanError(f"group_pages[{g}]: expected a GroupPages, got {type(p).__name__}")
+        if not isinstance(p, (GroupPages, CrossRows)):
+            raise PlanError(f"group_pages[{g}]: expected a GroupPages (or a cross group's CrossRows), got {type(p).__name__}")
     if len({int(g) for g, _ in pairs}) != len(pairs):
         raise PlanError("group_pages: a layer group is given twice")
     return tuple(sorted(((int(g), p) for g, p in pairs), key=lambda x: x[0]))

@@ -7,7 +7,7 @@ import attrs
 import numpy as np
 
 from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
-from mstar_attn.metadata.batch import GroupPages
+from mstar_attn.metadata.batch import CrossRows, GroupPages
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.pages import gather_ranges, request_of, scan_ownership
 from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup
@@ -25,7 +25,9 @@ class GroupPlan:
     slot_mapping [T] int64 or None: where the group's layers write each new token, for a group
     with its own page list (LayerGroup.own_pages); None: the plan's slot_mapping. A cross-attention
     group's kv_lens are its encoder lengths and its slot_mapping [sum(new_lens)] places the encoder
-    tokens stored this step (see cross_plan).
+    tokens stored this step (see cross_plan); new_lens [B]: the encoder tokens each request stores
+    this step (0 or its encoder length); table_rows [B]: rows of the pool's cross table when the
+    step gave CrossRows (then kv_indices and slot_mapping are None: commit derives them).
     """
 
     group: LayerGroup
@@ -35,6 +37,13 @@ class GroupPlan:
     kv_lens: np.ndarray = array_field()
     kv_start: np.ndarray | None = optional_array_field()
     slot_mapping: np.ndarray | None = optional_array_field()
+    new_lens: np.ndarray | None = optional_array_field()
+    table_rows: np.ndarray | None = optional_array_field()
+
+    @property
+    def stored(self) -> int:
+        """Encoder tokens a cross group stores this step (write_kv's rows for it); 0 for other groups."""
+        return 0 if self.new_lens is None else int(self.new_lens.sum(dtype=np.int64))
 
 
 def first_read_page(group: LayerGroup, q: np.ndarray, kv: np.ndarray, ps: int) -> np.ndarray:
@@ -116,6 +125,38 @@ def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, q, kv, need, last_p
     return GroupPlan(group, kv_indptr, kv_indices, last_page_len, kv_lens, kv_start, slots)
 
 
+def _cross_lengths(name: str, kv, new, ps: int) -> None:
+    if kv.min() < 1:
+        fail_at(f"{name}.kv_lens", kv < 1, "a step with cross-attention layers needs encoder input for every request "
+                                            "(encoder length >= 1)")
+    if kv.max() > INT32_MAX - ps:
+        fail_at(f"{name}.kv_lens", kv > INT32_MAX - ps, "the encoder length is past the int32 range the kernels index")
+    if ((new != 0) & (new != kv)).any():
+        fail_at(f"{name}.new_lens", (new != 0) & (new != kv), "a step stores a request's whole encoder K/V or none (0)")
+    if new.sum(dtype=np.int64) > INT32_MAX:
+        raise PlanError(f"{name}.new_lens: more encoder tokens in one step than int32 row offsets hold")
+
+
+def cross_rows_plan(g: int, lists: CrossRows, spec: AttentionSpec, B: int) -> GroupPlan:
+    """Cross-attention group g's plan over rows of the pool's cross table: lengths and ranges only
+    (O(B)); commit checks the rows and gathers their pages on the device."""
+    group, ps, name = spec.groups[g], spec.page_size, f"group_pages[{g}]"
+    rows, kv, new = lists.rows, lists.kv_lens, lists.new_lens
+    if rows.shape != (B,) or kv.shape != (B,) or new.shape != (B,):
+        raise PlanError(f"{name}: rows {rows.shape}, kv_lens {kv.shape} and new_lens {new.shape} must be [B] (B = {B})")
+    _cross_lengths(name, kv, new, ps)
+    if rows.min() < 0:
+        fail_at(f"{name}.rows", rows < 0, "a cross-table row is negative")
+    need = (kv + (ps - 1)) // ps
+    if B * (int(kv.max()) // ps + 1) > INT32_MAX:
+        raise PlanError(f"{name}.kv_lens: more encoder pages in one step than int32 page offsets hold")
+    kv_indptr = np.zeros(B + 1, np.int32)
+    np.cumsum(need, out=kv_indptr[1:])
+    last_page_len = (kv - (need - 1) * ps).astype(np.int32)
+    read_only(kv_indptr, last_page_len)
+    return GroupPlan(group, kv_indptr, None, last_page_len, kv, None, None, new, rows)
+
+
 def cross_plan(g: int, pages: GroupPages, spec: AttentionSpec, B: int, page_limit: int,
                check_ownership: bool) -> GroupPlan:
     """Cross-attention group g's plan: every decoder query of request i sees all kv_lens[i] encoder
@@ -130,15 +171,9 @@ def cross_plan(g: int, pages: GroupPages, spec: AttentionSpec, B: int, page_limi
     if first.shape != (B,) or kv.shape != (B,) or new.shape != (B,) or indptr.shape != (B + 1,):
         raise PlanError(f"{name}: first_page {first.shape}, kv_lens {kv.shape}, new_lens {new.shape} and page_indptr "
                         f"{indptr.shape} must be [B], [B], [B] and [B+1] (B = {B})")
-    if kv.min() < 1:
-        fail_at(f"{name}.kv_lens", kv < 1, "a step with cross-attention layers needs encoder input for every request "
-                                            "(encoder length >= 1)")
-    if kv.max() > INT32_MAX - ps:
-        fail_at(f"{name}.kv_lens", kv > INT32_MAX - ps, "the encoder length is past the int32 range the kernels index")
+    _cross_lengths(name, kv, new, ps)
     if first.any():
         fail_at(f"{name}.first_page", first != 0, "a cross-attention list starts at the encoder's first page (0)")
-    if ((new != 0) & (new != kv)).any():
-        fail_at(f"{name}.new_lens", (new != 0) & (new != kv), "a step stores a request's whole encoder K/V or none (0)")
     n_listed = idx.shape[0]
     if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed or (indptr[1:] < indptr[:-1]).any():
         raise PlanError(f"{name}.page_indptr must start at 0, not decrease and stay within its page_indices "
@@ -156,8 +191,6 @@ def cross_plan(g: int, pages: GroupPages, spec: AttentionSpec, B: int, page_limi
     kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1], need)
     last_page_len = (kv - (need - 1) * ps).astype(np.int32)
     T = int(new.sum(dtype=np.int64))
-    if T > INT32_MAX:
-        raise PlanError(f"{name}.new_lens: {T} encoder tokens in one step, more than int32 row offsets hold")
     starts = np.zeros(B + 1, np.int64)
     np.cumsum(new, out=starts[1:])
     pos = np.arange(T, dtype=np.int64) - np.repeat(starts[:-1], new)  # each stored token's encoder position
@@ -167,4 +200,4 @@ def cross_plan(g: int, pages: GroupPages, spec: AttentionSpec, B: int, page_limi
         written = gather_ranges(kv_indices, kv_indptr[:-1][w], need[w])[1]
         scan_ownership(spec, indptr, listed, written, f"{name}.page_indices")
     read_only(last_page_len, slots)
-    return GroupPlan(group, kv_indptr, kv_indices, last_page_len, kv, None, slots)
+    return GroupPlan(group, kv_indptr, kv_indices, last_page_len, kv, None, slots, new)

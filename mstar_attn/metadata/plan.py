@@ -13,9 +13,9 @@ import numpy as np
 
 from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.backends import AUTO, BACKENDS
-from mstar_attn.metadata.batch import GroupPages, StepBatch, StepRows
+from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.groups import GroupPlan, cross_plan, own_plan, window_plan
+from mstar_attn.metadata.groups import GroupPlan, cross_plan, cross_rows_plan, own_plan, window_plan
 from mstar_attn.metadata.pages import gather_ranges, request_of, scan_ownership
 from mstar_attn.metadata.select import select_backend
 from mstar_attn.metadata.spec import AttentionSpec, Kind
@@ -240,7 +240,8 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     if check_ownership:
         scan_ownership(spec, indptr, listed, written)
     read_only(kv_indices, slot_mapping)
-    own = {g: cross_plan(g, pages, spec, q.shape[0], page_limit, check_ownership) if spec.groups[g].cross
+    own = {g: cross_rows_plan(g, pages, spec, q.shape[0]) if isinstance(pages, CrossRows)
+           else cross_plan(g, pages, spec, q.shape[0], page_limit, check_ownership) if spec.groups[g].cross
            else own_plan(g, pages, spec, q, kv, need, last_page_len, positions, mode is Mode.DECODE, page_limit,
                          check_ownership)
            for g, pages in _own_lists(batch, spec)}
@@ -257,6 +258,11 @@ def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPa
             raise PlanError(f"group_pages[{g}]: layer group {g} reads the shared page list (its LayerGroup has "
                             "own_pages=False), so the batch may not give it a list of its own")
     for g, pages in batch.group_pages:
+        if isinstance(pages, CrossRows) and not spec.groups[g].cross:
+            raise PlanError(f"group_pages[{g}]: CrossRows name a cross-attention group's encoder pages; layer group {g} "
+                            "is not one (give it a GroupPages)")
+        if isinstance(pages, CrossRows):
+            continue
         if not spec.groups[g].cross and (pages.kv_lens is not None or pages.new_lens is not None):
             raise PlanError(f"group_pages[{g}]: kv_lens / new_lens are for cross-attention groups; layer group {g} "
                             "reads the step's own tokens")

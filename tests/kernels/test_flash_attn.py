@@ -371,9 +371,22 @@ def test_cpu_cross_attention_through_the_pool(cpu_pool):
 
 
 @gpu
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_cross_attention_eager_and_replayed(page_size):
+@pytest.mark.parametrize("page_size, rows", [(1, True), (16, False), (64, True)])
+def test_cross_attention_eager_and_replayed(page_size, rows):
     """As the FlashInfer test of the same name."""
     from tests.cross_pages import gpu_cross
 
-    gpu_cross(fa, "flash_attn", fresh_seed(), page_size)
+    gpu_cross(fa, "flash_attn", fresh_seed(), page_size, rows)
+
+
+def test_cpu_cross_rows_through_the_pool(cpu_pool):
+    """As above, with the encoder pages in the pool's cross table (CrossRows): gathered on the device."""
+    from tests.cross_pages import GROUPS, CrossTrace, serve
+
+    seed = fresh_seed()
+    spec = AttentionSpec(8, 2, 64, 16, 3000, groups=GROUPS, layer_groups=(0, 1), backend="flash_attn")
+    pool = cpu_pool(spec, buckets=(1, 4, 8), max_encoder_tokens=4000, max_requests=32, max_pages_per_request=64)
+    trace = CrossTrace(spec, seed, max_batch=6, max_encoder=400, table=pool.cross_table)
+    caches = [attrs.evolve(random_cache(spec, seed + g, device="cpu"), group=g) for g in range(2)]
+    ran = serve(trace, pool, fa, caches, 12, seed)
+    assert any(stored for *_, stored in ran) and any(m == "decode" for m, *_ in ran), ran

@@ -280,10 +280,10 @@ def test_own_page_lists_eager_and_replayed():
     gpu_hybrid(fi, "flashinfer", fresh_seed())
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_cross_attention_eager_and_replayed(page_size):
+@pytest.mark.parametrize("page_size, rows", [(1, True), (16, False), (64, True)])
+def test_cross_attention_eager_and_replayed(page_size, rows):
     """Encoder-decoder cross attention: encoder K/V (1 to 3,000 tokens) stored once, read by every
     decoder step, decode replayed, every request of both groups against the exact attention."""
     from tests.cross_pages import gpu_cross
 
-    gpu_cross(fi, "flashinfer", fresh_seed(), page_size)
+    gpu_cross(fi, "flashinfer", fresh_seed(), page_size, rows)

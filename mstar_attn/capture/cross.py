@@ -1,0 +1,111 @@
+"""A commit's cross-attention part when the step names rows of the pool's cross table (CrossRows).
+
+The engine assigns each request's encoder pages to a table row once (`pool.cross_table.assign`,
+when its encoder runs); the step then carries O(batch) arrays (rows, encoder lengths, which
+requests store their encoder K/V now). `check` proves the rows hold what the step reads and,
+for the requests storing, that they hold those pages alone, and derives those tokens' slots from
+the host mirror (O(encoder tokens stored), on their first step only). `stage` writes the rows,
+the table entries changed since the last commit and the slots into the slot's staging; after the
+copy, `device_work` applies the changes to the device table and gathers the group's page list
+there. A decode step over known requests so copies no page id at all: its cross page list is
+built on the device from the resident table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mstar_attn.capture.expand import gather_csr
+from mstar_attn.capture.layout import Offsets
+from mstar_attn.capture.table import FREE, PageTable
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.plan import AttentionPlan
+
+
+def rows_group(plan: AttentionPlan) -> int | None:
+    """The first layer group whose pages are cross-table rows (CrossRows), or None."""
+    return next((g for g, gp in enumerate(plan.groups) if gp.table_rows is not None), None)
+
+
+def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
+    """PlanError unless group g's rows (and any other CrossRows group's, which must name the same
+    rows) are table rows holding the pages their encoder lengths need, and each request storing
+    its encoder K/V holds those pages alone (one request per row). Returns the stored tokens'
+    slots [sum(new_lens)] int64, request by request. Changes nothing."""
+    name = f"group_pages[{g}]"
+    if table is None:
+        raise PlanError(f"commit: {name} names cross-table rows (CrossRows), but this pool has no cross table "
+                        "(GraphBufferPool(max_requests=...) with a cross-attention group in the spec)")
+    gp, ps = plan.groups[g], plan.spec.page_size
+    rows, kv, new = gp.table_rows, gp.kv_lens, gp.new_lens
+    for h, other in enumerate(plan.groups):
+        if other.table_rows is not None and not np.array_equal(other.table_rows, rows):
+            raise PlanError(f"commit: group_pages[{h}] names other cross-table rows than {name}; a step's CrossRows "
+                            "groups read one set of rows")
+    if rows.max() >= table.max_requests:
+        i = int(np.flatnonzero(rows >= table.max_requests)[0])
+        raise PlanError(f"{name}.rows[{i}]: row {rows[i]} is not a cross-table row (0..{table.max_requests - 1}) (request {i})")
+    need = (kv + (ps - 1)) // ps
+    short = table.counts[rows] < need
+    if short.any():
+        i = int(np.flatnonzero(short)[0])
+        raise PlanError(f"{name}.rows[{i}]: row {rows[i]} holds {table.counts[rows[i]]} pages, fewer than encoder length "
+                        f"{kv[i]} needs (request {i})")
+    w = new > 0
+    if not w.any():
+        return np.zeros(0, np.int64)
+    writers = rows[w]
+    if np.unique(writers).shape[0] != writers.shape[0]:
+        raise PlanError(f"{name}.new_lens: two requests store their encoder K/V into the same cross-table row")
+    row_t = np.repeat(writers, new[w])
+    starts = np.zeros(writers.shape[0] + 1, np.int64)
+    np.cumsum(new[w], out=starts[1:])
+    pos = np.arange(starts[-1], dtype=np.int64) - np.repeat(starts[:-1], new[w])
+    page = table.flat[row_t.astype(np.int64) * table.width + pos // ps]
+    bad = table.owner[page] != row_t
+    if bad.any():
+        t = int(np.flatnonzero(bad)[0])
+        own = int(table.owner[page[t]])
+        why = "shares it read-only" if own < FREE else f"it is held by row {own}"
+        raise PlanError(f"{name}.new_lens: row {row_t[t]} would store encoder K/V into page {page[t]}, but {why}")
+    slots = page.astype(np.int64)
+    slots *= ps
+    slots += pos % ps
+    return slots
+
+
+def stage(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, rows: int, slots: np.ndarray,
+          updates: np.ndarray, table: PageTable) -> int:
+    """Group g's table rows (the scratch row for padding requests), first page 0, the stored
+    tokens' slots and the table updates into staging h. Returns how many updates did not fit the
+    step's region: the caller sends those directly."""
+    B = plan.batch_size
+    h[offsets.table_rows : offsets.table_rows + B] = plan.groups[g].table_rows
+    h[offsets.table_rows + B : offsets.table_rows + rows] = table.scratch_row
+    o_first = offsets.groups[g][3]
+    h[o_first : o_first + rows] = 0
+    at = offsets.group_slots[g]
+    h[at : at + 2 * slots.shape[0]].view(np.int64)[:] = slots
+    n, U, at = updates.shape[0], offsets.update_capacity, offsets.updates
+    left = n if n > U else 0
+    n = 0 if left else n
+    h[at : at + n] = updates[:n]
+    h[at + n : at + U] = table.dump
+    h[at + U : at + U + n] = table.flat[updates[:n]]
+    return left
+
+
+def device_work(table: PageTable, dev: torch.Tensor, offsets: Offsets, g: int, table_rows: torch.Tensor,
+                updates: np.ndarray, left: int, capacity: int) -> int:
+    """After the slot's copy (same stream): the table updates (those past the step's region sent
+    here, directly), then group g's page list gathered from the table. Returns bytes sent here."""
+    sent = 0
+    if left:
+        pos = torch.from_numpy(updates.astype(np.int64)).to(dev.device)
+        table.dev.index_copy_(0, pos, torch.from_numpy(table.flat[updates]).to(dev.device))
+        sent = left * 12
+    at, U = offsets.updates, offsets.update_capacity
+    table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
+    gather_csr(table.dev, table.width, table_rows, dev, [offsets.groups[g]], capacity)
+    return sent

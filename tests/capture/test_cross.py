@@ -1,0 +1,94 @@
+"""Cross-attention groups over the pool's cross table (capture/cross.py): encoder pages assigned to
+rows once, steps naming rows, page lists gathered on the device; what commits copy; the refusals."""
+
+import attrs
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import AttentionSpec, CrossRows, PlanError, StepBatch, build_plan
+from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.kernels import reference
+from tests.cross_pages import GROUPS, CrossTrace, serve
+from tests.helpers import fresh_seed, random_cache
+
+
+def cpu_pool(spec, **kw):
+    return GraphBufferPool(spec, max_batch_size=32, max_num_tokens=1024, max_num_pages=spec.num_pages, device="cpu",
+                           buckets=(1, 4, 8), max_requests=64, max_pages_per_request=kw.pop("width", 256), **kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_the_reference_over_cross_rows_matches_the_exact_attention(page_size):
+    seed = fresh_seed()
+    spec = AttentionSpec(4, 2, 16, page_size, 12000, dtype=torch.float32, groups=GROUPS, layer_groups=(0, 1),
+                         backend="reference")
+    pool = cpu_pool(spec, width=12000 // page_size, max_encoder_tokens=8000)
+    trace = CrossTrace(spec, seed, max_batch=6, max_encoder=1500, table=pool.cross_table)
+    caches = [attrs.evolve(random_cache(spec, seed + g, device="cpu"), group=g) for g in range(2)]
+    ran = serve(trace, pool, reference, caches, 15, seed)
+    assert any(stored for *_, stored in ran) and ran.get(("decode", False, False)), (f"seed {seed}", ran)
+
+
+def _decode(pool, enc_lens, write=False):
+    """Commit a decode step of len(enc_lens) requests (rows 0..) whose encoders have these lengths."""
+    spec, B, table = pool.spec, len(enc_lens), pool.cross_table
+    for r, n in enumerate(enc_lens):
+        if table.counts[r] == 0:
+            table.assign(r, list(range(1000 * r, 1000 * r + -(-n // spec.page_size))))
+    batch = StepBatch.from_pages([1] * B, [5] * B, [[i] for i in range(B)], spec.page_size,
+                                 group_pages={1: CrossRows.of(range(B), enc_lens, [write] * B)})
+    return pool.commit(build_plan(batch, spec))
+
+
+def test_decode_steps_copy_no_cross_page_ids():
+    """The bytes a decode step copies do not depend on the encoder lengths, and the first step
+    (which sends the rows' new table entries) costs 8 bytes per entry more; the device page list
+    holds the rows' pages either way."""
+    spec = AttentionSpec(4, 2, 16, 16, 8000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
+    short, long = cpu_pool(spec), cpu_pool(spec)
+    first = [_decode(p, lens).pool.last_commit_bytes for p, lens in ((short, [10] * 3), (long, [3000] * 3))]
+    again = []
+    for p, lens in ((short, [10] * 3), (long, [3000] * 3)):
+        step = _decode(p, lens)
+        again.append(p.last_commit_bytes)
+        gp = step.plan.groups[1]
+        got = step.groups[1].kv_indices[: gp.kv_indptr[-1]].numpy()
+        assert np.array_equal(got, np.concatenate([np.arange(1000 * r, 1000 * r + -(-lens[0] // 16)) for r in range(3)]))
+    assert again[0] == again[1], again  # 3,000-token encoders cost what 10-token ones do
+    # the first step sent the rows' new table entries: 3 x 1 fit the step's update region (copied
+    # every step), 3 x 188 did not and went directly, 12 bytes each (int64 position + int32 page)
+    assert first[1] - first[0] == 12 * 3 * 188, first
+
+
+def test_cross_rows_are_checked_at_commit_and_a_failed_commit_keeps_the_table_updates():
+    spec = AttentionSpec(4, 2, 16, 16, 8000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
+    pool = cpu_pool(spec)
+    pool.cross_table.assign(0, [1, 2])
+    pool.cross_table.assign(1, [3, 4], shared=False)
+    pool.cross_table.assign(2, [1, 2][:0] + [7], shared=True)
+
+    def commit(rows, lens, write=None):
+        batch = StepBatch.from_pages([1] * len(rows), [5] * len(rows), [[40 + i] for i in range(len(rows))], 16,
+                                     group_pages={1: CrossRows.of(rows, lens, write)})
+        return pool.commit(build_plan(batch, spec))
+
+    pending = pool.cross_table.pending
+    for rows, lens, write, match in [
+        ([0, 64], [5, 5], None, r"group_pages\[1\]\.rows\[1\]: row 64 is not a cross-table row"),
+        ([0, 1], [5, 40], None, r"group_pages\[1\]\.rows\[1\]: row 1 holds 2 pages, fewer than encoder length 40 needs"),
+        ([0, 0], [20, 20], [True, True], r"two requests store their encoder K/V into the same cross-table row"),
+        ([2], [10], [True], r"row 2 would store encoder K/V into page 7, but shares it read-only"),
+    ]:
+        with pytest.raises(PlanError, match=match):
+            commit(rows, lens, write)
+        assert pool.cross_table.pending == pending  # nothing taken
+    step = commit([0, 0, 1], [20, 20, 30])  # two requests reading one encoder (parallel samples) is fine
+    assert pool.cross_table.pending == 0 and step.plan.groups[1].stored == 0
+    plain = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=64, max_num_pages=8000, device="cpu")
+    assert plain.cross_table is None
+    with pytest.raises(PlanError, match="this pool has no cross table"):
+        plain.commit(build_plan(StepBatch.from_pages([1], [5], [[0]], 16, group_pages={1: CrossRows.of([0], [5])}), spec))
+    with pytest.raises(PlanError, match="StepRows plan names no pages"):
+        reference.run(build_plan(StepBatch.from_pages([1], [5], [[0]], 16, group_pages={1: CrossRows.of([0], [5])}), spec),
+                      torch.ones(1, 4, 16), random_cache(spec, 0, device="cpu"), group=1)
