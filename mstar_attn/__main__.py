@@ -25,9 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=int, default=8, help="requests in the trace (default: 8)")
     d.add_argument("--page-size", type=int, default=4, help="tokens per KV page (default: 4)")
     d.add_argument("--seed", type=int, default=0, help="seeds the weights and the trace (default: 0)")
-    d.add_argument("--model", choices=["llama", "gemma2"], default="llama",
+    d.add_argument("--model", choices=["llama", "gemma2", "bart"], default="llama",
                    help="the transformers family (default: llama); gemma2 interleaves sliding-window layers, on "
-                        "their own page lists, with full ones")
+                        "their own page lists, with full ones; bart is an encoder-decoder (cross attention)")
     d.add_argument("--window", type=int, default=8, help="gemma2's sliding window in tokens (default: 8)")
     sub.add_parser("bench", add_help=False, help="per-shape GPU microbenchmark of the backends (needs CUDA); "
                                                  "its arguments go to mstar_attn.tuning (bench --help)")

@@ -31,9 +31,15 @@ class StepAttention:
         self.spec: AttentionSpec | None = None
         self.max_batch = 0
 
-    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int) -> None:
-        """Called once before the first step: the model's spec and the most requests / tokens a step has."""
+    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int, max_encoder_tokens: int | None = None) -> None:
+        """Called once before the first step: the model's spec, the most requests / tokens a step has,
+        and (an encoder-decoder) the most encoder tokens one step stores."""
         self.spec, self.max_batch = spec, max_batch
+
+    @property
+    def cross_table(self):
+        """The pool's cross table (encoder pages by request row), or None: steps list the pages."""
+        return None
 
     def prepare(self, plan: AttentionPlan):
         return plan
@@ -80,15 +86,22 @@ class PoolAttention(StepAttention):
         self.device = torch.device(device)
         self.pool = self.graphs = None
 
-    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int) -> None:
+    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int, max_encoder_tokens: int | None = None) -> None:
         super().bind(spec, max_batch, max_tokens)
         try:
             from mstar_attn.capture.pool import GraphBufferPool
 
+            cross = any(g.cross for g in spec.groups)  # an encoder-decoder: encoder pages in the pool's cross table
             self.pool = GraphBufferPool(spec, max_batch_size=max_batch, max_num_tokens=max_tokens,
-                                        max_num_pages=spec.num_pages, device=self.device)
+                                        max_num_pages=spec.num_pages, device=self.device,
+                                        max_requests=4 * max_batch if cross else None,
+                                        max_encoder_tokens=max_encoder_tokens if cross else None)
         except ImportError as e:
             raise DemoError(f"backend {self.name!r} cannot load here: {e}") from e
+
+    @property
+    def cross_table(self):
+        return self.pool.cross_table
 
     def prepare(self, plan: AttentionPlan):
         return self.pool.commit(plan)

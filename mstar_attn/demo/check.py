@@ -41,10 +41,15 @@ class Check:
         return self.err <= self.tol and self.token_mismatches == 0
 
 
-def check_request(model, req: Request, dtype: torch.dtype) -> Check:
-    """Teacher-forced: the stock model on prompt + generated tokens, at every position the engine computed."""
-    ids = torch.tensor([req.tokens[:-1]], device=model.device)
-    want = model(ids).logits[0, req.shared :].float().cpu()  # [n, vocab]
+def decoder_logits(model, req: Request) -> torch.Tensor:
+    """A decoder-only model's logits [len(tokens) - 1, vocab] on prompt + generated tokens but the last."""
+    return model(torch.tensor([req.tokens[:-1]], device=model.device)).logits[0]
+
+
+def check_request(model, req: Request, dtype: torch.dtype, logits_of=decoder_logits) -> Check:
+    """Teacher-forced: the stock model on prompt + generated tokens (logits_of(model, req); an
+    encoder-decoder's also sees the encoder input), at every position the engine computed."""
+    want = logits_of(model, req)[req.shared :].float().cpu()  # [n, vocab]
     got = torch.cat(req.logits)
     tol = REL[dtype] * want.abs().max().item() + ABS[dtype]
     err = (got - want).abs().max().item()

@@ -64,6 +64,7 @@ class Request:
     holds the engine's rows for positions shared .. len(tokens) - 2, float32 on the CPU, [n, vocab].
     own_pages: the page list of the layer groups with their own (a window group): the pages of
     logical pages own_first, own_first + 1, ... (those before it were given back, see `drop_passed`).
+    An encoder-decoder request also has `encoder` input; its encoder K/V sit on `cross_pages`.
     """
 
     rid: int
@@ -77,6 +78,9 @@ class Request:
     logits: list[torch.Tensor] = attrs.Factory(list)
     own_first: int = 0
     own_pages: list[int] = attrs.Factory(list)
+    encoder: list[int] = attrs.Factory(list)  # an encoder-decoder's encoder input (token ids); [] otherwise
+    cross_pages: list[int] = attrs.Factory(list)  # the pages of its encoder K/V (cross-attention layers)
+    cross_row: int = -1  # their row in the pool's cross table, when the seam has one
 
     def __attrs_post_init__(self):
         self.tokens = list(self.prompt)
@@ -217,11 +221,14 @@ class Engine:
         self.num_graphs = self.attn.capture(self.fn, static)
         self.capture_s = time.perf_counter() - t0
 
-    def __call__(self, plan: AttentionPlan, tokens: list[int]) -> torch.Tensor:
-        """Commit and run one step; returns logits [T, vocab] in the model dtype on the device."""
+    def __call__(self, plan: AttentionPlan, tokens: list[int], before: Callable[[Any], None] | None = None) -> torch.Tensor:
+        """Commit and run one step; returns logits [T, vocab] in the model dtype on the device.
+        before(ctx): eager work on the committed step ahead of the forward (an encoder storing cross K/V)."""
         t0 = time.perf_counter_ns()
         ctx = self.attn.prepare(plan)
         self.commit_us.append((time.perf_counter_ns() - t0) / 1e3)
+        if before is not None:
+            before(ctx)
         inputs = step_inputs(plan, tokens, self.attn.rows(ctx), self.device)
         self.aside_us = 0.0
         if not (self.graphs and self.attn.replays(ctx)):

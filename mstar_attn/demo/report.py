@@ -62,6 +62,8 @@ class DemoResult:
     capture_s: float = 0.0
     tokens: dict[int, list[int]] = attrs.Factory(dict)  # request id -> prompt + generated tokens
     pages_held: PagesHeld | None = None  # with window layers on their own page lists (gemma2)
+    encoder_tokens: int = 0  # an encoder-decoder's encoder inputs, all requests (bart)
+    cross_rows: bool = False  # its cross page lists came from the pool's cross table (CrossRows)
 
     @property
     def modes(self) -> Counter:
@@ -140,9 +142,11 @@ def summary(res: DemoResult) -> str:
     bad = [k.rid for k in res.checks if not k.ok]
     host = [p + q for p, q in zip(res.plan_us, res.commit_us)]
     clock = "CUDA events" if torch.device(c.device).type == "cuda" else "host clock"
-    family = {"llama": "Llama", "gemma2": f"Gemma 2 (sliding window {c.window} / full layers, soft-capped)"}[c.model]
+    family = {"llama": "Llama", "gemma2": f"Gemma 2 (sliding window {c.window} / full layers, soft-capped)",
+              "bart": "BART encoder-decoder (encoder through the dense path, cross attention on paged encoder K/V)"}[c.model]
     lines = [
-        f"model     {family} {c.layers} layers, hidden {c.hidden}, {c.heads} q / {c.kv_heads} kv heads, vocab {c.vocab}, "
+        f"model     {family} {c.layers} layers, hidden {c.hidden}, {c.heads} q / {c.heads if c.model == 'bart' else c.kv_heads} "
+        f"kv heads, vocab {c.vocab}, "
         f"{c.dtype} on {c.device}, page size {c.page_size}",
         f"trace     {c.requests} requests, {res.steps} steps, {res.prompt_tokens} prompt tokens "
         f"({res.shared_tokens} read from shared prefix pages by {res.prefix_hits} requests) "
@@ -155,6 +159,12 @@ def summary(res: DemoResult) -> str:
             f"decode step: graphs {np.median(res.graph_us):.0f} µs vs eager {np.median(res.eager_us):.0f} µs "
             f"({res.speedup:.2f}x; {clock}, median over {res.replayed} decode steps, each run both ways on the same "
             f"inputs; {res.num_graphs} graphs captured in {res.capture_s:.1f} s)")
+    if res.encoder_tokens:
+        lines.append(
+            f"encoder   {res.encoder_tokens} encoder tokens run once through the dense path; each request's cross K/V "
+            "stored at its first step, read by every later step; cross page lists "
+            + ("gathered on the device from the pool's cross table (no page ids copied per step)" if res.cross_rows
+               else "listed by each step"))
     if res.pages_held is not None:
         p = res.pages_held
         lines.append(

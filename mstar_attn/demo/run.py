@@ -14,15 +14,16 @@ from typing import TextIO
 import numpy as np
 import torch
 
-from mstar_attn import AttentionSpec, GroupPages, PagedKVCache, StepBatch, build_plan
-from mstar_attn.demo import gemma2, llama
+from mstar_attn import AttentionSpec, CrossRows, GroupPages, PagedKVCache, StepBatch, build_plan
+from mstar_attn.demo import bart, gemma2, llama
 from mstar_attn.demo.attention import StepAttention, make_attention
-from mstar_attn.demo.check import check_request
+from mstar_attn.demo.check import check_request, decoder_logits
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError
 from mstar_attn.demo.engine import Engine, PageAllocator, drop_passed, grow_pages, make_trace, share_prefix
 from mstar_attn.demo.report import DemoResult, PagesHeld, Progress, summary, write
 
-FAMILIES = {"llama": llama, "gemma2": gemma2}
+FAMILIES = {"llama": llama, "gemma2": gemma2, "bart": bart}
+DENSE = {"reference": "reference", "flash_attn": "flash_attn_varlen"}  # the encoder's dense backend (else flashinfer_ragged)
 
 
 def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None = None, out: TextIO | None = None,
@@ -43,22 +44,26 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
     dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
     attn = attention or make_attention(cfg)
     rng = np.random.default_rng(cfg.seed)
-    reqs = make_trace(cfg, rng)
+    reqs = family.make_trace(cfg, rng) if hasattr(family, "make_trace") else make_trace(cfg, rng)
     ps = cfg.page_size
-    num_pages = sum(-(-(len(r.prompt) + r.max_new) // ps) for r in reqs)  # enough with no sharing at all
+    num_pages = max(sum(-(-(len(r.prompt) + r.max_new) // ps) for r in reqs),  # enough with no sharing at all
+                    sum(-(-len(r.encoder) // ps) for r in reqs))  # (an encoder-decoder's cross pages: their own ids)
     bar = Progress(progress, len(reqs))
     with torch.inference_mode():
         model = family.build_model(cfg, dtype, device)
-        spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, ps, num_pages, dtype=dtype,
-                             backend=attn.name, **family.spec_fields(model))
-        own_groups = spec.own_page_groups  # each on the one own list the engine keeps (one window here)
+        fields = family.spec_fields(model)
+        spec = AttentionSpec(cfg.heads, fields.pop("num_kv_heads", cfg.kv_heads), cfg.hidden // cfg.heads, ps, num_pages,
+                             dtype=dtype, backend=attn.name, **fields)
+        xg = next((g for g, group in enumerate(spec.groups) if group.cross), None)  # the cross-attention group
+        own_groups = [g for g in spec.own_page_groups if g != xg]  # each on the one own list the engine keeps
         windows = [spec.groups[g].window for g in own_groups]
         window = None if None in windows else max(windows, default=0)  # None: an own list is never trimmed
         caches = [PagedKVCache.allocate(spec, device, group=g) for g in spec.layer_groups]
         for c in caches:
             c.k.zero_(), c.v.zero_()
         # the largest batch, as a power of two (the decode buckets), and the most tokens one step can have
-        attn.bind(spec, 1 << (cfg.requests - 1).bit_length(), sum(len(r.prompt) for r in reqs) + len(reqs))
+        attn.bind(spec, 1 << (cfg.requests - 1).bit_length(), sum(len(r.prompt) for r in reqs) + len(reqs),
+                  sum(len(r.encoder) for r in reqs) or None)
         engine = Engine(family.forward, model, attn, caches, device, cfg.graphs)
         if cfg.graphs:
             bar.note("capturing the decode forward as CUDA graphs ...")
@@ -67,6 +72,9 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         pages = PageAllocator(num_pages)
         own = PageAllocator(num_pages) if own_groups else None  # page ids of the own-list groups' caches
         held = PagesHeld(window, ps)
+        cross = PageAllocator(num_pages) if xg is not None else None  # page ids of the cross layers' caches
+        table = attn.cross_table  # None: steps list the cross pages; else they name the table's rows
+        free_rows = [] if table is None else list(range(table.max_requests))
         served: dict[str, Counter] = {}
         plan_us, step_us = [], []
         waiting, running, finished = deque(reqs), [], []
@@ -77,18 +85,32 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
             t0 = time.perf_counter_ns()
             new = []
             while waiting and waiting[0].arrival <= step:
-                new.append(waiting.popleft())
-                share_prefix(new[-1], running, pages, ps, own, window)
+                r = waiting.popleft()
+                new.append(r)
+                if cross is None:
+                    share_prefix(r, running, pages, ps, own, window)
+                    continue
+                r.cross_pages = cross.alloc(-(-len(r.encoder) // ps))  # its encoder K/V, stored at its first step
+                if table is not None:
+                    r.cross_row = free_rows.pop()
+                    table.assign(r.cross_row, r.cross_pages)
             batch = [(running + new)[i] for i in rng.permutation(len(running) + len(new))]  # order is free
             for r in batch:
                 grow_pages(r, pages, own, ps)
             lists = GroupPages.from_pages([r.own_first for r in batch], [r.own_pages for r in batch]) if own else None
+            group_pages = {g: lists for g in own_groups}
+            if xg is not None:
+                enc, stores = [len(r.encoder) for r in batch], [r.cached == 0 for r in batch]
+                group_pages[xg] = (GroupPages.cross([r.cross_pages for r in batch], enc, stores) if table is None
+                                   else CrossRows.of([r.cross_row for r in batch], enc, stores))
             step_batch = StepBatch.from_pages([len(r.tokens) - r.cached for r in batch], [len(r.tokens) for r in batch],
-                                              [r.pages for r in batch], ps, {g: lists for g in own_groups})
+                                              [r.pages for r in batch], ps, group_pages)
             t1 = time.perf_counter_ns()
             plan = build_plan(step_batch, spec)
             t2 = time.perf_counter_ns()
-            logits = engine(plan, [t for r in batch for t in r.tokens[r.cached :]]).float()
+            encode = None if xg is None else lambda ctx: family.encode(  # noqa: E731
+                model, attn, ctx, caches, [r.encoder for r in batch if r.cached == 0], DENSE.get(attn.name, "flashinfer_ragged"))
+            logits = engine(plan, [t for r in batch for t in r.tokens[r.cached :]], encode).float()
             last = logits[torch.from_numpy(plan.qo_indptr[1:] - 1).to(device).long()].argmax(-1).tolist()
             rows = logits.cpu()
             for i, (r, tok) in enumerate(zip(batch, last)):
@@ -101,6 +123,11 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
                     pages.release(r.pages)
                     if own is not None:
                         own.release(r.own_pages)
+                    if cross is not None:
+                        cross.release(r.cross_pages)
+                    if table is not None:
+                        table.release(r.cross_row)
+                        free_rows.append(r.cross_row)
                     finished.append(r)
             running = [r for r in batch if not r.done]
             if own is not None:
@@ -111,12 +138,14 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
             step += 1
             bar.update(len(finished), step)
         bar.close(len(finished), step)
-        checks = [check_request(model, r, dtype) for r in sorted(finished, key=lambda r: r.rid)]
+        logits_of = getattr(family, "logits_of", decoder_logits)
+        checks = [check_request(model, r, dtype, logits_of) for r in sorted(finished, key=lambda r: r.rid)]
     result = DemoResult(
         cfg, len(step_us), sum(len(r.prompt) for r in reqs), sum(r.shared for r in reqs),
         sum(r.shared > 0 for r in reqs), sum(r.max_new for r in reqs), served, pages.reused, plan_us, step_us, checks,
         engine.commit_us, engine.graph_us, engine.eager_us, engine.num_graphs, engine.capture_s,
-        {r.rid: r.tokens for r in reqs}, held if own is not None else None,
+        {r.rid: r.tokens for r in reqs}, held if own is not None else None, sum(len(r.encoder) for r in reqs),
+        table is not None,
     )
     if out is not None:
         write(out, summary(result))
