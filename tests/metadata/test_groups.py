@@ -208,3 +208,23 @@ def test_cross_groups_need_their_lengths_and_keep_to_paged_kernels():
     with pytest.raises(PlanError, match="LayerGroup.own_pages"):
         LayerGroup("cross", own_pages=None)
     assert LayerGroup("cross").own_pages and not LayerGroup("cross").causal
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_auto_never_picks_a_prefix_free_backend_for_cross_layers(head_dim):
+    """A prefill step (all KV new) may go to ragged / varlen kernels by the dispatch table; with a
+    cross group they would attend over the decoder tokens instead of the encoder's, so build_plan
+    asks the table without prefix_free and the table serves only all-causal specs: a paged backend
+    serves every such step. (On a machine without the GPU packages the table has no entries and
+    this checks the default; the explicit ragged refusal is tested above.)"""
+    from mstar_attn import BACKENDS
+
+    groups = (LayerGroup(), LayerGroup("cross"))
+    spec = AttentionSpec(32, 8, head_dim, 16, 4096, groups=groups, layer_groups=(0, 1), backend="auto")
+    for q in ([512] * 8, [2000] * 2, [40, 300, 7]):
+        need = [-(-n // 16) for n in q]
+        pages = np.split(np.arange(sum(need)), np.cumsum(need)[:-1])
+        plan = build_plan(StepBatch.from_pages(q, q, pages, 16, group_pages={1: GroupPages.cross([[9]] * len(q), [5] * len(q))}),
+                          spec)  # (one encoder page all requests read: parallel samples of one input)
+        assert plan.mode.value == "prefill" and not BACKENDS[plan.backend].prefix_free, plan.backend
+
