@@ -143,7 +143,7 @@ class DenseAttention:
         plan = self.plan
         if q.shape[0] != plan.num_tokens or k.shape[0] != plan.num_tokens or v.shape[0] != plan.num_tokens:
             raise PlanError(f"DenseAttention: q, k, v have {q.shape[0]}, {k.shape[0]}, {v.shape[0]} rows; "
-                             f"the plan packs {plan.num_tokens}")
+                            f"the plan packs {plan.num_tokens}")
         if plan.backend == "reference":
             return reference_attention(plan, q, k, v)
         if plan.backend == "flashinfer_ragged":

@@ -77,7 +77,7 @@ def test_reference_dense_matches_naive(dtype, causal, heads, soft_cap):
 def test_dense_attention_checks_row_counts():
     plan = build_dense_plan([3, 4], 2, 2, 16, backend="reference", dtype=torch.float32)
     q, k, v = random_qkv(0, plan)
-    with pytest.raises(ValueError, match="the plan packs 7"):
+    with pytest.raises(PlanError, match="the plan packs 7"):
         DenseAttention(plan, device="cpu")(q[:6], k[:6], v[:6])
 
 

@@ -7,8 +7,8 @@ for the requests storing, that they hold those pages alone, and derives those to
 the host mirror (O(encoder tokens stored), on their first step only). `stage` writes the rows,
 the table entries changed since the last commit and the slots into the slot's staging; after the
 copy, `device_work` applies the changes to the device table and gathers the group's page list
-there. A decode step over known requests so copies no page id at all: its cross page list is
-built on the device from the resident table.
+there. A decode step over known requests so copies no page id (nor any encoder slot) at all: its
+cross page list is built on the device from the resident table; what it copies is O(batch).
 """
 
 from __future__ import annotations
@@ -29,20 +29,17 @@ def rows_group(plan: AttentionPlan) -> int | None:
 
 
 def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
-    """PlanError unless group g's rows (and any other CrossRows group's, which must name the same
-    rows) are table rows holding the pages their encoder lengths need, and each request storing
-    its encoder K/V holds those pages alone (one request per row). Returns the stored tokens'
-    slots [sum(new_lens)] int64, request by request. Changes nothing."""
+    """PlanError unless group g's rows are table rows holding the pages their encoder lengths
+    need; each request storing its encoder K/V holds those pages alone (one request per row); and
+    each request reading reads exactly what a commit stored in its row (table.stored: a row
+    never stored, or a length other than the stored one, is refused). Returns the stored tokens'
+    slots [sum(new_lens)] int64, request by request. Changes nothing (`record` does, once the commit ran)."""
     name = f"group_pages[{g}]"
     if table is None:
         raise PlanError(f"commit: {name} names cross-table rows (CrossRows), but this pool has no cross table "
                         "(GraphBufferPool(max_requests=...) with a cross-attention group in the spec)")
     gp, ps = plan.groups[g], plan.spec.page_size
     rows, kv, new = gp.table_rows, gp.kv_lens, gp.new_lens
-    for h, other in enumerate(plan.groups):
-        if other.table_rows is not None and not np.array_equal(other.table_rows, rows):
-            raise PlanError(f"commit: group_pages[{h}] names other cross-table rows than {name}; a step's CrossRows "
-                            "groups read one set of rows")
     if rows.max() >= table.max_requests:
         i = int(np.flatnonzero(rows >= table.max_requests)[0])
         raise PlanError(f"{name}.rows[{i}]: row {rows[i]} is not a cross-table row (0..{table.max_requests - 1}) (request {i})")
@@ -53,6 +50,13 @@ def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
         raise PlanError(f"{name}.rows[{i}]: row {rows[i]} holds {table.counts[rows[i]]} pages, fewer than encoder length "
                         f"{kv[i]} needs (request {i})")
     w = new > 0
+    stale = ~w & (table.stored[rows] != kv)
+    if stale.any():
+        i = int(np.flatnonzero(stale)[0])
+        held = int(table.stored[rows[i]])
+        raise PlanError(f"{name}.kv_lens[{i}]: the step reads {kv[i]} encoder tokens of row {rows[i]}, which holds "
+                        + (f"{held} stored" if held else "none stored yet (store them with write=True at the request's "
+                           "first step)") + f" (request {i})")
     if not w.any():
         return np.zeros(0, np.int64)
     writers = rows[w]
@@ -73,6 +77,13 @@ def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
     slots *= ps
     slots += pos % ps
     return slots
+
+
+def record(table: PageTable, plan: AttentionPlan, g: int) -> None:
+    """After a commit that stores encoder K/V: their rows now hold that many tokens."""
+    gp = plan.groups[g]
+    w = gp.new_lens > 0
+    table.stored[gp.table_rows[w]] = gp.kv_lens[w]
 
 
 def stage(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, rows: int, slots: np.ndarray,

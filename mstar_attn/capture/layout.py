@@ -6,13 +6,14 @@ per layer group and nothing the step does not use:
 
     rows [R] | first_page [G * R] | table updates: positions [U], values [U] | (pad to 8 bytes)
     qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad)
-    slot_mapping int64 [N] | one more slot_mapping per own_pages group (int64 [N]; a cross group's
-    [E], the most encoder tokens a step stores) |
-    group 0 indices [P + 1] | group 1 indices [P + 1] | ...
+    slot_mapping int64 [N] | one more slot_mapping int64 [N] per own_pages group (not cross) |
+    group 0 indices [P + 1] | group 1 indices [P + 1] | ... | (pad) per cross group: its slots int64 [E]
 
-The first region serves StepRows plans only (the page-table rows, the first table column each
-window group reads, the table entries assigned since the last commit, U = R // 2 + 16 per copy):
-such a commit copies from 0 to the end of the slot mappings, and the device fills the index regions.
+The first region serves StepRows plans and CrossRows groups (the table rows, the first table column
+each window group reads, the table entries assigned since the last commit, U = R // 2 + 16 per
+copy): such a commit copies from 0, and the device fills the index regions. A cross group's slots
+(E: the most encoder tokens a step stores) sit past the index regions, copied only as far as a
+step stores encoder tokens (decode steps: not at all).
 A StepBatch commit copies from qo_indptr through group 0's used indices, then each other group's
 used indices. Only the first n_g (+ padding) entries of group g's index region are used; P
 (index_capacity) bounds the pages one group of one step may read, padding requests' scratch
@@ -38,7 +39,8 @@ class Offsets:
     slots: int  # slot_mapping (int64; an even int32 offset)
     groups: tuple[tuple[int, int, int, int, int], ...]
     head_end: int  # end of the slot mappings: group 0's indices start here
-    group_slots: tuple[int, ...] = ()  # each group's slot_mapping: `slots`, or its own (own_pages groups)
+    group_slots: tuple[int, ...] = ()  # each group's slot_mapping: `slots`, or its own (own_pages, cross groups)
+    end: int = 0  # the end of everything the layout places for (R, N)
 
 
 @attrs.frozen
@@ -64,16 +66,21 @@ class Layout:
             groups.append((head, head + rows + 1, head + 2 * rows + 1, rows * (1 + g)))
             head += 3 * rows + 1
         slots = head + (head & 1)
+        rows_of = [self.slot_rows[g] if g < len(self.slot_rows) else 0 for g in range(G)]
         group_slots, end = [], slots + 2 * num_rows
-        for g in range(G):
-            n = self.slot_rows[g] if g < len(self.slot_rows) else 0
-            group_slots.append(end if n else slots)
-            end += 2 * (num_rows if n < 0 else n)
+        for n in rows_of:  # own_pages groups: in the head
+            group_slots.append(end if n < 0 else slots)
+            end += 2 * num_rows if n < 0 else 0
+        tail = end + G * (self.index_capacity + 1)
+        tail += tail & 1
+        for g, n in enumerate(rows_of):  # cross groups: past the index regions
+            if n > 0:
+                group_slots[g], tail = tail, tail + 2 * n
         return Offsets(rows, num_rows, 0, updates, cap, qo, slots,
                        tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), end,
-                       tuple(group_slots))
+                       tuple(group_slots), tail)
 
     @property
     def size(self) -> int:
         """int32 elements of one slot: the layout at the largest (R, N)."""
-        return self.at(self.max_rows, self.max_tokens).head_end + self.num_groups * (self.index_capacity + 1)
+        return self.at(self.max_rows, self.max_tokens).end

@@ -278,6 +278,7 @@ class GraphBufferPool:
                     if xg is not None:
                         self.last_commit_bytes += cross.device_work(table, dev, offsets, xg, table_rows,
                                                                     updates, left, self.layout.index_capacity)
+                        cross.record(table, plan, xg)
                 else:
                     if left:  # more table updates than the step's region holds (admissions): sent first
                         pos = torch.from_numpy(updates.astype(np.int64)).to(self.device)
@@ -342,12 +343,13 @@ class GraphBufferPool:
 
     def _copy_ranges(self, offsets, ranges, plan):
         """A StepBatch commit's copies: from qo_indptr (from 0 with CrossRows: the rows and table
-        updates) through group 0's indices, then each other group's; a CrossRows group's indices
-        are gathered on the device instead."""
+        updates) through group 0's indices, then each other group's (a CrossRows group's indices
+        are gathered on the device instead), then the encoder slots a cross group stores now."""
         gathered = [gp.table_rows is not None for gp in plan.groups]
         start = 0 if any(gathered) else offsets.qo
         out = [(start, offsets.head_end if gathered[0] else ranges[0][1])]
-        return out + [r for r, skip in zip(ranges[1:], gathered[1:]) if not skip]
+        out += [r for r, skip in zip(ranges[1:], gathered[1:]) if not skip]
+        return out + [(at, at + 2 * gp.stored) for gp, at in zip(plan.groups, offsets.group_slots) if gp.stored]
 
     def _make_views(self, s: int, rows: int, num_rows: int) -> tuple:
         """Slot s's fixed views for `rows` requests and `num_rows` token rows."""

@@ -53,6 +53,7 @@ class PageTable:
         self.dev = torch.full((shape[0] * shape[1] + 1,), spec.scratch_page, dtype=torch.int32, device=device)
         self.dump = shape[0] * shape[1]  # the device element masked update lanes write
         self.counts = np.zeros(self.max_requests + 1, np.int32)
+        self.stored = np.zeros(self.max_requests + 1, np.int32)  # a cross table's rows: encoder tokens stored (0: none)
         self.owner = np.full(spec.num_pages + 1, FREE, np.int32)
         self._pending: list[np.ndarray] = []  # flat positions changed since the last take_updates
         self._stamp = np.zeros(self.max_requests + 1, np.int32)  # check_step's distinct-rows check
@@ -145,6 +146,7 @@ class PageTable:
         self.owner[p] = np.where(own >= 0, FREE, np.where(own == FREE - 1, FREE, own + 1))
         self.host[row, keep:c] = self.spec.scratch_page
         self.counts[row] = keep
+        self.stored[row] = min(int(self.stored[row]), keep * self.spec.page_size)
         self._pending.append(np.arange(row * self.width + keep, row * self.width + c, dtype=np.int32))
         return p
 
@@ -212,4 +214,5 @@ class PageTable:
 
     def host_bytes(self) -> int:
         """Host (not pinned) bytes: the mirror, counts and the page owners."""
-        return self.host.nbytes + self.counts.nbytes + self.owner.nbytes + self._stamp.nbytes + self._arange.nbytes
+        return (self.host.nbytes + self.counts.nbytes + self.stored.nbytes + self.owner.nbytes + self._stamp.nbytes
+                + self._arange.nbytes)

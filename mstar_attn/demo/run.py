@@ -92,8 +92,8 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
                     continue
                 r.cross_pages = cross.alloc(-(-len(r.encoder) // ps))  # its encoder K/V, stored at its first step
                 if table is not None:
+                    table.assign(free_rows[-1], r.cross_pages)
                     r.cross_row = free_rows.pop()
-                    table.assign(r.cross_row, r.cross_pages)
             batch = [(running + new)[i] for i in rng.permutation(len(running) + len(new))]  # order is free
             for r in batch:
                 grow_pages(r, pages, own, ps)

@@ -266,6 +266,9 @@ def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPa
         if not spec.groups[g].cross and (pages.kv_lens is not None or pages.new_lens is not None):
             raise PlanError(f"group_pages[{g}]: kv_lens / new_lens are for cross-attention groups; layer group {g} "
                             "reads the step's own tokens")
+    if sum(isinstance(p, CrossRows) for _, p in batch.group_pages) > 1:
+        raise PlanError("group_pages: one cross-attention group per step may name cross-table rows (CrossRows); "
+                        "make the cross layers one layer group, or list the other groups' pages (GroupPages.cross)")
     given = {g for g, _ in batch.group_pages}
     for g in spec.own_page_groups:
         if g not in given:

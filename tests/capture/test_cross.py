@@ -42,53 +42,70 @@ def _decode(pool, enc_lens, write=False):
 
 
 def test_decode_steps_copy_no_cross_page_ids():
-    """The bytes a decode step copies do not depend on the encoder lengths, and the first step
-    (which sends the rows' new table entries) costs 8 bytes per entry more; the device page list
-    holds the rows' pages either way."""
+    """The bytes a decode step copies depend neither on the encoder lengths nor on the pool's
+    max_encoder_tokens; the first step (storing the encoders) also sends the rows' new table entries
+    and the encoder tokens' slots. The device page list holds the rows' pages either way."""
     spec = AttentionSpec(4, 2, 16, 16, 8000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
-    short, long = cpu_pool(spec), cpu_pool(spec)
-    first = [_decode(p, lens).pool.last_commit_bytes for p, lens in ((short, [10] * 3), (long, [3000] * 3))]
-    again = []
-    for p, lens in ((short, [10] * 3), (long, [3000] * 3)):
-        step = _decode(p, lens)
-        again.append(p.last_commit_bytes)
-        gp = step.plan.groups[1]
+    pools = {"short": cpu_pool(spec, max_encoder_tokens=9000), "long": cpu_pool(spec, max_encoder_tokens=9000),
+             "long, room for 64k": cpu_pool(spec, max_encoder_tokens=65536)}
+    lens = {"short": [10] * 3, "long": [3000] * 3, "long, room for 64k": [3000] * 3}
+    first = {k: _decode(p, lens[k], write=True).pool.last_commit_bytes for k, p in pools.items()}
+    again = {}
+    for k, p in pools.items():
+        step = _decode(p, lens[k])
+        again[k] = p.last_commit_bytes
+        gp, n = step.plan.groups[1], -(-lens[k][0] // 16)
         got = step.groups[1].kv_indices[: gp.kv_indptr[-1]].numpy()
-        assert np.array_equal(got, np.concatenate([np.arange(1000 * r, 1000 * r + -(-lens[0] // 16)) for r in range(3)]))
-    assert again[0] == again[1], again  # 3,000-token encoders cost what 10-token ones do
-    # the first step sent the rows' new table entries: 3 x 1 fit the step's update region (copied
-    # every step), 3 x 188 did not and went directly, 12 bytes each (int64 position + int32 page)
-    assert first[1] - first[0] == 12 * 3 * 188, first
+        assert np.array_equal(got, np.concatenate([np.arange(1000 * r, 1000 * r + n) for r in range(3)]))
+    assert len(set(again.values())) == 1, again  # 3,000-token encoders cost what 10-token ones do
+    # the first step: 3 x 1 new entries fit the step's update region (copied every step), 3 x 188 went
+    # directly, 12 bytes each (int64 position + int32 page); and 8 bytes of slot per encoder token stored
+    assert first["long"] - first["short"] == 12 * 3 * 188 + 8 * 3 * (3000 - 10), first
+    assert first["long"] == first["long, room for 64k"], first
 
 
 def test_cross_rows_are_checked_at_commit_and_a_failed_commit_keeps_the_table_updates():
     spec = AttentionSpec(4, 2, 16, 16, 8000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
     pool = cpu_pool(spec)
-    pool.cross_table.assign(0, [1, 2])
-    pool.cross_table.assign(1, [3, 4], shared=False)
-    pool.cross_table.assign(2, [1, 2][:0] + [7], shared=True)
+    table = pool.cross_table
+    table.assign(0, [1, 2])
+    table.assign(1, [3, 4])
+    table.assign(2, [7], shared=True)
+    table.assign(3, [9])
 
     def commit(rows, lens, write=None):
         batch = StepBatch.from_pages([1] * len(rows), [5] * len(rows), [[40 + i] for i in range(len(rows))], 16,
                                      group_pages={1: CrossRows.of(rows, lens, write)})
         return pool.commit(build_plan(batch, spec))
 
-    pending = pool.cross_table.pending
+    assert commit([0, 1], [20, 30], [True, True]).plan.groups[1].stored == 50  # their encoders, stored once
+    assert table.stored[[0, 1]].tolist() == [20, 30]
+    table.assign(4, [11])
+    pending = table.pending
     for rows, lens, write, match in [
-        ([0, 64], [5, 5], None, r"group_pages\[1\]\.rows\[1\]: row 64 is not a cross-table row"),
-        ([0, 1], [5, 40], None, r"group_pages\[1\]\.rows\[1\]: row 1 holds 2 pages, fewer than encoder length 40 needs"),
-        ([0, 0], [20, 20], [True, True], r"two requests store their encoder K/V into the same cross-table row"),
+        ([0, 64], [20, 5], None, r"group_pages\[1\]\.rows\[1\]: row 64 is not a cross-table row"),
+        ([0, 1], [20, 40], None, r"group_pages\[1\]\.rows\[1\]: row 1 holds 2 pages, fewer than encoder length 40 needs"),
+        ([3, 3], [10, 10], [True, True], r"two requests store their encoder K/V into the same cross-table row"),
         ([2], [10], [True], r"row 2 would store encoder K/V into page 7, but shares it read-only"),
+        ([1, 3], [30, 10], None, r"kv_lens\[1\]: the step reads 10 encoder tokens of row 3, which holds none stored yet"),
+        ([0], [10], None, r"kv_lens\[0\]: the step reads 10 encoder tokens of row 0, which holds 20 stored"),
     ]:
         with pytest.raises(PlanError, match=match):
             commit(rows, lens, write)
-        assert pool.cross_table.pending == pending  # nothing taken
+        assert table.pending == pending  # nothing taken
     step = commit([0, 0, 1], [20, 20, 30])  # two requests reading one encoder (parallel samples) is fine
-    assert pool.cross_table.pending == 0 and step.plan.groups[1].stored == 0
+    assert table.pending == 0 and step.plan.groups[1].stored == 0
+    table.release(0)
+    with pytest.raises(PlanError, match="holds none stored yet"):  # a released row holds nothing
+        table.assign(0, [1, 2]) or commit([0], [20])
     plain = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=64, max_num_pages=8000, device="cpu")
     assert plain.cross_table is None
+    rows_batch = StepBatch.from_pages([1], [5], [[0]], 16, group_pages={1: CrossRows.of([0], [5])})
     with pytest.raises(PlanError, match="this pool has no cross table"):
-        plain.commit(build_plan(StepBatch.from_pages([1], [5], [[0]], 16, group_pages={1: CrossRows.of([0], [5])}), spec))
+        plain.commit(build_plan(rows_batch, spec))
     with pytest.raises(PlanError, match="StepRows plan names no pages"):
-        reference.run(build_plan(StepBatch.from_pages([1], [5], [[0]], 16, group_pages={1: CrossRows.of([0], [5])}), spec),
-                      torch.ones(1, 4, 16), random_cache(spec, 0, device="cpu"), group=1)
+        reference.run(build_plan(rows_batch, spec), torch.ones(1, 4, 16), random_cache(spec, 0, device="cpu"), group=1)
+    two = AttentionSpec(4, 2, 16, 16, 8000, groups=(*GROUPS, GROUPS[1]), layer_groups=(0, 1, 2), backend="reference")
+    with pytest.raises(PlanError, match="one cross-attention group per step may name cross-table rows"):
+        build_plan(StepBatch.from_pages([1], [5], [[0]], 16, group_pages={1: CrossRows.of([0], [5]), 2: CrossRows.of([0], [5])}),
+                   two)
