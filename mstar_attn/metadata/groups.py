@@ -9,7 +9,7 @@ import numpy as np
 from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.batch import CrossRows, GroupPages
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.pages import gather_ranges, request_of, scan_ownership
+from mstar_attn.metadata.pages import check_page_ids, gather_ranges, scan_ownership
 from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup
 
 
@@ -102,11 +102,7 @@ def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, q, kv, need, last_p
         raise PlanError(f"{name}.page_indices[{i}]: lists {indptr[i + 1] - indptr[i]} pages from logical page {first[i]}, "
                         f"fewer than kv_len {kv[i]} needs (up to page {need[i] - 1}) (request {i})")
     listed = idx[: indptr[-1]]
-    if listed.shape[0] and (listed.min() < 0 or listed.max() >= page_limit):
-        j = int(np.flatnonzero((listed < 0) | (listed >= page_limit))[0])
-        i = int(request_of(indptr, np.array([j]))[0])
-        what = "the scratch page, which no request may list" if listed[j] == spec.scratch_page else "outside the pool"
-        raise PlanError(f"{name}.page_indices: request {i} lists page {listed[j]}, {what} (pages 0..{spec.num_pages - 1})")
+    check_page_ids(spec, f"{name}.page_indices", indptr, listed, page_limit)
     kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1] + (start - first), need - start)
     if decode:  # one token per request, on its last page
         written = kv_indices[kv_indptr[1:] - 1]
@@ -183,11 +179,7 @@ def cross_plan(g: int, pages: GroupPages, spec: AttentionSpec, B: int, page_limi
     if short.any():
         fail_at(f"{name}.page_indices", short, "fewer pages than the encoder length needs")
     listed = idx[: indptr[-1]]
-    if listed.shape[0] and (listed.min() < 0 or listed.max() >= page_limit):
-        j = int(np.flatnonzero((listed < 0) | (listed >= page_limit))[0])
-        i = int(request_of(indptr, np.array([j]))[0])
-        what = "the scratch page, which no request may list" if listed[j] == spec.scratch_page else "outside the pool"
-        raise PlanError(f"{name}.page_indices: request {i} lists page {listed[j]}, {what} (pages 0..{spec.num_pages - 1})")
+    check_page_ids(spec, f"{name}.page_indices", indptr, listed, page_limit)
     kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1], need)
     last_page_len = (kv - (need - 1) * ps).astype(np.int32)
     T = int(new.sum(dtype=np.int64))

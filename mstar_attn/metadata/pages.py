@@ -24,6 +24,16 @@ def request_of(indptr: np.ndarray, flat: np.ndarray) -> np.ndarray:
     return np.searchsorted(indptr, flat, side="right") - 1
 
 
+def check_page_ids(spec: AttentionSpec, field: str, indptr: np.ndarray, listed: np.ndarray, page_limit: int) -> None:
+    """PlanError naming the request unless every listed page id is in 0..page_limit - 1 (num_pages,
+    or num_pages + 1 for scratch plans): inside the cache and, for engine steps, off the scratch page."""
+    if listed.shape[0] and (listed.min() < 0 or listed.max() >= page_limit):
+        j = int(np.flatnonzero((listed < 0) | (listed >= page_limit))[0])
+        i = int(request_of(indptr, np.array([j]))[0])
+        what = "the scratch page, which no request may list" if listed[j] == spec.scratch_page else "outside the pool"
+        raise PlanError(f"{field}: request {i} lists page {listed[j]}, {what} (pages 0..{spec.num_pages - 1})")
+
+
 def written_hits(listed: np.ndarray, ordered: np.ndarray, num_pages: int) -> int:
     """How many entries of `listed` are pages of `ordered` (the written pages, sorted, distinct).
 

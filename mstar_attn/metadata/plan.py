@@ -16,7 +16,7 @@ from mstar_attn.metadata.backends import AUTO, BACKENDS
 from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, cross_plan, cross_rows_plan, own_plan, window_plan
-from mstar_attn.metadata.pages import gather_ranges, request_of, scan_ownership
+from mstar_attn.metadata.pages import check_page_ids, gather_ranges, scan_ownership
 from mstar_attn.metadata.select import select_backend
 from mstar_attn.metadata.spec import AttentionSpec, Kind
 
@@ -211,12 +211,7 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     if spare.min() < 0:
         fail_at("page_indices", spare < 0, "fewer pages than the KV length needs (or page_indptr decreases)")
     listed = idx[: indptr[-1]]
-    if listed.shape[0] and (listed.min() < 0 or listed.max() >= page_limit):
-        bad = (listed < 0) | (listed >= page_limit)
-        j = int(np.flatnonzero(bad)[0])
-        i = int(request_of(indptr, np.array([j]))[0])
-        what = "the scratch page, which no request may list" if listed[j] == spec.scratch_page else "outside the pool"
-        raise PlanError(f"page_indices: request {i} lists page {listed[j]}, {what} (pages 0..{spec.num_pages - 1})")
+    check_page_ids(spec, "page_indices", indptr, listed, page_limit)
 
     # Pages each request reads: the first `need` of its list (shared with the batch when exact).
     if spare.max() == 0:
