@@ -107,16 +107,21 @@ def stage(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, rows: in
     return left
 
 
+def send_overflow(table: PageTable, device: torch.device, updates: np.ndarray, left: int) -> int:
+    """The table updates past the step's region (admissions of long encoders), sent directly to the
+    device table; returns the bytes sent (0 when they fit the region)."""
+    if not left:
+        return 0
+    pos = torch.from_numpy(updates.astype(np.int64)).to(device)
+    table.dev.index_copy_(0, pos, torch.from_numpy(table.flat[updates]).to(device))
+    return left * 12
+
+
 def device_work(table: PageTable, dev: torch.Tensor, offsets: Offsets, g: int, table_rows: torch.Tensor,
-                updates: np.ndarray, left: int, capacity: int) -> int:
-    """After the slot's copy (same stream): the table updates (those past the step's region sent
-    here, directly), then group g's page list gathered from the table. Returns bytes sent here."""
-    sent = 0
-    if left:
-        pos = torch.from_numpy(updates.astype(np.int64)).to(dev.device)
-        table.dev.index_copy_(0, pos, torch.from_numpy(table.flat[updates]).to(dev.device))
-        sent = left * 12
+                capacity: int) -> None:
+    """After the slot's copy (same stream): the staged table updates (masked lanes to the dump), then
+    group g's page list gathered from the table. Device ops only, sizes fixed by the step's shape:
+    the pool captures it once per slot and bucket and replays it."""
     at, U = offsets.updates, offsets.update_capacity
     table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
     gather_csr(table.dev, table.width, table_rows, dev, [offsets.groups[g]], capacity)
-    return sent

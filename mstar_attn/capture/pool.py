@@ -275,9 +275,10 @@ class GraphBufferPool:
                 if slots is None:
                     for a, b in self._copy_ranges(offsets, ranges, plan):
                         self.upload(dev[a:b], host[a:b])
-                    if xg is not None:
-                        self.last_commit_bytes += cross.device_work(table, dev, offsets, xg, table_rows,
-                                                                    updates, left, self.layout.index_capacity)
+                    if xg is not None:  # the table updates past the step's region, then one graph per bucket
+                        self.last_commit_bytes += cross.send_overflow(table, dev.device, updates, left)
+                        self._graphed(("cross", s, rows, num_rows), bucket is not None, lambda: cross.device_work(
+                            table, dev, offsets, xg, table_rows, self.layout.index_capacity))
                         cross.record(table, plan, xg)
                 else:
                     if left:  # more table updates than the step's region holds (admissions): sent first
@@ -304,12 +305,6 @@ class GraphBufferPool:
         """A StepRows commit's device work: copy the staged head, apply the table updates, gather each
         backend's page arrays from the table. A bucketed CUDA step replays it as one graph (captured
         at the first commit of its slot, rows, token rows and backend), so its host cost is one launch."""
-        key = (step.slot, step.rows, step.num_rows, step.plan.backend)
-        graph = self._device_graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            self.last_commit_bytes += offsets.head_end * 4
-            return
         dev, host, table, U = self.dev[step.slot], self.host[step.slot], self.table, offsets.update_capacity
 
         def work():
@@ -322,9 +317,19 @@ class GraphBufferPool:
             else:  # the CSR page lists (FlashInfer, the reference)
                 gather_csr(table.dev, table.width, step.table_rows, dev, offsets.groups, self.layout.index_capacity)
 
-        work()
+        self._graphed((step.slot, step.rows, step.num_rows, step.plan.backend), step.bucket is not None, work)
         self.last_commit_bytes += offsets.head_end * 4
-        if step.bucket is not None and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+
+    def _graphed(self, key: tuple, bucketed: bool, work) -> None:
+        """Run a commit's device work: replay its graph if one was captured under `key`, else run it
+        and, for a bucketed step on CUDA, capture it (one graph per key; keys are slot x bucket shape
+        x kind, so bounded), sharing one memory pool with the pool's other device-work graphs."""
+        graph = self._device_graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        work()
+        if bucketed and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             if self._graph_memory is None:
                 self._graph_memory = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
