@@ -1,4 +1,5 @@
-"""End-to-end demo: a small random Llama from `transformers`, served through mstar_attn, checked against it.
+"""End-to-end demo: a small random Llama (or Gemma 2, or BART) from `transformers`, served through mstar_attn,
+checked against it.
 
 The engine here is a toy (one process, greedy sampling, whole-prompt prefill) but its attention is the
 real thing: every layer of every step goes build_plan -> prepare -> write_kv -> run over a paged KV
@@ -15,7 +16,9 @@ Modules, each importing only those above it:
     config.py     DemoConfig, DemoError, DTYPES, GPU_HIDDEN
     attention.py  the attention seam: StepAttention (eager), PoolAttention (GPU pool, CUDA graphs), make_attention
     engine.py     PageAllocator, Request, make_trace, share_prefix; Engine: one step's forward, eager or replayed, timed
-    llama.py      the model adapter: build_model, forward (HF Llama modules, RoPE, attention through the seam)
+    llama.py      the model adapter: build_model, spec_fields, forward (HF Llama modules, RoPE, attention through the seam)
+    gemma2.py     Gemma 2: sliding-window layers on their own page lists (LayerGroup.own_pages), soft-caps
+    bart.py       BART, an encoder-decoder: the encoder on the dense path, cross attention on paged encoder K/V
     check.py      the check against transformers: Check, check_request, the tolerances REL / ABS
     report.py     DemoResult, Progress, summary, write
     run.py        run_demo: the serving loop
