@@ -18,6 +18,7 @@ import torch
 
 from mstar_attn.capture.expand import gather_csr
 from mstar_attn.capture.layout import Offsets
+from mstar_attn.capture.stage import stage_table
 from mstar_attn.capture.table import FREE, PageTable
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
@@ -66,17 +67,13 @@ def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
     starts = np.zeros(writers.shape[0] + 1, np.int64)
     np.cumsum(new[w], out=starts[1:])
     pos = np.arange(starts[-1], dtype=np.int64) - np.repeat(starts[:-1], new[w])
-    page = table.flat[row_t.astype(np.int64) * table.width + pos // ps]
-    bad = table.owner[page] != row_t
+    page, bad = table.written(row_t, pos)
     if bad.any():
         t = int(np.flatnonzero(bad)[0])
         own = int(table.owner[page[t]])
         why = "shares it read-only" if own < FREE else f"it is held by row {own}"
         raise PlanError(f"{name}.new_lens: row {row_t[t]} would store encoder K/V into page {page[t]}, but {why}")
-    slots = page.astype(np.int64)
-    slots *= ps
-    slots += pos % ps
-    return slots
+    return table.slots(page, pos)
 
 
 def record(table: PageTable, plan: AttentionPlan, g: int) -> None:
@@ -91,30 +88,11 @@ def stage(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, rows: in
     """Group g's table rows (the scratch row for padding requests), first page 0, the stored
     tokens' slots and the table updates into staging h. Returns how many updates did not fit the
     step's region: the caller sends those directly."""
-    B = plan.batch_size
-    h[offsets.table_rows : offsets.table_rows + B] = plan.groups[g].table_rows
-    h[offsets.table_rows + B : offsets.table_rows + rows] = table.scratch_row
     o_first = offsets.groups[g][3]
     h[o_first : o_first + rows] = 0
     at = offsets.group_slots[g]
     h[at : at + 2 * slots.shape[0]].view(np.int64)[:] = slots
-    n, U, at = updates.shape[0], offsets.update_capacity, offsets.updates
-    left = n if n > U else 0
-    n = 0 if left else n
-    h[at : at + n] = updates[:n]
-    h[at + n : at + U] = table.dump
-    h[at + U : at + U + n] = table.flat[updates[:n]]
-    return left
-
-
-def send_overflow(table: PageTable, device: torch.device, updates: np.ndarray, left: int) -> int:
-    """The table updates past the step's region (admissions of long encoders), sent directly to the
-    device table; returns the bytes sent (0 when they fit the region)."""
-    if not left:
-        return 0
-    pos = torch.from_numpy(updates.astype(np.int64)).to(device)
-    table.dev.index_copy_(0, pos, torch.from_numpy(table.flat[updates]).to(device))
-    return left * 12
+    return stage_table(h, offsets, plan.groups[g].table_rows, rows, updates, table)
 
 
 def device_work(table: PageTable, dev: torch.Tensor, offsets: Offsets, g: int, table_rows: torch.Tensor,

@@ -276,15 +276,13 @@ class GraphBufferPool:
                     for a, b in self._copy_ranges(offsets, ranges, plan):
                         self.upload(dev[a:b], host[a:b])
                     if xg is not None:  # the table updates past the step's region, then one graph per bucket
-                        self.last_commit_bytes += cross.send_overflow(table, dev.device, updates, left)
+                        self.last_commit_bytes += table.send(updates) if left else 0
                         self._graphed(("cross", s, rows, num_rows), bucket is not None, lambda: cross.device_work(
                             table, dev, offsets, xg, table_rows, self.layout.index_capacity))
                         cross.record(table, plan, xg)
                 else:
                     if left:  # more table updates than the step's region holds (admissions): sent first
-                        pos = torch.from_numpy(updates.astype(np.int64)).to(self.device)
-                        self.table.dev.index_copy_(0, pos, torch.from_numpy(self.table.flat[updates]).to(self.device))
-                        self.last_commit_bytes += left * 12
+                        self.last_commit_bytes += table.send(updates)
                     self._rows_device_work(step, scheduler, offsets)
                 if scheduler is not None:  # (a second constructor call is cheaper than attrs.evolve)
                     step = DeviceStep(*fields, scheduler.schedule(step))

@@ -48,8 +48,6 @@ def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, 
     Returns how many updates did not fit the step's region (U): the caller sends those directly."""
     B, ps = plan.batch_size, plan.spec.page_size
     stage_requests(h, plan, offsets, rows, q_len)
-    h[offsets.table_rows : offsets.table_rows + B] = plan.rows
-    h[offsets.table_rows + B : offsets.table_rows + rows] = table.scratch_row
     for gp, (*_, o_first, _) in zip(plan.groups, offsets.groups):
         if gp.kv_start is None:
             h[o_first : o_first + rows] = 0
@@ -57,11 +55,21 @@ def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, 
             np.floor_divide(gp.kv_start, ps, out=h[o_first : o_first + B])
             h[o_first + B : o_first + rows] = 0
     stage_slots(h, offsets, slots, plan.num_tokens, num_rows, scratch_slots)
+    return stage_table(h, offsets, plan.rows, rows, updates, table)
+
+
+def stage_table(h: np.ndarray, offsets: Offsets, table_rows: np.ndarray, rows: int, updates: np.ndarray,
+                table: PageTable) -> int:
+    """The requests' table rows [B] (the scratch row for padding requests, up to `rows`) and the
+    table entries changed since the last commit (positions, then values; masked lanes name the
+    dump) into staging h. Returns how many updates did not fit the step's region (U): then none
+    are staged and the caller sends them all directly (`PageTable.send`)."""
+    B = table_rows.shape[0]
+    h[offsets.table_rows : offsets.table_rows + B] = table_rows
+    h[offsets.table_rows + B : offsets.table_rows + rows] = table.scratch_row
     n, U, at = updates.shape[0], offsets.update_capacity, offsets.updates
-    if n > U:  # more than the step's region holds (admissions): all go straight to the device
-        n, left = 0, n
-    else:
-        left = 0
+    left = n if n > U else 0  # more than the step's region holds (admissions): all go straight to the device
+    n = 0 if left else n
     h[at : at + n] = updates[:n]
     h[at + n : at + U] = table.dump
     h[at + U : at + U + n] = table.flat[updates[:n]]

@@ -166,6 +166,13 @@ class PageTable:
         self._pending = []
         return pos
 
+    def send(self, positions: np.ndarray) -> int:
+        """Write the entries at `positions` (from take_updates) straight to the device table: for
+        updates past a step's staged region (admissions). Returns the bytes sent (12 per entry)."""
+        pos = torch.from_numpy(positions.astype(np.int64)).to(self.dev.device)
+        self.dev.index_copy_(0, pos, torch.from_numpy(self.flat[positions]).to(self.dev.device))
+        return positions.shape[0] * 12
+
     def restore_updates(self, positions: np.ndarray) -> None:
         """Put back positions take_updates returned (a commit that failed before sending them)."""
         self._pending.insert(0, positions)
@@ -193,8 +200,7 @@ class PageTable:
             t = int(np.flatnonzero(col >= self.width)[0])
             raise PlanError(f"kv_lens: request {int(np.searchsorted(plan.qo_indptr, t, 'right') - 1)} needs more than "
                             f"max_pages_per_request {self.width} pages")
-        page = self.flat[row_t * self.width + col]
-        bad = self.owner[page] != row_t
+        page, bad = self.written(row_t, pos)
         if bad.any():
             t = int(np.flatnonzero(bad)[0])
             i = int(np.searchsorted(plan.qo_indptr, t, "right") - 1)
@@ -203,6 +209,17 @@ class PageTable:
                    f"writes page {page[t]}, which it shares read-only" if own < FREE else
                    f"writes page {page[t]}, held by row {own}")
             raise PlanError(f"rows[{i}]: row {r} {why} (request {i})")
+        return self.slots(page, pos)
+
+    def written(self, row_t: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For tokens at positions pos [n] of rows row_t [n] (columns within the width): the page
+        each lands on, and where that page is not held alone by its row (a write refused)."""
+        page = self.flat[row_t.astype(np.int64) * self.width + pos // self.spec.page_size]
+        return page, self.owner[page] != row_t
+
+    def slots(self, page: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """slot_mapping [n] int64 of tokens at positions pos on pages `page`."""
+        ps = self.spec.page_size
         slots = page.astype(np.int64)
         slots *= ps
         slots += pos % ps
