@@ -9,7 +9,7 @@ import numpy as np
 from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.batch import CrossRows, GroupPages
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.pages import check_page_ids, gather_ranges, scan_ownership
+from mstar_attn.metadata.pages import check_indptr, check_page_ids, gather_ranges, scan_ownership
 from mstar_attn.metadata.spec import AttentionSpec, Kind, LayerGroup
 
 
@@ -80,14 +80,7 @@ def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, q, kv, need, last_p
     first, indptr, idx = pages.first_page, pages.page_indptr, pages.page_indices
     if first.shape != (B,) or indptr.shape != (B + 1,):
         raise PlanError(f"{name}: first_page {first.shape} and page_indptr {indptr.shape} must be [B] and [B+1] (B = {B})")
-    n_listed = idx.shape[0]
-    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
-        raise PlanError(f"{name}.page_indptr must start at 0 and stay within its page_indices (length {n_listed}), "
-                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
-    down = indptr[1:] < indptr[:-1]
-    if down.any():
-        i = int(np.flatnonzero(down)[0])
-        raise PlanError(f"{name}.page_indptr[{i + 1}]: decreases ({indptr[i]} then {indptr[i + 1]}) (request {i})")
+    check_indptr(f"{name}.page_indptr", indptr, idx.shape[0])
     start = first_read_page(group, q, kv, ps)
     bad = (first < 0) | (first > start)
     if bad.any():
@@ -170,10 +163,7 @@ def cross_plan(g: int, pages: GroupPages, spec: AttentionSpec, B: int, page_limi
     _cross_lengths(name, kv, new, ps)
     if first.any():
         fail_at(f"{name}.first_page", first != 0, "a cross-attention list starts at the encoder's first page (0)")
-    n_listed = idx.shape[0]
-    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed or (indptr[1:] < indptr[:-1]).any():
-        raise PlanError(f"{name}.page_indptr must start at 0, not decrease and stay within its page_indices "
-                        f"(length {n_listed}), got {indptr[0]}..{indptr[-1]}")
+    check_indptr(f"{name}.page_indptr", indptr, idx.shape[0])
     need = (kv + (ps - 1)) // ps
     short = indptr[1:] - indptr[:-1] < need
     if short.any():

@@ -24,6 +24,18 @@ def request_of(indptr: np.ndarray, flat: np.ndarray) -> np.ndarray:
     return np.searchsorted(indptr, flat, side="right") - 1
 
 
+def check_indptr(field: str, indptr: np.ndarray, n_listed: int) -> None:
+    """PlanError unless `indptr` [B+1] (of the list `field`) starts at 0, never decreases and stays
+    within the n_listed page ids; a decrease names the request."""
+    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
+        raise PlanError(f"{field} must start at 0 and stay within its page_indices (length {n_listed}), "
+                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
+    down = indptr[1:] < indptr[:-1]
+    if down.any():
+        i = int(np.flatnonzero(down)[0])
+        raise PlanError(f"{field}[{i + 1}]: decreases ({indptr[i]} then {indptr[i + 1]}) (request {i})")
+
+
 def check_page_ids(spec: AttentionSpec, field: str, indptr: np.ndarray, listed: np.ndarray, page_limit: int) -> None:
     """PlanError naming the request unless every listed page id is in 0..page_limit - 1 (num_pages,
     or num_pages + 1 for scratch plans): inside the cache and, for engine steps, off the scratch page."""
