@@ -128,7 +128,7 @@ class GraphBufferPool:
         # (a spec with own page lists takes StepBatch steps only; its cross groups may name rows of a cross table)
         self.table = None if max_requests is None or spec.own_page_groups else PageTable(
             spec, max_requests, self.max_pages_per_request, self.device)
-        self.cross_table = None if max_requests is None or not any(g.cross for g in spec.groups) else PageTable(
+        self.cross_table = None if max_requests is None or not spec.has_cross else PageTable(
             spec, max_requests, self.max_pages_per_request, self.device, "cross table")
         self._device_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_memory = None

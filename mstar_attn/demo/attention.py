@@ -91,7 +91,7 @@ class PoolAttention(StepAttention):
         try:
             from mstar_attn.capture.pool import GraphBufferPool
 
-            cross = any(g.cross for g in spec.groups)  # an encoder-decoder: encoder pages in the pool's cross table
+            cross = spec.has_cross  # an encoder-decoder: encoder pages in the pool's cross table
             self.pool = GraphBufferPool(spec, max_batch_size=max_batch, max_num_tokens=max_tokens,
                                         max_num_pages=spec.num_pages, device=self.device,
                                         max_requests=4 * max_batch if cross else None,

@@ -308,7 +308,7 @@ def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, 
     ])
     max_kv = int(kv.max())
     backend = backend or spec.backend
-    cross = any(g.cross for g in spec.groups)  # (cross layers read the encoder's K/V, never only the step's)
+    cross = spec.has_cross  # (cross layers read the encoder's K/V, never only the step's)
     if backend == AUTO:
         backend = select_backend(spec, mode.value, q.shape[0], T, q_max, max_kv, mode is Mode.PREFILL and not cross)
     caps = BACKENDS.get(backend)

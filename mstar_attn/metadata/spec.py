@@ -124,6 +124,10 @@ class AttentionSpec:
     backend: str = "flashinfer"  # a BACKENDS name, or "auto": build_plan picks per step
     cache_shape: tuple[int, int, int, int] = attrs.field(init=False, eq=False, repr=False)
     """Shape of each layer's K and V: [num_pages + 1 (the scratch page), page_size, kv_heads, head_dim]."""
+    own_page_groups: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
+    """Indices of the groups that keep their own page list (LayerGroup.own_pages; cross groups among them)."""
+    has_cross: bool = attrs.field(init=False, eq=False, repr=False)
+    """Whether some group is cross attention (Kind.CROSS)."""
 
     @sm_scale.default
     def _default_scale(self):  # a bad head_dim is reported by its validator, not here
@@ -160,6 +164,8 @@ class AttentionSpec:
         BACKENDS[name].check(self, name)
         shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))
         object.__setattr__(self, "cache_shape", shape)
+        object.__setattr__(self, "own_page_groups", tuple(g for g, group in enumerate(self.groups) if group.own_pages))
+        object.__setattr__(self, "has_cross", any(group.cross for group in self.groups))
 
     @property
     def gqa_group(self) -> int:
@@ -173,7 +179,3 @@ class AttentionSpec:
     def group_of(self, layer: int) -> int:
         return self.layer_groups[layer]
 
-    @property
-    def own_page_groups(self) -> tuple[int, ...]:
-        """Indices of the groups that keep their own page list (LayerGroup.own_pages)."""
-        return tuple(g for g, group in enumerate(self.groups) if group.own_pages)
