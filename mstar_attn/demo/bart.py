@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from mstar_attn import LayerGroup, PagedKVCache
 from mstar_attn.demo.attention import StepAttention
-from mstar_attn.demo.config import DemoConfig, DemoError
+from mstar_attn.demo.config import DemoConfig, DemoError, seeded_model, transformers_classes
 from mstar_attn.demo.engine import Request
 from mstar_attn.dense import DenseAttention, build_dense_plan
 
@@ -32,10 +32,7 @@ DECODER_START = 2
 def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
     """A random BartForConditionalGeneration (eager attention), seeded, nothing downloaded:
     cfg.layers encoder and decoder layers, cfg.heads heads (BART's are multi-head: kv_heads = heads)."""
-    try:
-        from transformers import BartConfig, BartForConditionalGeneration
-    except ImportError as e:
-        raise DemoError("the demo needs transformers: pip install 'mstar_attn[demo]'") from e
+    BartConfig, BartForConditionalGeneration = transformers_classes("BartConfig", "BartForConditionalGeneration")
     if cfg.hidden % cfg.heads:
         raise DemoError(f"--hidden {cfg.hidden} must be a multiple of {cfg.heads} heads")
     hf = BartConfig(
@@ -44,12 +41,10 @@ def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
         decoder_ffn_dim=2 * cfg.hidden, max_position_embeddings=256, init_std=cfg.init_std,
         pad_token_id=1, bos_token_id=0, eos_token_id=DECODER_START, decoder_start_token_id=DECODER_START,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = BartForConditionalGeneration(hf)
-        model.final_logits_bias.normal_(0, 0.1)  # (zeros after init: a random bias checks it is added)
-    model.set_attn_implementation("eager")
-    return model.to(device=device, dtype=dtype).eval()
+    def random_bias(model):  # (zeros after init: a random bias checks it is added)
+        model.final_logits_bias.normal_(0, 0.1)
+
+    return seeded_model(lambda: BartForConditionalGeneration(hf), cfg.seed, dtype, device, random_bias)
 
 
 def spec_fields(model) -> dict:

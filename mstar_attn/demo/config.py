@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import torch
 
@@ -53,3 +55,25 @@ class DemoConfig:
             dtype=self.dtype or ("bfloat16" if cuda else "float32"),
             hidden=(GPU_HIDDEN if gpu else 256) if self.hidden is None else self.hidden,
         )
+
+
+def transformers_classes(*names: str) -> tuple:
+    """The named classes of `transformers`, or DemoError when it is not installed."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise DemoError("the demo needs transformers: pip install 'mstar_attn[demo]'") from e
+    return tuple(getattr(transformers, n) for n in names)
+
+
+def seeded_model(make: Callable[[], torch.nn.Module], seed: int, dtype: torch.dtype, device: torch.device,
+                 init: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """make() (then init(model)) with torch seeded to `seed` and the global RNG restored after;
+    eager attention (the plain-math oracle), on `device` in `dtype`, in eval mode."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = make()
+        if init is not None:
+            init(model)
+    model.set_attn_implementation("eager")
+    return model.to(device=device, dtype=dtype).eval()

@@ -16,7 +16,7 @@ import torch
 
 from mstar_attn import LayerGroup, PagedKVCache
 from mstar_attn.demo.attention import StepAttention
-from mstar_attn.demo.config import DemoConfig, DemoError
+from mstar_attn.demo.config import DemoConfig, DemoError, seeded_model, transformers_classes
 
 ATTN_SOFT_CAP = 2.0  # below HF's default 50 so that it bends this small random model's attention logits
 FINAL_SOFT_CAP = 30.0
@@ -25,10 +25,7 @@ FINAL_SOFT_CAP = 30.0
 def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
     """A random Gemma2ForCausalLM (eager attention: plain math, sliding-window masks), seeded, nothing downloaded.
     Layers alternate sliding-window (cfg.window tokens) and full attention, as in Gemma 2."""
-    try:
-        from transformers import Gemma2Config, Gemma2ForCausalLM
-    except ImportError as e:
-        raise DemoError("the demo needs transformers: pip install 'mstar_attn[demo]'") from e
+    Gemma2Config, Gemma2ForCausalLM = transformers_classes("Gemma2Config", "Gemma2ForCausalLM")
     if cfg.hidden % (2 * cfg.heads):
         raise DemoError(f"--hidden {cfg.hidden} must be a multiple of 2 x {cfg.heads} query heads (RoPE needs even head dims)")
     head_dim = cfg.hidden // cfg.heads
@@ -38,11 +35,7 @@ def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
         query_pre_attn_scalar=2 * head_dim, sliding_window=cfg.window, attn_logit_softcapping=ATTN_SOFT_CAP,
         final_logit_softcapping=FINAL_SOFT_CAP, max_position_embeddings=1024, initializer_range=cfg.init_std,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = Gemma2ForCausalLM(hf)
-    model.set_attn_implementation("eager")
-    return model.to(device=device, dtype=dtype).eval()
+    return seeded_model(lambda: Gemma2ForCausalLM(hf), cfg.seed, dtype, device)
 
 
 def spec_fields(model) -> dict:

@@ -17,15 +17,12 @@ import torch
 
 from mstar_attn import PagedKVCache
 from mstar_attn.demo.attention import StepAttention
-from mstar_attn.demo.config import DemoConfig, DemoError
+from mstar_attn.demo.config import DemoConfig, DemoError, seeded_model, transformers_classes
 
 
 def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
     """A random LlamaForCausalLM (eager attention, so it is the plain-math oracle), seeded, nothing downloaded."""
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError as e:
-        raise DemoError("the demo needs transformers: pip install 'mstar_attn[demo]'") from e
+    LlamaConfig, LlamaForCausalLM = transformers_classes("LlamaConfig", "LlamaForCausalLM")
     if cfg.hidden % (2 * cfg.heads):
         raise DemoError(f"--hidden {cfg.hidden} must be a multiple of 2 x {cfg.heads} query heads (RoPE needs even head dims)")
     hf = LlamaConfig(
@@ -33,11 +30,7 @@ def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.hidden // cfg.heads, max_position_embeddings=1024, initializer_range=cfg.init_std,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(hf)
-    model.set_attn_implementation("eager")
-    return model.to(device=device, dtype=dtype).eval()
+    return seeded_model(lambda: LlamaForCausalLM(hf), cfg.seed, dtype, device)
 
 
 def spec_fields(model) -> dict:
