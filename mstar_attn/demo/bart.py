@@ -41,6 +41,7 @@ def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
         decoder_ffn_dim=2 * cfg.hidden, max_position_embeddings=256, init_std=cfg.init_std,
         pad_token_id=1, bos_token_id=0, eos_token_id=DECODER_START, decoder_start_token_id=DECODER_START,
     )
+
     def random_bias(model):  # (zeros after init: a random bias checks it is added)
         model.final_logits_bias.normal_(0, 0.1)
 
