@@ -1,4 +1,5 @@
-"""CUDA-graph capture of a decode / verify forward per (slot, bucket, q_len, backend), replayed after each commit."""
+"""CUDA-graph capture of a decode / verify forward per (slot, bucket, q_len, backend), and of a whole
+draft round per (slot, bucket, K, backend), replayed after each commit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.draft import scratch_round
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
 from mstar_attn.metadata.select import graph_backends
@@ -118,3 +120,79 @@ class DecodeGraphs:
             self.inputs[name][: t.shape[0]].copy_(t)
         graph.replay()
         return out[: step.plan.num_tokens]
+
+
+class RoundGraphs:
+    """fn(steps, inputs) -> Tensor, a whole draft round (K committed steps, pool.commit_round)
+    captured as one CUDA graph per (pool slot, bucket, K, backend).
+
+    fn runs the K steps of the round itself, with whatever it does between them on the device
+    (sampling each step's token and feeding it to the next): inputs are static device buffers,
+    each [max bucket, ...] (a round's rows are its requests); a call copies the live inputs into
+    their first rows and replays. Rounds the pool does not bucket (past the largest bucket) and
+    uncaptured K run fn eagerly. The output is valid until the next replay of this RoundGraphs.
+    Capture records on `scratch_round` rounds, which touch only the scratch page.
+    """
+
+    def __init__(self, pool: GraphBufferPool, fn: Callable[[tuple[DeviceStep, ...], dict], torch.Tensor],
+                 inputs: dict[str, torch.Tensor]):
+        self.decode = DecodeGraphs(pool, fn, inputs)  # (its checks, inputs and memory pool; its fn takes the steps)
+        self.pool, self.fn, self.inputs = pool, fn, self.decode.inputs
+        self.graphs: dict[tuple[int, int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0  # graph replays, one per round served
+
+    def capture(self, k: int, buckets: tuple[int, ...] | None = None, backends: tuple[str, ...] | None = None) -> None:
+        """Capture rounds of k steps for every (bucket, backend, slot); defaults as DecodeGraphs.capture."""
+        pool, spec = self.pool, self.pool.spec
+        if not isinstance(k, int) or not 1 <= k <= pool.max_draft_steps:
+            raise PlanError(f"RoundGraphs.capture: k {k!r} is not a round this pool holds (1..max_draft_steps "
+                            f"{pool.max_draft_steps})")
+        buckets = tuple(pool.buckets if buckets is None else buckets)
+        if backends is None:
+            backends = (spec.backend,) if spec.backend != AUTO else graph_backends(spec)
+        self.decode._check_capture(buckets, (1,), tuple(backends))
+        if self.decode.memory is None:
+            self.decode.memory = torch.cuda.graph_pool_handle()
+        for bucket, backend, slot in itertools.product(buckets, backends, range(pool.num_slots)):
+            steps = pool.commit_round(scratch_round(spec, bucket, k, backend=backend), slot=slot)
+            static = {name: t[:bucket] for name, t in self.inputs.items()}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: JIT, lazily allocated library buffers
+                self.fn(steps, static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.decode.memory):
+                out = self.fn(steps, static)
+            self.graphs[(slot, bucket, k, backend)] = (graph, out)
+        torch.cuda.synchronize()
+
+    def serves(self, steps: tuple[DeviceStep, ...]) -> bool:
+        s = steps[0]
+        return s.pool is self.pool and s.bucket is not None and (s.slot, s.bucket, len(steps), s.plan.backend) in self.graphs
+
+    def __call__(self, steps: tuple[DeviceStep, ...], **inputs: torch.Tensor) -> torch.Tensor:
+        """fn(steps, inputs), replayed when a graph serves the round; returns the output's first B rows."""
+        if not isinstance(steps, tuple) or not steps or not all(isinstance(s, DeviceStep) for s in steps):
+            raise PlanError("RoundGraphs: steps must be the tuple of DeviceSteps pool.commit_round returned")
+        if steps[0].pool is not self.pool:
+            raise PlanError("RoundGraphs: the round was committed to another pool than the one these graphs read")
+        for s in steps:
+            s.check("RoundGraphs")
+        B = steps[0].plan.batch_size
+        if not self.serves(steps):
+            return self.fn(steps, inputs)
+        if inputs.keys() != self.inputs.keys():
+            raise PlanError(f"RoundGraphs: inputs {sorted(inputs)} differ from the captured {sorted(self.inputs)}")
+        graph, out = self.graphs[(steps[0].slot, steps[0].bucket, len(steps), steps[0].plan.backend)]
+        for name, t in inputs.items():
+            buf = self.inputs[name]
+            if (not isinstance(t, torch.Tensor) or t.dtype != buf.dtype or t.device != buf.device
+                    or t.shape[1:] != buf.shape[1:] or not B <= t.shape[0] <= steps[0].rows):
+                raise PlanError(f"RoundGraphs: inputs[{name!r}] must be [{B}..{steps[0].rows}, "
+                                f"{', '.join(map(str, buf.shape[1:]))}] {buf.dtype} on {buf.device}")
+        for name, t in inputs.items():
+            self.inputs[name][: t.shape[0]].copy_(t)
+        graph.replay()
+        self.replays += 1
+        return out[:B]

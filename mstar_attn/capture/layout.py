@@ -5,6 +5,7 @@ other step: R = B, N = T) the arrays sit back to back, so a commit copies one co
 per layer group and nothing the step does not use:
 
     rows [R] | first_page [G * R] | table updates: positions [U], values [U] | (pad to 8 bytes)
+    draft steps 1 .. D-1: slot_mapping int64 [R], per group last_page_len [R], kv_lens [R] |
     qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad)
     slot_mapping int64 [N] | one more slot_mapping int64 [N] per own_pages group (not cross) |
     group 0 indices [P + 1] | group 1 indices [P + 1] | ... | (pad) per cross group: its slots int64 [E]
@@ -15,7 +16,9 @@ copy): such a commit copies from 0, and the device fills the index regions. A cr
 (E: the most encoder tokens a step stores) sit past the index regions, copied only as far as a
 step stores encoder tokens (decode steps: not at all).
 A StepBatch commit copies from qo_indptr through group 0's used indices, then each other group's
-used indices. Only the first n_g (+ padding) entries of group g's index region are used; P
+used indices; a draft round (D = the pool's max_draft_steps) copies from its later steps' arrays
+on, which is the same range for a single-group spec: one copy for all K steps. Step 0 of a round
+and every array the steps share (qo_indptr, kv_indptr, the indices) sit where a decode step's do. Only the first n_g (+ padding) entries of group g's index region are used; P
 (index_capacity) bounds the pages one group of one step may read, padding requests' scratch
 entries included; the last entry is a dump the device gather writes its masked lanes to.
 Offsets depend on (R, N), so a graph captured for a bucket reads its own fixed addresses.
@@ -41,6 +44,8 @@ class Offsets:
     head_end: int  # end of the slot mappings: group 0's indices start here
     group_slots: tuple[int, ...] = ()  # each group's slot_mapping: `slots`, or its own (own_pages, cross groups)
     end: int = 0  # the end of everything the layout places for (R, N)
+    draft: int = 0  # where draft steps 1.. start: a round's copy starts here
+    draft_steps: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()  # per step 1..D-1: (slots, per group (lpl, lens))
 
 
 @attrs.frozen
@@ -55,12 +60,18 @@ class Layout:
     index_capacity: int
     num_groups: int
     slot_rows: tuple[int, ...] = ()
+    draft_steps: int = 1  # D: the most steps of a draft round
 
     def at(self, rows: int, num_rows: int) -> Offsets:
         G, cap = self.num_groups, rows // 2 + 16
         updates = rows * (1 + G)
-        qo = updates + 2 * cap
-        qo += qo & 1
+        draft = updates + 2 * cap
+        draft += draft & 1
+        steps = []
+        for j in range(1, self.draft_steps):  # blocks of 2R + 2GR: int64 slots stay 8-byte aligned
+            at = draft + (j - 1) * 2 * rows * (1 + G)
+            steps.append((at, tuple((at + 2 * rows * (1 + g), at + 2 * rows * (1 + g) + rows) for g in range(G))))
+        qo = draft + (self.draft_steps - 1) * 2 * rows * (1 + G)
         groups, head = [], qo + rows + 1
         for g in range(G):
             groups.append((head, head + rows + 1, head + 2 * rows + 1, rows * (1 + g)))
@@ -78,7 +89,7 @@ class Layout:
                 group_slots[g], tail = tail, tail + 2 * n
         return Offsets(rows, num_rows, 0, updates, cap, qo, slots,
                        tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), end,
-                       tuple(group_slots), tail)
+                       tuple(group_slots), tail, draft, tuple(steps))
 
     @property
     def size(self) -> int:

@@ -22,7 +22,7 @@ import contextlib
 import numpy as np
 import torch
 
-from mstar_attn.capture import cross
+from mstar_attn.capture import cross, rounds
 from mstar_attn.capture.layout import Layout
 from mstar_attn.capture.expand import gather_csr
 from mstar_attn.capture.stage import stage_pages, stage_rows
@@ -77,7 +77,7 @@ class GraphBufferPool:
     def __init__(self, spec: AttentionSpec, *, max_batch_size: int, max_num_tokens: int, max_num_pages: int,
                  device: torch.device | str = "cuda", buckets: tuple[int, ...] = DEFAULT_BUCKETS, num_slots: int = 2,
                  max_pages_per_request: int | None = None, float_workspace_bytes: int = FLOAT_WORKSPACE_BYTES,
-                 max_requests: int | None = None, max_encoder_tokens: int | None = None):
+                 max_requests: int | None = None, max_encoder_tokens: int | None = None, max_draft_steps: int = 1):
         if not isinstance(spec, AttentionSpec):
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -100,11 +100,13 @@ class GraphBufferPool:
         ps, top = spec.page_size, max(self.buckets, default=0)
         self.verify_buckets = all(g.causal for g in spec.groups)  # verify steps can be padded (causal kernels)
         max_q = MAX_VERIFY_Q_LEN if self.verify_buckets else 1
-        # room for padding requests' scratch entries, and for a whole scratch plan (capture: one
-        # cached token and q_len new ones per request) besides max_num_pages real pages
+        self.max_draft_steps = rounds.check_steps(max_draft_steps)
+        # room for padding requests' scratch entries, and for a whole scratch plan or round (capture: one
+        # cached token and q_len new ones per request, or a round's tokens) besides max_num_pages real pages
         self.layout = Layout(max_batch, max(self.max_num_tokens, top * max_q),
-                             max_num_pages + top * -(-(max_q + 1) // ps), len(spec.groups),
-                             tuple(self.max_encoder_tokens if g.cross else -int(g.own_pages) for g in spec.groups))
+                             max_num_pages + top * -(-max(max_q + 1, self.max_draft_steps) // ps), len(spec.groups),
+                             tuple(self.max_encoder_tokens if g.cross else -int(g.own_pages) for g in spec.groups),
+                             self.max_draft_steps)
         cuda = self.device.type == "cuda"
         if cuda and self.device.index is None:  # "cuda": the current device, fixed now
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -163,12 +165,14 @@ class GraphBufferPool:
         dst.copy_(src, non_blocking=True)
         self.last_commit_bytes += src.numel() * src.element_size()
 
-    def _validate(self, plan: AttentionPlan) -> int | None:
+    def _validate(self, plan: AttentionPlan, draft_ok: bool = False) -> int | None:
         """PlanError unless `plan` fits this pool: made by build_plan (hand-edited plans are not
         trusted), for this spec, its batch, tokens and pages within the pool's limits (bucketed
         steps: with their padding, which the layout makes room for)."""
         if not isinstance(plan, AttentionPlan):
             raise PlanError(f"commit: expected an AttentionPlan, got {type(plan).__name__}")
+        if plan.draft_step is not None and not draft_ok:
+            raise PlanError("commit: this plan is a step of a draft round; commit the round (commit_round)")
         if not plan.sealed:
             raise PlanError("commit: plan was not made by build_plan (an attrs.evolve'd or hand-made plan is not "
                             "checked again); build it with build_plan, or scratch_plan(spec, ..., backend=...)")
@@ -298,6 +302,12 @@ class GraphBufferPool:
                 self.ready[s].record(on)
                 self.bytes_to_device += self.last_commit_bytes
         return step
+
+    def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:
+        """Commit all K steps of a DraftRound (build_round) into one slot: one host-to-device copy
+        per layer group, each backend's scheduling for every step; the K steps stay live together
+        until the slot is committed again. See capture/rounds.py."""
+        return rounds.commit(self, draft, slot)
 
     def _rows_device_work(self, step: DeviceStep, scheduler, offsets) -> None:
         """A StepRows commit's device work: copy the staged head, apply the table updates, gather each

@@ -127,6 +127,11 @@ class Scheduler:
                 cols = torch.arange(table.width, device=out.device) + step.groups[g].first_page[:, None]
                 torch.gather(full.index_select(0, step.table_rows), 1, cols.clamp_(max=table.width - 1), out=out)
 
+    def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
+        """A draft round's steps list the same pages (each reads its own kv_lens): one set of tables for all."""
+        tables = self.schedule(steps[0])
+        return [tables] * len(steps)
+
     def schedule(self, step: DeviceStep) -> tuple:
         """One entry per layer group: its page table, int32 device [rows, width] (None for varlen)."""
         plan = step.plan

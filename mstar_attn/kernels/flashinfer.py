@@ -99,8 +99,9 @@ class Scheduler:
     def _plan(self, step: DeviceStep, g: int, dg):
         spec, group = self.pool.spec, self.pool.spec.groups[g]
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
+        draft = step.plan.draft_step  # a round's steps are live together: a wrapper (and int workspace part) each
         if step.bucket is not None:
-            key = (step.slot, g, step.rows, step.q_len)
+            key = (step.slot, g, step.rows, step.q_len) + (() if draft is None else (draft,))
             w = self.fixed.get(key)
             if w is not None:
                 return w
@@ -126,7 +127,11 @@ class Scheduler:
                 except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
                     pass
             return w
-        if step.mode is Mode.DECODE:
+        if draft is not None:  # tensor cores: their planner splits KV by each request's length, never past it
+            w = self._eager(("draft", step.slot, g, draft), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=True)
+            w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
+                   window_left=group.window_left, seq_lens=dg.host_kv_lens, **self.plan_kwargs)
+        elif step.mode is Mode.DECODE:
             w = self._eager(("decode", step.slot, g), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=self.tensor_cores)
             w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
                    window_left=group.window_left, seq_lens=dg.host_kv_lens, **self.plan_kwargs)
@@ -141,24 +146,32 @@ class Scheduler:
                    **self.plan_kwargs)
         return w
 
-    def _share(self, w, slot: int, g: int):
-        share_workspace(w, self.float_ws, self.int_ws[slot][g], self.pinned_ws[slot][g])
+    def _share(self, w, slot: int, g: int, draft: int | None = None):
+        """Point w at slot and group's int workspace: the whole of it, or for step j of a draft round
+        its j-th of max_draft_steps equal parts (the round's steps are planned, and live, together)."""
+        ws, pinned = self.int_ws[slot][g], self.pinned_ws[slot][g]
+        if draft is not None:
+            n = INT_WORKSPACE_BYTES // self.pool.max_draft_steps // 4096 * 4096
+            ws, pinned = ws[draft * n : (draft + 1) * n], pinned[draft * n : (draft + 1) * n]
+        share_workspace(w, self.float_ws, ws, pinned)
         return w
 
     def _eager(self, key: tuple, cls, **kw):
         w = self.wrappers.get(key)
         if w is None:
-            w = self.wrappers[key] = self._share(cls(self.float_ws, "NHD", **kw), key[1], key[2])
+            draft = key[3] if key[0] == "draft" else None
+            w = self.wrappers[key] = self._share(cls(self.float_ws, "NHD", **kw), key[1], key[2], draft)
         return w
 
     def _graph_wrapper(self, step: DeviceStep, g: int):
         dg = step.groups[g]
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.float_ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores or step.q_len > 1,
+            self.float_ws, "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.tensor_cores or step.q_len > 1 or step.plan.draft_step is not None,
             paged_kv_indptr_buffer=dg.kv_indptr, paged_kv_indices_buffer=self.pool.index_buffer(step, g),
             paged_kv_last_page_len_buffer=dg.kv_last_page_len,
         )
-        return self._share(w, step.slot, g)
+        return self._share(w, step.slot, g, step.plan.draft_step)
 
 
 def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | None = None,

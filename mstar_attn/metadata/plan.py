@@ -82,6 +82,9 @@ class AttentionPlan:
     block_table: np.ndarray | None = optional_array_field()
     backend: str = "flashinfer"  # the BACKENDS name that serves this step
     rows: np.ndarray | None = optional_array_field()  # StepRows plans: each request's page-table row
+    # step j of a draft round (metadata/draft.py), else None: its page lists run ahead of its lengths
+    # (kv_last_page_len may be <= 0); commit it with GraphBufferPool.commit_round, never alone
+    draft_step: int | None = None
     # True only for plans build_plan / scratch_plan made: attrs.evolve makes a new plan through
     # __init__, which leaves this False, so a hand-edited plan is never taken for a checked one
     sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
@@ -307,10 +310,21 @@ def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, 
         for i, g in enumerate(spec.groups)
     ])
     max_kv = int(kv.max())
+    backend = resolve_backend(spec, mode, q.shape[0], T, q_max, max_kv, backend)
+    plan = AttentionPlan(spec, mode, q.shape[0], T, q_max, max_kv, q, kv, qo_indptr, kv_indptr, kv_indices,
+                         last_page_len, positions, slot_mapping, groups, block_table, backend, rows)
+    object.__setattr__(plan, "sealed", True)
+    return plan
+
+
+def resolve_backend(spec: AttentionSpec, mode: Mode, B: int, T: int, q_max: int, max_kv: int,
+                    backend: str | None = None) -> str:
+    """The backend serving a step of this shape: `backend`, else the spec's, or with "auto" the
+    dispatcher's pick; PlanError when it cannot serve the step."""
     backend = backend or spec.backend
     cross = spec.has_cross  # (cross layers read the encoder's K/V, never only the step's)
     if backend == AUTO:
-        backend = select_backend(spec, mode.value, q.shape[0], T, q_max, max_kv, mode is Mode.PREFILL and not cross)
+        backend = select_backend(spec, mode.value, B, T, q_max, max_kv, mode is Mode.PREFILL and not cross)
     caps = BACKENDS.get(backend)
     if caps is None:
         raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
@@ -321,7 +335,4 @@ def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, 
     if mode.value not in caps.modes or (caps.prefix_free and mode is not Mode.PREFILL):
         raise PlanError(f"backend: {backend!r} serves {sorted(caps.modes)} steps"
                         f"{' without a cached prefix' if caps.prefix_free else ''}, not this {mode.value} step")
-    plan = AttentionPlan(spec, mode, q.shape[0], T, q_max, max_kv, q, kv, qo_indptr, kv_indptr, kv_indices,
-                         last_page_len, positions, slot_mapping, groups, block_table, backend, rows)
-    object.__setattr__(plan, "sealed", True)
-    return plan
+    return backend

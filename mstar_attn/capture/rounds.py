@@ -1,0 +1,131 @@
+"""Committing a whole draft round (metadata/draft.py) into one pool slot: `commit` (GraphBufferPool.commit_round).
+
+The K steps of a round share their page arrays, so the slot holds them once: step 0 sits where a
+decode step would (qo_indptr, each group's kv_indptr, last_page_len, kv_lens, the indices,
+slot_mapping), and steps 1..K-1 add only their O(B) arrays (slot_mapping, and per layer group
+last_page_len and kv_lens) in the layout's draft region, just ahead of qo_indptr. One non-blocking
+copy then moves all K steps of a single-group spec (one more per further layer group, as for any
+step), and each backend schedules every step (FlashInfer: one planner call per step and group;
+FA4: one page table for the round). The K DeviceSteps share the slot and its generation: all stay
+live until the slot is committed again, and all go stale together.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mstar_attn.capture.stage import stage_pages, stage_slots
+from mstar_attn.capture.step import DeviceGroup, DeviceStep
+from mstar_attn.metadata._arrays import positive_int
+from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, DraftRound
+from mstar_attn.metadata.errors import PlanError
+
+if TYPE_CHECKING:
+    from mstar_attn.capture.pool import GraphBufferPool
+
+
+def check_steps(n) -> int:
+    """The pool's max_draft_steps, checked: 1 (no rounds) .. MAX_DRAFT_STEPS."""
+    n = positive_int("max_draft_steps", n)
+    if n > MAX_DRAFT_STEPS:
+        raise PlanError(f"max_draft_steps: at most {MAX_DRAFT_STEPS}, got {n}")
+    return n
+
+
+def _step_views(pool: GraphBufferPool, s: int, rows: int, num_rows: int) -> list[tuple]:
+    """Per draft step 1..D-1 of slot s: (slot_mapping, per group (lpl, lens, host lpl, host lens)) views."""
+    offsets = pool.layout.at(rows, num_rows)
+    dev, host = pool.dev[s], pool.host[s]
+    out = []
+    for at, groups in offsets.draft_steps:
+        slots = dev[at : at + 2 * num_rows].view(torch.int64)
+        out.append((slots, tuple((dev[lpl : lpl + rows], dev[lens : lens + rows], host[lpl : lpl + rows],
+                                  host[lens : lens + rows]) for lpl, lens in groups)))
+    return out
+
+
+def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[DeviceStep, ...]:
+    """GraphBufferPool.commit_round: every check first, then stage, copy and schedule all K steps."""
+    if not isinstance(draft, DraftRound) or not draft.sealed:
+        raise PlanError(f"commit_round: expected a DraftRound made by build_round, got {type(draft).__name__}")
+    K = draft.k
+    if K > pool.max_draft_steps:
+        raise PlanError(f"commit_round: the round has {K} steps; this pool holds rounds of up to {pool.max_draft_steps} "
+                        "(GraphBufferPool(max_draft_steps=...))")
+    plans = draft.steps
+    bucket = pool._validate(plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
+    if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < pool.num_slots):
+        raise PlanError(f"commit_round: slot {slot!r} is not one of the pool's {pool.num_slots} slots")
+    scheduler = pool.scheduler_for(draft.backend)
+    if scheduler is not None:
+        scheduler.check(plans[-1], bucket)
+    s = pool.next_slot if slot is None else slot
+    if not pool.ready[s].query():
+        pool.stalls += 1
+        pool.ready[s].synchronize()
+    B = draft.batch_size
+    rows = bucket or B
+    num_rows = rows
+    key = (s, rows, num_rows)
+    views = pool._views.get(key) if bucket else None
+    if views is None:
+        views = pool._make_views(s, rows, num_rows)
+        if bucket:
+            pool._views[key] = views
+    more = pool._views.get(("draft",) + key) if bucket else None
+    if more is None:
+        more = _step_views(pool, s, rows, num_rows)
+        if bucket:
+            pool._views[("draft",) + key] = more
+
+    h, offsets = pool.host_np[s], views[0]
+    ranges = stage_pages(h, plans[0], offsets, rows, 1, num_rows, pool._scratch_slots)
+    for plan, (at, groups) in zip(plans[1:], offsets.draft_steps):
+        stage_slots(h, offsets, plan.slot_mapping, B, num_rows, pool._scratch_slots, at)
+        for gp, (lpl, lens) in zip(plan.groups, groups):
+            h[lpl : lpl + B] = gp.kv_last_page_len
+            h[lpl + B : lpl + rows] = 1  # padding requests: one token of the scratch page
+            h[lens : lens + B] = gp.kv_lens
+            h[lens + B : lens + rows] = 1
+    pool.last_commit_bytes = 0
+    pool.generations[s] += 1  # from here on the slot's previous steps are stale
+    pool.next_slot = (s + 1) % pool.num_slots
+    cuda = pool.device.type == "cuda"
+    here = torch.cuda.current_stream(pool.device.index) if cuda else None
+    host, dev = pool.host[s], pool.dev[s]
+    try:
+        pool._after_consumer(s, here)
+        offsets, qo, h_qo, slot_view, table_rows, group_views = views
+        first = offsets.draft if K > 1 else offsets.qo
+        for a, b in [(first, ranges[0][1])] + list(ranges[1:]):
+            pool.upload(dev[a:b], host[a:b])
+        indices = [dev[a:b] for a, b in ranges]
+        steps = []
+        for j, plan in enumerate(plans):
+            if j == 0:
+                groups = tuple(DeviceGroup(ptr, idx, lpl, lens, f, h_ptr, h_lpl, h_lens, g_slots)
+                               for (ptr, lpl, lens, f, h_ptr, h_lpl, h_lens, g_slots), idx in zip(group_views, indices))
+                slots = slot_view
+            else:
+                slots, per_group = more[j - 1]
+                groups = tuple(DeviceGroup(ptr, idx, lpl, lens, f, h_ptr, h_lpl, h_lens, slots)
+                               for (ptr, _, _, f, h_ptr, *_), idx, (lpl, lens, h_lpl, h_lens)
+                               in zip(group_views, indices, per_group))
+            steps.append(DeviceStep(plan, s, rows, num_rows, bucket, 1, qo, h_qo, slots, table_rows, groups,
+                                    pool.generations[s], pool))
+        if scheduler is not None:
+            round_schedule = getattr(scheduler, "schedule_round", None)
+            scheduled = round_schedule(steps) if round_schedule else [scheduler.schedule(st) for st in steps]
+            steps = [DeviceStep(*(getattr(st, f) for f in _FIELDS), sch) for st, sch in zip(steps, scheduled)]
+        if here is not None:
+            pool.claim_consumer(s, here, "commit_round")
+    finally:
+        pool.ready[s].record(here)
+        pool.bytes_to_device += pool.last_commit_bytes
+    return tuple(steps)
+
+
+_FIELDS = ("plan", "slot", "rows", "num_rows", "bucket", "q_len", "qo_indptr", "host_qo_indptr", "slot_mapping",
+           "table_rows", "groups", "generation", "pool", "stream")

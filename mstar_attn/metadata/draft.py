@@ -1,0 +1,161 @@
+"""Speculative draft rounds: `build_round`, K decode plans from one batch, planned once. Pure numpy.
+
+A draft model proposes K tokens in K short decode steps before the target verifies them. Step j
+(0-based) of a round feeds token j of the round (at position kv_lens[i] - 1 + j), writes its K/V
+and reads kv_lens[i] + j tokens. The engine gives the round's first step as a decode StepBatch
+whose page lists already cover all K tokens (kv_lens + K - 1). The batch is checked once (the
+lengths, the page ids, and that each request owns every page the round writes), and the K plans
+share its page arrays: every step lists the same pages (the same numpy objects), and only the
+O(B) arrays differ (lengths, last_page_len, positions, slot_mapping).
+
+A step therefore lists pages ahead of its length: kv_last_page_len[i] = kv_lens[i] - (pages - 1) *
+page_size may be <= 0 (the pages of later tokens of the round). Every backend reads a request's
+length, never its page count: FlashInfer takes (pages - 1) * page_size + last_page_len, FA4
+seqused_k, the reference kv_lens. Such plans carry `draft_step` and are committed together with
+GraphBufferPool.commit_round, never alone.
+
+After the target keeps n of the K tokens, the next plan simply uses the shorter kv_len: the K/V
+past it is never read, and the next round writes over it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from mstar_attn.metadata._arrays import fail_at, positive_int, read_only
+from mstar_attn.metadata.batch import StepBatch
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.groups import GroupPlan, first_read_page
+from mstar_attn.metadata.pages import check_page_ids, gather_ranges, scan_ownership
+from mstar_attn.metadata.plan import AttentionPlan, Mode, _check_lengths, resolve_backend
+from mstar_attn.metadata.spec import AttentionSpec, Kind
+
+__all__ = ["MAX_DRAFT_STEPS", "DraftRound", "build_round", "scratch_round"]
+
+MAX_DRAFT_STEPS = 16  # the most steps one round may have
+
+
+@attrs.frozen
+class DraftRound:
+    """K decode plans over one batch of B requests: steps[j] reads kv_lens + j tokens and writes token j.
+
+    Every step shares the batch's page arrays (kv_indptr, kv_indices, each window group's trimmed
+    list: one object each for the whole round) and has its own O(B) arrays. Made by build_round."""
+
+    steps: tuple[AttentionPlan, ...]
+    sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
+
+    @property
+    def k(self) -> int:
+        return len(self.steps)
+
+    @property
+    def batch_size(self) -> int:
+        return self.steps[0].batch_size
+
+    @property
+    def backend(self) -> str:
+        return self.steps[0].backend
+
+
+def build_round(batch: StepBatch, spec: AttentionSpec, k: int, *, check_ownership: bool = True) -> DraftRound:
+    """The K = k decode plans of a draft round whose first step is `batch`. Pure; raises PlanError.
+
+    batch: a decode step (q_len 1 for every request; kv_lens the lengths after step 0) whose page
+    lists cover kv_lens + k - 1 tokens. Checked once, as build_plan checks a step: lengths, page
+    counts, page ids, and (check_ownership) that every page the round writes is listed by its
+    writer only. Layer groups with their own page lists and cross-attention groups are refused.
+    """
+    if not isinstance(spec, AttentionSpec):
+        raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+    if not isinstance(batch, StepBatch):
+        raise PlanError(f"batch: a draft round takes a StepBatch (its page lists), got {type(batch).__name__}")
+    k = positive_int("k", k)
+    if k > MAX_DRAFT_STEPS:
+        raise PlanError(f"k: a draft round has at most {MAX_DRAFT_STEPS} steps, got {k}")
+    if spec.own_page_groups:
+        raise PlanError(f"spec: layer group {spec.own_page_groups[0]} keeps its own page list (own_pages) or is cross "
+                        "attention; draft rounds serve specs whose groups share one page list")
+    return _round(batch, spec, k, check_ownership, spec.num_pages)
+
+
+def scratch_round(spec: AttentionSpec, batch_size: int, k: int, backend: str | None = None) -> DraftRound:
+    """A round of `batch_size` requests that read and write only the scratch page (graph capture)."""
+    per = -(-k // spec.page_size)
+    indptr = np.arange(batch_size + 1, dtype=np.int32) * per
+    pages = np.full(batch_size * per, spec.scratch_page, np.int32)
+    batch = StepBatch.from_csr(np.ones(batch_size, np.int32), np.ones(batch_size, np.int32), indptr, pages,
+                               spec.page_size)
+    return _round(batch, spec, positive_int("k", k), False, spec.num_pages + 1, backend)
+
+
+def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool, page_limit: int,
+           backend: str | None = None) -> DraftRound:
+    ps = spec.page_size
+    if batch.page_size != ps:
+        raise PlanError(f"page_size: the batch says {batch.page_size}, the cache has {ps}")
+    q, kv0, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
+    B = q.shape[0]
+    if indptr.shape != (B + 1,):
+        raise PlanError(f"shapes: q_lens {q.shape} and page_indptr {indptr.shape} must be [B] and [B+1]")
+    _check_lengths(q, kv0, ps)
+    if q.max() != 1:
+        fail_at("q_lens", q != 1, "the steps of a draft round add one token per request (q_len 1)")
+    last = kv0 + np.int32(k - 1)  # the lengths after the round's last step
+    _check_lengths(q, last, ps)
+    n_listed = idx.shape[0]
+    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
+        raise PlanError(f"page_indptr must start at 0 and stay within page_indices (length {n_listed}), "
+                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
+    need = (last + (ps - 1)) // ps
+    spare = indptr[1:] - indptr[:-1]
+    spare -= need
+    if spare.min() < 0:
+        fail_at("page_indices", spare < 0, f"fewer pages than the round's {k} tokens need (kv_len + {k - 1} tokens), "
+                                           "or page_indptr decreases")
+    check_page_ids(spec, "page_indices", indptr, idx[: indptr[-1]], page_limit)
+    if spare.max() == 0:
+        kv_indptr, kv_indices = indptr, idx[: indptr[-1]]
+    else:
+        kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1], need)
+    first_written = (kv0 - 1) // ps  # the page of the round's first token
+    if check_ownership:
+        written = gather_ranges(kv_indices, kv_indptr[:-1] + first_written, need - first_written)[1]
+        scan_ownership(spec, indptr, idx[: indptr[-1]], written)
+
+    steps = np.arange(k, dtype=np.int32)[:, None]
+    kv = kv0[None, :] + steps  # [K, B]
+    lpl = kv - (need - 1) * ps  # [K, B]: <= 0 where the step has not reached its last listed page
+    positions = (kv - 1).astype(np.int64)
+    slots = kv_indices[kv_indptr[:-1] + positions // ps].astype(np.int64) * ps + positions % ps
+    qo_indptr = np.arange(B + 1, dtype=np.int32)
+    read_only(kv, lpl, positions, slots, qo_indptr)
+    windows = {}  # one trimmed list per window size, shared by every step (trimmed for step 0, the earliest reader)
+    for group in spec.groups:
+        if group.kind is Kind.WINDOW and group.window not in windows:
+            start = first_read_page(group, q, kv0, ps)
+            w_indptr, w_indices = gather_ranges(kv_indices, kv_indptr[:-1] + start, need - start)
+            w_start = (start * ps).astype(np.int32)
+            read_only(w_start)
+            windows[group.window] = (w_indptr, w_indices, w_start)
+    backend = resolve_backend(spec, Mode.DECODE, B, B, 1, int(last.max()), backend)
+    plans = []
+    for j in range(k):
+        groups = []
+        for group in spec.groups:
+            if group.kind is Kind.WINDOW:
+                w_indptr, w_indices, w_start = windows[group.window]
+                lens = kv[j] - w_start
+                read_only(lens)
+                groups.append(GroupPlan(group, w_indptr, w_indices, lpl[j], lens, w_start))
+            else:
+                groups.append(GroupPlan(group, kv_indptr, kv_indices, lpl[j], kv[j]))
+        plan = AttentionPlan(spec, Mode.DECODE, B, B, 1, int(kv0.max()) + j, q, kv[j], qo_indptr, kv_indptr,
+                             kv_indices, lpl[j], positions[j], slots[j], tuple(groups), batch.block_table, backend,
+                             None, j)
+        object.__setattr__(plan, "sealed", True)
+        plans.append(plan)
+    out = DraftRound(tuple(plans))
+    object.__setattr__(out, "sealed", True)
+    return out
