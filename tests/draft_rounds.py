@@ -42,9 +42,11 @@ class DraftTrace:
     def round(self, k: int) -> DraftRound:
         ps = self.spec.page_size
         keep = [r for r in self.live if r.cached < self.max_context or self._leave(r)]
-        if self.rng.random() < 0.3:  # one leaves early
-            keep = [r for r in keep if self.rng.random() > 0.2 or self._leave(r)]
-        while len(keep) < self.max_batch and (not keep or self.rng.random() < 0.4):
+        small = int(self.rng.integers(1, min(8, self.max_batch) + 1))  # half the rounds at most 8 requests
+        target = small if self.rng.random() < 0.5 else int(self.rng.integers(small, self.max_batch + 1))
+        while len(keep) > target:  # some leave early
+            self._leave(keep.pop(int(self.rng.integers(len(keep)))))
+        while len(keep) < target:
             n = int(self.rng.choice([1, ps, ps + 1, int(self.rng.integers(1, self.max_context))]))
             r = _Request(n)  # a prompt already in the cache (random K/V written through the pages)
             shape = (n, self.spec.num_kv_heads, self.spec.head_dim)  # (the truth: values the cache's dtype holds)
@@ -168,7 +170,7 @@ def serve_rounds(trace: DraftTrace, pool, backend, caches, ks, seed: int, graphs
 
 def gpu_rounds(backend, name: str, seed: int, page_size: int = 16, rounds_per_k: int = 3) -> dict:
     """Rounds of K = 1..8 on the GPU through `backend` (a kernels module named `name`): 32 / 8 heads
-    of 128, a full group and a window of 40; rounds of buckets 1, 8 and 16 replay one graph of all
+    of 128, a full group and a window of 40; rounds of buckets 1, 4 and 8 replay one graph of all
     K steps (every step's write_kv + run of both groups), larger rounds run eagerly (see serve_rounds)."""
     from mstar_attn import LayerGroup
     from mstar_attn.capture.graphs import RoundGraphs
@@ -178,13 +180,16 @@ def gpu_rounds(backend, name: str, seed: int, page_size: int = 16, rounds_per_k:
     groups = (LayerGroup(), LayerGroup("window", window=40))
     spec = AttentionSpec(32, 8, 128, page_size, 30000, groups=groups, layer_groups=(0, 1), backend=name)
     trace = DraftTrace(spec, seed, device="cuda", max_batch=24, max_context=400)
-    pool = gpu_pool(spec, buckets=(1, 8, 16), max_pages_per_request=500, max_draft_steps=8)
+    pool = gpu_pool(spec, buckets=(1, 4, 8), max_pages_per_request=500, max_draft_steps=8)
     caches = [random_cache(spec, seed + g) for g in range(2)]
     K = 8
-    static = {"q": torch.zeros(16, K, 32, 128, device="cuda", dtype=spec.dtype),
-              "k": torch.zeros(16, K, 8, 128, device="cuda", dtype=spec.dtype),
-              "v": torch.zeros(16, K, 8, 128, device="cuda", dtype=spec.dtype)}
-    graphs = {k: RoundGraphs(pool, lambda steps, x, k=k: round_layers(backend, caches, steps, {n: t[:, :k] for n, t in x.items()}), static)
+
+    def static(k):
+        return {"q": torch.zeros(8, k, 32, 128, device="cuda", dtype=spec.dtype),
+                "k": torch.zeros(8, k, 8, 128, device="cuda", dtype=spec.dtype),
+                "v": torch.zeros(8, k, 8, 128, device="cuda", dtype=spec.dtype)}
+
+    graphs = {k: RoundGraphs(pool, lambda steps, x: round_layers(backend, caches, steps, x), static(k))
               for k in range(1, K + 1)}
     for k, g in graphs.items():
         g.capture(k)

@@ -118,7 +118,8 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
         if scheduler is not None:
             round_schedule = getattr(scheduler, "schedule_round", None)
             scheduled = round_schedule(steps) if round_schedule else [scheduler.schedule(st) for st in steps]
-            steps = [DeviceStep(*(getattr(st, f) for f in _FIELDS), sch) for st, sch in zip(steps, scheduled)]
+            for st, sch in zip(steps, scheduled):  # (fresh objects no caller has seen yet: set, not rebuilt)
+                object.__setattr__(st, "scheduled", sch)
         if here is not None:
             pool.claim_consumer(s, here, "commit_round")
     finally:
@@ -126,6 +127,3 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
         pool.bytes_to_device += pool.last_commit_bytes
     return tuple(steps)
 
-
-_FIELDS = ("plan", "slot", "rows", "num_rows", "bucket", "q_len", "qo_indptr", "host_qo_indptr", "slot_mapping",
-           "table_rows", "groups", "generation", "pool", "stream")

@@ -51,6 +51,12 @@ class Scheduler:
     workspace plus its pinned mirror per (slot, group), shared by every wrapper of that slot and
     group: a slot holds one step at a time, and the pool replans a slot only after the copies of
     its last commit ran (the slot's event), so one plan per slot and group is all that is live.
+
+    Draft rounds (pool.commit_round): the K steps are live together, so step j has wrappers of its
+    own (keys end with j), always on tensor cores (their planner splits KV by each request's length,
+    never past it, and a draft step lists pages ahead of its length), planning into the j-th of
+    max_draft_steps equal parts of the slot and group's int workspace. Bucketed draft steps use the
+    fixed schedule (planned once, split-KV off) while `draft_fixed` is set, the default.
     """
 
     def __init__(self, pool: GraphBufferPool):
@@ -71,6 +77,9 @@ class Scheduler:
         props = torch.cuda.get_device_properties(pool.device)
         self.fixed_min_ctas = 1 << 62 if FIXED_CTAS_PER_SM is None else FIXED_CTAS_PER_SM * props.multi_processor_count
         self.use_fast = supported(flashinfer)
+        # a draft round's bucketed steps are planned once, without split-KV, and never again: one planner
+        # call per step and group would cost each round K times a decode step's (benchmarks/results/draft_round_h100.md)
+        self.draft_fixed = True
         self.plan_kwargs = dict(  # the same for every plan() call of this pool
             logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.dtype,
             sm_scale=spec.sm_scale, non_blocking=True,
@@ -112,7 +121,8 @@ class Scheduler:
             w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
             if w is None:
                 w = self.wrappers[("graph",) + key] = self._graph_wrapper(step, g)
-            fix = self.use_fast and step.rows * spec.num_kv_heads >= self.fixed_min_ctas
+            fix = self.use_fast and (step.rows * spec.num_kv_heads >= self.fixed_min_ctas
+                                     or (draft is not None and self.draft_fixed))
             w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
                    window_left=group.window_left, seq_lens=dg.host_kv_lens, q_len_per_req=step.q_len,
                    **({"disable_split_kv": True} if fix else {}), **self.plan_kwargs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import fail_at, positive_int, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, fail_at, positive_int, read_only
 from mstar_attn.metadata.batch import StepBatch
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, first_read_page
@@ -102,8 +102,10 @@ def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool,
     _check_lengths(q, kv0, ps)
     if q.max() != 1:
         fail_at("q_lens", q != 1, "the steps of a draft round add one token per request (q_len 1)")
-    last = kv0 + np.int32(k - 1)  # the lengths after the round's last step
-    _check_lengths(q, last, ps)
+    top = int(kv0.max()) + k - 1  # the longest length after the round's last step
+    if top > INT32_MAX - ps:
+        fail_at("kv_lens", kv0 > INT32_MAX - ps - (k - 1), f"kv_len + {k - 1} is past the int32 range the kernels index")
+    last = kv0 + np.int32(k - 1)
     n_listed = idx.shape[0]
     if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
         raise PlanError(f"page_indptr must start at 0 and stay within page_indices (length {n_listed}), "
@@ -119,14 +121,19 @@ def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool,
         kv_indptr, kv_indices = indptr, idx[: indptr[-1]]
     else:
         kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1], need)
-    first_written = (kv0 - 1) // ps  # the page of the round's first token
-    if check_ownership:
-        written = gather_ranges(kv_indices, kv_indptr[:-1] + first_written, need - first_written)[1]
+    if check_ownership:  # the pages of the round's k tokens: the last one, and (when they start a page earlier) the one before
+        last_page = kv_indptr[1:] - 1
+        first_page = kv_indptr[:-1] + (kv0 - 1) // ps
+        if (last_page - first_page).max() <= 1:
+            two = first_page != last_page
+            written = np.concatenate([kv_indices[last_page], kv_indices[first_page[two]]])
+        else:
+            written = gather_ranges(kv_indices, first_page, last_page - first_page + 1)[1]
         scan_ownership(spec, indptr, idx[: indptr[-1]], written)
 
-    steps = np.arange(k, dtype=np.int32)[:, None]
-    kv = kv0[None, :] + steps  # [K, B]
-    lpl = kv - (need - 1) * ps  # [K, B]: <= 0 where the step has not reached its last listed page
+    # [K, B] arrays, rows shared by the steps (read-only, so every row view is too)
+    kv = kv0 + np.arange(k, dtype=np.int32)[:, None]
+    lpl = kv - (need - 1) * ps  # <= 0 where the step has not reached its last listed page
     positions = (kv - 1).astype(np.int64)
     slots = kv_indices[kv_indptr[:-1] + positions // ps].astype(np.int64) * ps + positions % ps
     qo_indptr = np.arange(B + 1, dtype=np.int32)
@@ -137,23 +144,18 @@ def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool,
             start = first_read_page(group, q, kv0, ps)
             w_indptr, w_indices = gather_ranges(kv_indices, kv_indptr[:-1] + start, need - start)
             w_start = (start * ps).astype(np.int32)
-            read_only(w_start)
-            windows[group.window] = (w_indptr, w_indices, w_start)
-    backend = resolve_backend(spec, Mode.DECODE, B, B, 1, int(last.max()), backend)
-    plans = []
+            w_lens = kv - w_start
+            read_only(w_start, w_lens)
+            windows[group.window] = (w_indptr, w_indices, w_start, w_lens)
+    backend = resolve_backend(spec, Mode.DECODE, B, B, 1, top, backend)
+    plans, block_table, low = [], batch.block_table, int(kv0.max())
     for j in range(k):
-        groups = []
-        for group in spec.groups:
-            if group.kind is Kind.WINDOW:
-                w_indptr, w_indices, w_start = windows[group.window]
-                lens = kv[j] - w_start
-                read_only(lens)
-                groups.append(GroupPlan(group, w_indptr, w_indices, lpl[j], lens, w_start))
-            else:
-                groups.append(GroupPlan(group, kv_indptr, kv_indices, lpl[j], kv[j]))
-        plan = AttentionPlan(spec, Mode.DECODE, B, B, 1, int(kv0.max()) + j, q, kv[j], qo_indptr, kv_indptr,
-                             kv_indices, lpl[j], positions[j], slots[j], tuple(groups), batch.block_table, backend,
-                             None, j)
+        groups = tuple(GroupPlan(g, kv_indptr, kv_indices, lpl[j], kv[j]) if g.kind is not Kind.WINDOW
+                       else GroupPlan(g, windows[g.window][0], windows[g.window][1], lpl[j], windows[g.window][3][j],
+                                      windows[g.window][2])
+                       for g in spec.groups)
+        plan = AttentionPlan(spec, Mode.DECODE, B, B, 1, low + j, q, kv[j], qo_indptr, kv_indptr, kv_indices, lpl[j],
+                             positions[j], slots[j], groups, block_table, backend, None, j)
         object.__setattr__(plan, "sealed", True)
         plans.append(plan)
     out = DraftRound(tuple(plans))

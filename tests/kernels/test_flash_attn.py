@@ -356,6 +356,16 @@ def test_own_page_lists_eager_and_replayed():
     gpu_hybrid(fa, "flash_attn", fresh_seed())
 
 
+@gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_draft_rounds_eager_and_replayed(page_size):
+    """As the FlashInfer test of the same name: draft rounds of K = 1..8, eager and replayed."""
+    from tests.draft_rounds import gpu_rounds
+
+    ran = gpu_rounds(fa, "flash_attn", fresh_seed(), page_size)
+    assert any(replayed for _, replayed in ran) and any(not replayed for _, replayed in ran), ran
+
+
 def test_cpu_cross_attention_through_the_pool(cpu_pool):
     """Cross-attention layers through the pool and this backend's page tables: encoder K/V stored
     at each request's first step, read non-causally after, every request against the exact attention."""

@@ -280,6 +280,17 @@ def test_own_page_lists_eager_and_replayed():
     gpu_hybrid(fi, "flashinfer", fresh_seed())
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_draft_rounds_eager_and_replayed(page_size):
+    """Speculative draft rounds of K = 1..8 steps (planned and committed once, captured as one graph
+    per round), a full and a window group: every step of every request against the exact
+    attention; rejected drafts' K/V (overwritten with large values) never read."""
+    from tests.draft_rounds import gpu_rounds
+
+    ran = gpu_rounds(fi, "flashinfer", fresh_seed(), page_size)
+    assert any(replayed for _, replayed in ran) and any(not replayed for _, replayed in ran), ran
+
+
 @pytest.mark.parametrize("page_size, rows", [(1, True), (16, False), (64, True)])
 def test_cross_attention_eager_and_replayed(page_size, rows):
     """Encoder-decoder cross attention: encoder K/V (1 to 3,000 tokens) stored once, read by every
