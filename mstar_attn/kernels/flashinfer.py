@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
 INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its plan
+FIXED_WORKSPACE_BYTES = 64 << 10  # a plan without split-KV: ~5 KB at 256 rows (work list, o_indptr, mask)
 # A bucket whose rows x KV heads reach this many CTAs per SM of the GPU is planned once, without
 # split-KV, and never re-planned (see Scheduler); below it split-KV pays for small batches over
 # long contexts, and the schedule is re-planned per step. Measured: benchmarks/results/fixed_schedule_h100.md
@@ -73,7 +74,8 @@ class Scheduler:
         self.tensor_cores = spec.gqa_group >= 4  # FlashInfer's advice for decode
         self.wrappers: dict[tuple, object] = {}
         self.fast: dict[tuple, FastDecodePlan] = {}
-        self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len) -> its wrapper, planned once for good
+        self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len[, draft step]) -> its wrapper, planned once for good
+        self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once
         props = torch.cuda.get_device_properties(pool.device)
         self.fixed_min_ctas = 1 << 62 if FIXED_CTAS_PER_SM is None else FIXED_CTAS_PER_SM * props.multi_processor_count
         self.use_fast = supported(flashinfer)
@@ -91,15 +93,18 @@ class Scheduler:
     def memory(self) -> dict[str, tuple[int, int]]:
         """The shared workspaces, and what the wrappers own beyond them and the pool's buffers."""
         n = sum(len(x) for x in self.int_ws) * INT_WORKSPACE_BYTES
+        private = [t for pair in self.private for t in pair]
         shared = {t.untyped_storage().data_ptr() for t in
-                  (self.float_ws, *sum(self.int_ws, []), *sum(self.pinned_ws, []), *self.pool.dev, *self.pool.host)}
+                  (self.float_ws, *sum(self.int_ws, []), *sum(self.pinned_ws, []), *self.pool.dev, *self.pool.host, *private)}
         own = [0, 0]
         for w in self.wrappers.values():
             for t in vars(w).values():
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
                     shared.add(t.untyped_storage().data_ptr())
                     own[0 if t.is_cuda else 1] += t.untyped_storage().nbytes() if (t.is_cuda or t.is_pinned()) else 0
+        m = len(self.private) * FIXED_WORKSPACE_BYTES
         return {"flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
+                f"flashinfer fixed-schedule int workspaces ({len(self.private)})": (m, m),
                 f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
 
     def schedule(self, step: DeviceStep) -> tuple:
@@ -118,11 +123,11 @@ class Scheduler:
             if fast is not None:
                 fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
                 return fast.wrapper
-            w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
-            if w is None:
-                w = self.wrappers[("graph",) + key] = self._graph_wrapper(step, g)
             fix = self.use_fast and (step.rows * spec.num_kv_heads >= self.fixed_min_ctas
                                      or (draft is not None and self.draft_fixed))
+            w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
+            if w is None:
+                w = self.wrappers[("graph",) + key] = self._graph_wrapper(step, g, fix)
             w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
                    window_left=group.window_left, seq_lens=dg.host_kv_lens, q_len_per_req=step.q_len,
                    **({"disable_split_kv": True} if fix else {}), **self.plan_kwargs)
@@ -173,7 +178,10 @@ class Scheduler:
             w = self.wrappers[key] = self._share(cls(self.float_ws, "NHD", **kw), key[1], key[2], draft)
         return w
 
-    def _graph_wrapper(self, step: DeviceStep, g: int):
+    def _graph_wrapper(self, step: DeviceStep, g: int, fixed: bool):
+        """A graph-mode decode wrapper over the step's buffers. One planned once for good (`fixed`) gets an
+        int workspace of its own: its plan must outlive every later plan of its slot and group, which
+        the shared workspace would overwrite (the kernel would then read another plan's work list)."""
         dg = step.groups[g]
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.float_ws, "NHD", use_cuda_graph=True,
@@ -181,7 +189,13 @@ class Scheduler:
             paged_kv_indptr_buffer=dg.kv_indptr, paged_kv_indices_buffer=self.pool.index_buffer(step, g),
             paged_kv_last_page_len_buffer=dg.kv_last_page_len,
         )
-        return self._share(w, step.slot, g, step.plan.draft_step)
+        if not fixed:
+            return self._share(w, step.slot, g, step.plan.draft_step)
+        ws = torch.zeros(FIXED_WORKSPACE_BYTES, dtype=torch.uint8, device=self.pool.device)
+        pinned = torch.zeros(FIXED_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
+        self.private.append((ws, pinned))
+        share_workspace(w, self.float_ws, ws, pinned)
+        return w
 
 
 def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | None = None,
