@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the transformers family (default: llama); gemma2 interleaves sliding-window layers, on "
                         "their own page lists, with full ones; bart is an encoder-decoder (cross attention)")
     d.add_argument("--window", type=int, default=8, help="gemma2's sliding window in tokens (default: 8)")
+    d.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="speculative decoding: draft rounds of K tokens (one graph each on CUDA), target verify steps")
+    d.add_argument("--draft", choices=["small", "self"], default="small",
+                   help="with --speculate: the target's first half of the layers (default), or the target itself")
     sub.add_parser("bench", add_help=False, help="per-shape GPU microbenchmark of the backends (needs CUDA); "
                                                  "its arguments go to mstar_attn.tuning (bench --help)")
     return p
@@ -41,7 +45,14 @@ def demo(args: argparse.Namespace) -> int:
                      hidden=args.hidden, requests=args.requests, page_size=args.page_size, seed=args.seed,
                      model=args.model, window=args.window)
     try:
-        result = run_demo(cfg, out=sys.stdout, progress=sys.stderr)
+        if args.speculate:
+            from mstar_attn.demo.report import write
+            from mstar_attn.demo.speculate import run_speculative, summary
+
+            result = run_speculative(cfg, args.speculate, args.draft)
+            write(sys.stdout, summary(result))
+        else:
+            result = run_demo(cfg, out=sys.stdout, progress=sys.stderr)
     except (DemoError, PlanError) as e:
         print(f"mstar-attn demo: {e}", file=sys.stderr)
         return 2

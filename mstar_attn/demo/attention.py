@@ -70,6 +70,17 @@ class StepAttention:
     def replay(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         raise DemoError(f"backend {self.name!r} has no captured graphs")
 
+    def prepare_round(self, draft) -> tuple:
+        """The K steps of a draft round (metadata/draft.py): here its plans, run eagerly."""
+        return draft.steps
+
+    def round_rows(self, steps) -> int:
+        return steps[0].batch_size
+
+    def run_round(self, fn: Callable[[tuple, dict], torch.Tensor], steps, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """fn(steps, inputs): eagerly here; PoolAttention replays a captured round graph."""
+        return fn(steps, inputs)
+
 
 class PoolAttention(StepAttention):
     """A GPU backend: prepare commits the plan into a GraphBufferPool; capture records the decode
@@ -86,7 +97,8 @@ class PoolAttention(StepAttention):
         self.device = torch.device(device)
         self.pool = self.graphs = None
 
-    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int, max_encoder_tokens: int | None = None) -> None:
+    def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int, max_encoder_tokens: int | None = None,
+             max_draft_steps: int = 1) -> None:
         super().bind(spec, max_batch, max_tokens)
         try:
             from mstar_attn.capture.pool import GraphBufferPool
@@ -95,7 +107,8 @@ class PoolAttention(StepAttention):
             self.pool = GraphBufferPool(spec, max_batch_size=max_batch, max_num_tokens=max_tokens,
                                         max_num_pages=spec.num_pages, device=self.device,
                                         max_requests=4 * max_batch if cross else None,
-                                        max_encoder_tokens=max_encoder_tokens if cross else None)
+                                        max_encoder_tokens=max_encoder_tokens if cross else None,
+                                        max_draft_steps=max_draft_steps)
         except ImportError as e:
             raise DemoError(f"backend {self.name!r} cannot load here: {e}") from e
 
@@ -126,6 +139,24 @@ class PoolAttention(StepAttention):
 
     def replay(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.graphs(ctx, **inputs)
+
+    def prepare_round(self, draft) -> tuple:
+        return self.pool.commit_round(draft)
+
+    def round_rows(self, steps) -> int:
+        return steps[0].rows
+
+    def capture_round(self, fn: Callable[[tuple, dict], torch.Tensor], static: dict[str, torch.Tensor], k: int) -> int:
+        """Record fn(steps, inputs), a whole draft round of k steps, per (pool slot, bucket): RoundGraphs."""
+        from mstar_attn.capture.graphs import RoundGraphs
+
+        self.round_graphs = RoundGraphs(self.pool, fn, static)
+        self.round_graphs.capture(k)
+        return len(self.round_graphs.graphs)
+
+    def run_round(self, fn, steps, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        graphs = getattr(self, "round_graphs", None)
+        return graphs(steps, **inputs) if graphs is not None else fn(steps, inputs)
 
 
 def make_attention(cfg: DemoConfig) -> StepAttention:

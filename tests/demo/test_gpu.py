@@ -50,3 +50,23 @@ def test_graphs_serve_the_same_tokens_as_eager(gpu_runs):
     with_graphs, eager = gpu_runs[True], gpu_runs[False]
     assert with_graphs.tokens == eager.tokens
     assert [c.err for c in with_graphs.checks] == pytest.approx([c.err for c in eager.checks], rel=1e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("backend", ["flashinfer", "flash_attn"])
+def test_speculative_demo_replays_each_draft_round_as_one_graph(backend):
+    """demo --speculate 4 on the GPU (bf16, graphs): a separate draft and the target as its own draft;
+    tokens equal plain greedy decoding up to each request's first near-tie, every target logit within
+    bounds, and every draft round replayed as one CUDA graph."""
+    pytest.importorskip("flashinfer" if backend == "flashinfer" else "flash_attn.cute")
+    from mstar_attn.demo.speculate import run_speculative
+    from mstar_attn.demo.speculate import summary as spec_summary
+
+    for draft in ("small", "self"):
+        res = run_speculative(attrs.evolve(GPU, backend=backend, graphs=True), 4, draft)
+        print(spec_summary(res))
+        assert res.matched, spec_summary(res)
+        assert res.replayed_rounds == res.rounds > 0 and res.round_graphs > 0
+        if draft == "self":
+            assert res.accepted == res.proposed and res.verify_steps < res.plain_steps

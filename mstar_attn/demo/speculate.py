@@ -1,0 +1,233 @@
+"""Speculative decoding through mstar_attn: `run_speculative` (`demo --speculate K`).
+
+A draft model proposes K tokens per request in a draft round (build_round: K decode steps planned and
+committed at once; on CUDA with graphs the whole round, K forwards with the greedy pick of each
+token on the device, replays as one graph), then the target scores all K + 1 positions in one
+verify step and keeps the longest prefix of proposals equal to its own greedy picks, plus its
+next token. Rejected drafts' K/V stays in the caches past each request's length and is
+overwritten by the next round; no step reads it. Both models share each request's page ids (each
+has its own caches). The draft: "small" is a Llama with the target's first half of the layers, its
+embeddings, final norm and lm_head (a layer-skipping draft); "self" is the target itself, whose
+proposals are all accepted.
+
+The check: every request's tokens equal plain greedy decoding of the target (the stock HF model
+recomputing the whole sequence per token), and every target logit the engine computed is within
+check.REL / ABS of the stock model's (bf16 / fp16: tokens compared up to the first near-tie).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+
+from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn.demo import llama
+from mstar_attn.demo.attention import make_attention
+from mstar_attn.demo.check import Check, check_request
+from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError, seeded_model, transformers_classes
+from mstar_attn.demo.engine import PageAllocator, make_trace, step_inputs
+from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, build_round
+
+
+@attrs.define
+class SpecResult:
+    """What run_speculative did: rounds, proposals, acceptance, target forward passes, the checks."""
+
+    config: DemoConfig
+    k: int
+    draft: str
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    catch_up_steps: int = 0  # draft decode steps over the last proposal of a fully accepted round
+    plain_steps: int = 0  # target decode steps plain greedy decoding of the batch takes
+    replayed_rounds: int = 0
+    round_graphs: int = 0
+    checks: list[Check] = attrs.Factory(list)
+    greedy_agree: int = 0  # tokens equal to plain greedy decoding (up to each request's first near-tie off float32)
+    greedy_checked: int = 0
+    tokens: dict[int, list[int]] = attrs.Factory(dict)
+    round_sizes: list[int] = attrs.Factory(list)  # requests drafting in each round
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / max(self.proposed, 1)
+
+    @property
+    def matched(self) -> bool:
+        return all(c.ok for c in self.checks) and self.greedy_agree == self.greedy_checked
+
+
+def draft_model(target, layers: int):
+    """A LlamaForCausalLM of the target's first `layers` layers, with its embeddings, final norm and lm_head."""
+    (LlamaForCausalLM,) = transformers_classes("LlamaForCausalLM")
+    cfg = target.config.__class__(**{**target.config.to_dict(), "num_hidden_layers": layers})
+    p = next(target.parameters())
+
+    def init(m):
+        m.load_state_dict({k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")
+                           or int(k.split(".")[2]) < layers})
+
+    return seeded_model(lambda: LlamaForCausalLM(cfg), 0, p.dtype, p.device, init)
+
+
+def accepted_prefix(proposals: list[int], picks: list[int]) -> int:
+    """How many leading proposals equal the target's greedy picks at the same positions (picks has one more:
+    the target's token after the last proposal)."""
+    kept = 0
+    while kept < len(proposals) and proposals[kept] == picks[kept]:
+        kept += 1
+    return kept
+
+
+def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n tokens of greedy decoding by the stock model, recomputing the whole sequence for each."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(model(torch.tensor([tokens], device=model.device)).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+class _Model:
+    """One model on the seam: its spec, caches and attention (a pool on GPU backends)."""
+
+    def __init__(self, cfg: DemoConfig, model, num_pages: int, max_batch: int, max_tokens: int, k: int, device):
+        self.model, self.device = model, device
+        self.spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, cfg.page_size, num_pages,
+                                  dtype=DTYPES[cfg.dtype], backend=cfg.backend, **llama.spec_fields(model))
+        self.caches = [PagedKVCache.allocate(self.spec, device) for _ in self.spec.layer_groups]
+        self.attn = make_attention(cfg)
+        if cfg.gpu:
+            self.attn.bind(self.spec, max_batch, max_tokens, max_draft_steps=k)
+        else:
+            self.attn.bind(self.spec, max_batch, max_tokens)
+
+    def step(self, batch: StepBatch, tokens: list[int]) -> torch.Tensor:
+        """One step's logits [T, vocab] float32, eagerly."""
+        plan = build_plan(batch, self.spec)
+        ctx = self.attn.prepare(plan)
+        x = step_inputs(plan, tokens, self.attn.rows(ctx), self.device)
+        return llama.forward(self.model, self.attn, ctx, self.caches, x["ids"], x["positions"])[: plan.num_tokens].float()
+
+    def round_fn(self, steps, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A draft round: step j feeds the token step j - 1 picked (greedy, on the device); returns [rows, K] int64."""
+        ids, out = x["ids"], []
+        for j, step in enumerate(steps):
+            ids = llama.forward(self.model, self.attn, step, self.caches, ids, x["positions"] + j).argmax(-1)
+            out.append(ids)
+        return torch.stack(out, dim=1)
+
+
+def run_speculative(cfg: DemoConfig, k: int, draft: str = "small") -> SpecResult:
+    """Serve the trace's requests (all at once) by draft rounds of k tokens and target verify steps; check."""
+    cfg = cfg.resolve()
+    if not 1 <= k <= MAX_DRAFT_STEPS - 1:
+        raise DemoError(f"--speculate {k}: a round drafts 1..{MAX_DRAFT_STEPS - 1} tokens")
+    if draft not in ("small", "self"):
+        raise DemoError(f"--draft {draft!r}: 'small' or 'self'")
+    if cfg.model != "llama":
+        raise DemoError("--speculate serves the llama family")
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    reqs = make_trace(cfg, np.random.default_rng(cfg.seed))
+    ps = cfg.page_size
+    num_pages = sum(-(-(len(r.prompt) + r.max_new + k + 1) // ps) for r in reqs)
+    B = len(reqs)
+    res = SpecResult(cfg, k, draft)
+    with torch.inference_mode():
+        target = llama.build_model(cfg, dtype, device)
+        drafter = target if draft == "self" else draft_model(target, max(cfg.layers // 2, 1))
+        rows = 1 << (B - 1).bit_length()
+        tokens_max = sum(len(r.prompt) for r in reqs) + B * (k + 1)
+        t = _Model(cfg, target, num_pages, rows, tokens_max, k, device)
+        d = _Model(attrs.evolve(cfg, layers=drafter.config.num_hidden_layers), drafter, num_pages, rows, tokens_max, k, device)
+        if cfg.graphs:
+            static = {n: torch.zeros(max(d.attn.pool.buckets), dtype=torch.int64, device=device) for n in ("ids", "positions")}
+            res.round_graphs = d.attn.capture_round(d.round_fn, static, k)
+        pages = PageAllocator(num_pages)
+        for r in reqs:
+            r.pages = pages.alloc(-(-len(r.prompt) // ps))
+        prompt = StepBatch.from_pages([len(r.prompt) for r in reqs], [len(r.prompt) for r in reqs], [r.pages for r in reqs], ps)
+        flat = [x for r in reqs for x in r.prompt]
+        logits = t.step(prompt, flat).cpu()
+        d.step(prompt, flat)
+        drafted = {r.rid: len(r.prompt) for r in reqs}  # positions whose draft K/V is in the draft caches
+        at = np.cumsum([0] + [len(r.prompt) for r in reqs])
+        for i, r in enumerate(reqs):
+            r.logits.append(logits[at[i] : at[i + 1]])
+            r.tokens.append(int(logits[at[i + 1] - 1].argmax()))
+        live = [r for r in reqs if not r.done]
+        while live:
+            for r in live:  # pages through the verify step's last token
+                r.pages += pages.alloc(-(-(len(r.tokens) + k) // ps) - len(r.pages))
+            behind = [r for r in live if drafted[r.rid] < len(r.tokens) - 1]  # a fully accepted round's last proposal
+            if behind:
+                d.step(StepBatch.from_pages([1] * len(behind), [len(r.tokens) - 1 for r in behind],
+                                            [r.pages for r in behind], ps), [r.tokens[-2] for r in behind])
+                res.catch_up_steps += 1
+            n = len(live)
+            round_ = build_round(StepBatch.from_pages([1] * n, [len(r.tokens) for r in live], [r.pages for r in live], ps),
+                                 d.spec, k)
+            steps = d.attn.prepare_round(round_)
+            R = d.attn.round_rows(steps)
+            x = {"ids": torch.tensor([r.tokens[-1] for r in live] + [0] * (R - n), device=device),
+                 "positions": torch.tensor([len(r.tokens) - 1 for r in live] + [0] * (R - n), device=device)}
+            before = getattr(getattr(d.attn, "round_graphs", None), "replays", 0)
+            proposals = d.attn.run_round(d.round_fn, steps, x)[:n].cpu().tolist()
+            res.replayed_rounds += getattr(getattr(d.attn, "round_graphs", None), "replays", 0) - before
+            res.rounds += 1
+            res.round_sizes.append(n)
+            verify = StepBatch.from_pages([k + 1] * n, [len(r.tokens) + k for r in live], [r.pages for r in live], ps)
+            logits = t.step(verify, [x for r, p in zip(live, proposals) for x in [r.tokens[-1], *p]]).cpu()
+            res.verify_steps += 1
+            for i, (r, p) in enumerate(zip(live, proposals)):
+                rows_i = logits[i * (k + 1) : (i + 1) * (k + 1)]
+                picks = rows_i.argmax(-1).tolist()
+                kept = accepted_prefix(p, picks)
+                res.proposed += k
+                res.accepted += kept
+                start = len(r.tokens)
+                drafted[r.rid] = start + min(kept, k - 1)
+                take = min(kept + 1, r.max_new - (start - len(r.prompt)))
+                r.tokens += picks[:take]
+                r.logits.append(rows_i[:take])
+            for r in live:
+                if r.done:
+                    pages.release(r.pages)
+            live = [r for r in live if not r.done]
+        res.plain_steps = max(r.max_new for r in reqs) - 1
+        res.tokens = {r.rid: r.tokens for r in reqs}
+        for r in reqs:
+            res.checks.append(check_request(target, r, dtype))
+            plain = plain_greedy(target, r.prompt, r.max_new)
+            ok = [a == b for a, b in zip(r.tokens[len(r.prompt):], plain)]
+            upto = res.checks[-1].tokens_checked if dtype != torch.float32 else len(ok)  # (stops at a near-tie)
+            res.greedy_checked += upto
+            res.greedy_agree += sum(ok[:upto])
+    return res
+
+
+def summary(res: SpecResult) -> str:
+    c = res.config
+    gen = sum(len(t) for t in res.tokens.values()) - sum(len(r.prompt) for r in make_trace(c, np.random.default_rng(c.seed)))
+    drafter = "the target itself" if res.draft == "self" else f"the target's first {max(c.layers // 2, 1)} of {c.layers} layers"
+    lines = [
+        f"speculate K = {res.k}: draft = {drafter}; {c.requests} requests, {gen} tokens generated, {c.dtype} on {c.device}, "
+        f"backend {c.backend}",
+        f"rounds    {res.rounds} draft rounds ({res.catch_up_steps} catch-up draft steps), {res.proposed} tokens proposed, "
+        f"{res.accepted} accepted ({res.acceptance:.0%})",
+        f"target    {res.verify_steps} verify steps + 1 prefill, vs {res.plain_steps} decode steps + 1 prefill for plain greedy "
+        f"decoding: {res.plain_steps - res.verify_steps} target steps saved",
+    ]
+    if c.graphs:
+        lines.append(f"graphs    {res.replayed_rounds} of {res.rounds} draft rounds replayed as one CUDA graph each "
+                     f"({res.round_graphs} round graphs captured)")
+    worst = max(res.checks, key=lambda x: x.err / x.tol)
+    lines += [
+        f"oracle    max |logit diff| {max(x.err for x in res.checks):.2e} (request {worst.rid}: {worst.err:.2e} vs "
+        f"{worst.tol:.2e}); tokens equal to plain greedy decoding {res.greedy_agree}/{res.greedy_checked}"
+        + ("" if c.dtype == "float32" else " (each request up to its first near-tie)"),
+        f"matches plain greedy decoding: {'yes' if res.matched else 'no'}",
+    ]
+    return "\n".join(lines) + "\n"

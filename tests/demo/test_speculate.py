@@ -1,0 +1,62 @@
+"""demo --speculate: draft rounds + target verify steps equal plain greedy decoding of the target (CPU, float32)."""
+
+import attrs
+import pytest
+
+pytest.importorskip("transformers")
+
+from mstar_attn.demo import DemoConfig, DemoError  # noqa: E402
+from mstar_attn.demo import speculate  # noqa: E402
+from mstar_attn.demo.speculate import accepted_prefix, run_speculative, summary  # noqa: E402
+
+CPU = DemoConfig(backend="reference", device="cpu", dtype="float32", requests=6, layers=4, hidden=128, heads=4,
+                 kv_heads=2, seed=5)
+
+
+@pytest.mark.parametrize("page_size, k", [(1, 4), (4, 4), (16, 3), (4, 8)])
+def test_small_draft_matches_plain_greedy(page_size, k):
+    res = run_speculative(attrs.evolve(CPU, page_size=page_size), k)
+    print(summary(res))
+    assert res.matched and res.greedy_checked == sum(len(t) for t in res.tokens.values()) - sum(
+        len(r) for r in _prompts(page_size)), summary(res)
+    assert res.rounds == res.verify_steps > 0 and res.proposed == sum(res.round_sizes) * k
+
+
+def test_self_draft_accepts_every_proposal_and_saves_target_steps():
+    res = run_speculative(CPU, 4, draft="self")
+    print(summary(res))
+    assert res.matched, summary(res)
+    assert res.accepted == res.proposed > 0  # the target proposes exactly its own greedy tokens
+    assert res.catch_up_steps > 0  # a fully accepted round leaves its last proposal's draft K/V to write
+    assert res.verify_steps < res.plain_steps  # K + 1 tokens per target step
+    assert "matches plain greedy decoding: yes" in summary(res)
+
+
+def test_the_check_sees_an_off_by_one_acceptance(monkeypatch):
+    """Accepting one proposal more than the target agreed to puts a draft token in the output: the
+    check against plain greedy decoding fails."""
+    monkeypatch.setattr(speculate, "accepted_prefix", lambda p, picks: min(accepted_prefix(p, picks) + 1, len(p)))
+    res = run_speculative(CPU, 4)
+    assert not res.matched and res.greedy_agree < res.greedy_checked
+
+
+def test_accepted_prefix():
+    assert accepted_prefix([3, 4, 5], [3, 4, 9, 1]) == 2
+    assert accepted_prefix([3, 4, 5], [2, 4, 5, 1]) == 0
+    assert accepted_prefix([3, 4, 5], [3, 4, 5, 1]) == 3
+
+
+@pytest.mark.parametrize("kw, match", [(dict(k=0), "--speculate"), (dict(k=16), "--speculate"),
+                                       (dict(k=4, draft="big"), "--draft")])
+def test_bad_settings_are_refused(kw, match):
+    with pytest.raises(DemoError, match=match):
+        run_speculative(CPU, **kw)
+
+
+def _prompts(page_size):
+    import numpy as np
+
+    from mstar_attn.demo.engine import make_trace
+
+    cfg = attrs.evolve(CPU, page_size=page_size).resolve()
+    return [r.prompt for r in make_trace(cfg, np.random.default_rng(cfg.seed))]
