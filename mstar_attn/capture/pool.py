@@ -43,14 +43,11 @@ FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch, shared by ev
 class _HostEvent:
     """The event of a CPU pool: CPU copies are synchronous, so every commit is done at once."""
 
-    def record(self, stream=None) -> None:
-        pass
+    def record(self, stream=None) -> None: ...
+    def synchronize(self) -> None: ...
 
     def query(self) -> bool:
         return True
-
-    def synchronize(self) -> None:
-        pass
 
 
 class GraphBufferPool:
@@ -70,8 +67,10 @@ class GraphBufferPool:
     reference backend). max_requests: give the pool a page table (`pool.table`, a PageTable of
     max_requests rows x max_pages_per_request pages) and take StepRows plans; None: StepBatch plans
     only. max_encoder_tokens: the most encoder tokens one step stores into cross-attention groups'
-    pages (default max_num_tokens). A pool serves every backend its plans name (one Scheduler per backend
-    module, made at the first plan that needs it, or ahead with `scheduler_for`).
+    pages (default max_num_tokens). max_draft_steps: the most steps of a draft round `commit_round`
+    takes (1: none; each further step adds 4 * (2 + 2 * groups) bytes per request row to a slot). A
+    pool serves every backend its plans name (one Scheduler per backend module, made at the first
+    plan that needs it, or ahead with `scheduler_for`).
     """
 
     def __init__(self, spec: AttentionSpec, *, max_batch_size: int, max_num_tokens: int, max_num_pages: int,
