@@ -6,9 +6,12 @@ tuple) and FlashAttention (k_cache, v_cache) read them as they are, with no stri
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 
+from mstar_attn.metadata.backends import FP8
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.spec import AttentionSpec
 
@@ -35,6 +38,10 @@ class PagedKVCache:
     `from_tensors`). Backends whose kernel reads whole pages, rows past each sequence's length
     included ("flash_attn"), refuse a cache not known finite: an uninitialised row times a zero
     probability is still NaN.
+    k_scale, v_scale: an FP8 cache's per-tensor scales (host floats, so captured graphs stay valid:
+    they are part of the frozen cache): stored value = clamp(x / scale) in FP8, read back as value *
+    scale. 1.0 for other dtypes. Calibrate them so |K| / k_scale and |V| / v_scale stay within the
+    FP8 range (448 for e4m3): write_kv saturates what lies beyond.
     group: the layer group whose layers this cache serves, or None (not tagged). A tagged cache is
     refused by write_kv / run calls naming another group: with own page lists (LayerGroup.own_pages)
     the groups' page ids are separate spaces, so a cache written through another group's slots
@@ -45,6 +52,8 @@ class PagedKVCache:
     v: torch.Tensor = _tensor("v")
     finite: bool = attrs.field(default=False, kw_only=True)
     group: int | None = attrs.field(default=None, kw_only=True)
+    k_scale: float = attrs.field(default=1.0, kw_only=True)
+    v_scale: float = attrs.field(default=1.0, kw_only=True)
 
     def __attrs_post_init__(self):
         k, v = self.k, self.v
@@ -54,23 +63,34 @@ class PagedKVCache:
         g = self.group
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 0):
             raise PlanError(f"PagedKVCache.group: expected a layer-group index or None, got {g!r}")
+        for name in ("k_scale", "v_scale"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+                raise PlanError(f"PagedKVCache.{name}: expected a finite positive number, got {x!r}")
+            if x != 1.0 and k.dtype not in FP8:
+                raise PlanError(f"PagedKVCache.{name}: scales are for FP8 caches; this one is {k.dtype}")
+            object.__setattr__(self, name, float(x))
 
     @classmethod
-    def allocate(cls, spec: AttentionSpec, device: torch.device | str = "cpu", group: int | None = None) -> PagedKVCache:
-        """Zero-filled, spec.cache_shape, spec.dtype: finite from the start. group: see the class doc."""
-        return cls(torch.zeros(spec.cache_shape, dtype=spec.dtype, device=device),
-                   torch.zeros(spec.cache_shape, dtype=spec.dtype, device=device), finite=True, group=group)
+    def allocate(cls, spec: AttentionSpec, device: torch.device | str = "cpu", group: int | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> PagedKVCache:
+        """Zero-filled, spec.cache_shape, spec.kv_cache_dtype: finite from the start. group, scales: see the class doc."""
+        return cls(torch.zeros(spec.cache_shape, dtype=spec.kv_cache_dtype, device=device),
+                   torch.zeros(spec.cache_shape, dtype=spec.kv_cache_dtype, device=device), finite=True, group=group,
+                   k_scale=k_scale, v_scale=v_scale)
 
     @classmethod
-    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, group: int | None = None) -> PagedKVCache:
+    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, group: int | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> PagedKVCache:
         """Wrap tensors the engine allocated, after checking every element is finite (reads the
         whole cache once, in chunks, with one device sync; PlanError if any is not)."""
-        cache = cls(k, v, group=group)
+        cache = cls(k, v, group=group, k_scale=k_scale, v_scale=v_scale)
         ok = torch.ones((), dtype=torch.bool, device=k.device)
         for t in (k, v):
             pages = max(1, _CHECK_CHUNK_BYTES // max(1, t[0].numel() * t.element_size()))
             for i in range(0, t.shape[0], pages):
-                ok &= torch.isfinite(t[i : i + pages]).all()
+                chunk = t[i : i + pages]
+                ok &= torch.isfinite(chunk.half() if chunk.dtype in FP8 else chunk).all()
         if not ok.item():
             raise PlanError("PagedKVCache.from_tensors: the cache holds non-finite values (uninitialised memory?); "
                             "zero it first or use PagedKVCache.allocate")
@@ -79,6 +99,26 @@ class PagedKVCache:
     @property
     def page_size(self) -> int:
         return self.k.shape[1]
+
+    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V rows [n, H, D] into flat slots [n] int64 (same device), in place, capturable: cast to
+        the cache dtype, or for FP8 scaled by 1 / scale, saturated to the FP8 range and cast (as
+        bytes: CPU torch has no FP8 index_copy_)."""
+        k_flat, v_flat = self.flat()
+        for flat, x, scale in ((k_flat, k, self.k_scale), (v_flat, v, self.v_scale)):
+            if flat.dtype in FP8:
+                top = torch.finfo(flat.dtype).max
+                x = (x.float() * (1.0 / scale)).clamp_(-top, top).to(flat.dtype)
+                flat.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
+            else:
+                flat.index_copy_(0, slots, x.to(flat.dtype))
+
+    def read(self, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of `pages` [n] (long) as [n * page_size, H, D] in `dtype`, dequantized (value * scale)."""
+        k, v = (t[pages].flatten(0, 1).to(dtype) for t in (self.k, self.v))
+        if self.k.dtype in FP8:
+            k, v = k * self.k_scale, v * self.v_scale
+        return k, v
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as [pages * page_size, H, D] views indexed by slot."""
@@ -91,7 +131,7 @@ class PagedKVCache:
         if self.group is not None and group is not None and self.group != group:
             raise PlanError(f"{where}: the cache serves layer group {self.group}, the call names group {group}")
         k = self.k
-        if k.dtype != spec.dtype or k.shape[1:] != spec.cache_shape[1:] or k.shape[0] < spec.cache_shape[0]:
+        if k.dtype != spec.kv_cache_dtype or k.shape[1:] != spec.cache_shape[1:] or k.shape[0] < spec.cache_shape[0]:
             raise PlanError(f"{where}: cache is {tuple(k.shape)} {k.dtype}; the spec needs at least "
-                            f"{spec.cache_shape} {spec.dtype} (num_pages + 1: the last page is the scratch page; "
+                            f"{spec.cache_shape} {spec.kv_cache_dtype} (num_pages + 1: the last page is the scratch page; "
                             "PagedKVCache.allocate(spec) makes one)")

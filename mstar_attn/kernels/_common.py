@@ -20,7 +20,4 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = 
     group = _check.layer_group(group, plan, "write_kv")
     _check.cache_fits(cache, plan, "write_kv", step=step, group=group)
     _check.new_kv(k, v, step, plan, cache, "write_kv", group)
-    k_flat, v_flat = cache.flat()
-    slots = step.groups[group].slot_mapping[: k.shape[0]]
-    k_flat.index_copy_(0, slots, k)
-    v_flat.index_copy_(0, slots, v)
+    cache.store(step.groups[group].slot_mapping[: k.shape[0]], k, v)

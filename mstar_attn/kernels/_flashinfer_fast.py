@@ -72,7 +72,7 @@ class FastDecodePlan:
     """
 
     def __init__(self, wrapper, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 q_len: int, window_left: int, soft_cap: float, dtype: torch.dtype):
+                 q_len: int, window_left: int, soft_cap: float, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
         w = wrapper
         backend = getattr(w, "_backend", None)
         if not w.is_cuda_graph_enabled or getattr(w, "_jit_module", True) is not None or w._uses_cudnn \
@@ -89,7 +89,7 @@ class FastDecodePlan:
         else:  # the CUDA-core decode planner
             device = w._float_workspace_buffer.device
             self.tail = (num_qo_heads, num_kv_heads, page_size, True, window_left, soft_cap, head_dim, head_dim,
-                         torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device))
+                         torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=kv_dtype or dtype, device=device))
 
     def replan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_lens: torch.Tensor) -> None:
         rows = kv_lens.shape[0]

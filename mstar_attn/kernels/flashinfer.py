@@ -71,7 +71,7 @@ class Scheduler:
                        for _ in range(pool.num_slots)]
         self.pinned_ws = [[torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in groups]
                           for _ in range(pool.num_slots)]
-        self.tensor_cores = spec.gqa_group >= 4  # FlashInfer's advice for decode
+        self.tensor_cores = spec.gqa_group >= 4 or spec.fp8_kv  # FlashInfer's advice for decode (its CUDA-core FP8 decode is slow)
         self.wrappers: dict[tuple, object] = {}
         self.fast: dict[tuple, FastDecodePlan] = {}
         self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len[, draft step]) -> its wrapper, planned once for good
@@ -83,7 +83,7 @@ class Scheduler:
         # call per step and group would cost each round K times a decode step's (benchmarks/results/draft_round_h100.md)
         self.draft_fixed = True
         self.plan_kwargs = dict(  # the same for every plan() call of this pool
-            logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.dtype,
+            logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.kv_cache_dtype,
             sm_scale=spec.sm_scale, non_blocking=True,
         )
 
@@ -138,7 +138,8 @@ class Scheduler:
                 try:
                     self.fast[key] = FastDecodePlan(w, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
                                                     head_dim=spec.head_dim, page_size=spec.page_size, q_len=step.q_len,
-                                                    window_left=group.window_left, soft_cap=float(spec.soft_cap), dtype=spec.dtype)
+                                                    window_left=group.window_left, soft_cap=float(spec.soft_cap), dtype=spec.dtype,
+                                                    kv_dtype=spec.kv_cache_dtype)
                 except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
                     pass
             return w
@@ -153,7 +154,7 @@ class Scheduler:
         elif step.plan.backend == "flashinfer_ragged":
             w = self._eager(("ragged", step.slot, g), flashinfer.BatchPrefillWithRaggedKVCacheWrapper)
             w.plan(step.host_qo_indptr, step.host_qo_indptr, *heads, causal=group.causal,
-                   window_left=group.window_left, **self.plan_kwargs)
+                   window_left=group.window_left, **{**self.plan_kwargs, "kv_data_type": spec.dtype})  # (new K/V, not the cache)
         else:
             w = self._eager(("prefill", step.slot, g), flashinfer.BatchPrefillWithPagedKVCacheWrapper)
             w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads,
@@ -220,4 +221,6 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     rows = q.shape[0]
     if rows < step.num_rows:  # eager call on a bucket-padded step: padding requests read the scratch page
         q = torch.cat([q, q[:1].expand(step.num_rows - rows, -1, -1)])
+    if plan.spec.fp8_kv:  # FlashInfer folds k_scale into the softmax scale and scales the output by v_scale
+        return w.run(q, (cache.k, cache.v), k_scale=cache.k_scale, v_scale=cache.v_scale)[:rows]
     return w.run(q, (cache.k, cache.v))[:rows]

@@ -31,9 +31,7 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group:
         slots = step.groups[group].slot_mapping[:T]
     else:
         slots = torch.tensor(plan.slots_of(group), device=k.device)
-    k_flat, v_flat = cache.flat()
-    k_flat[slots] = k[:T]
-    v_flat[slots] = v[:T]
+    cache.store(slots.long(), k[:T], v[:T])
 
 
 def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=None, v=None) -> torch.Tensor:
@@ -64,8 +62,7 @@ def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: in
         p0, p1 = int(gp.kv_indptr[i]), int(gp.kv_indptr[i + 1])
         n_kv, start = int(gp.kv_lens[i]), 0 if gp.kv_start is None else int(gp.kv_start[i])
         pages = torch.tensor(kv_indices[p0:p1], device=q.device, dtype=torch.long)
-        k = cache.k[pages].flatten(0, 1)[:n_kv].to(work).repeat_interleave(rep, dim=1)
-        v = cache.v[pages].flatten(0, 1)[:n_kv].to(work).repeat_interleave(rep, dim=1)
+        k, v = (x[:n_kv].repeat_interleave(rep, dim=1) for x in cache.read(pages, work))  # (FP8: dequantized)
         logits = torch.einsum("qhd,khd->hqk", q[q0:q1].to(work), k) * spec.sm_scale
         if spec.soft_cap > 0:
             logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)

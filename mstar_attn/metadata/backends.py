@@ -24,6 +24,7 @@ import torch
 from mstar_attn.metadata.errors import PlanError
 
 HALF = frozenset({torch.float16, torch.bfloat16})
+FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})  # KV cache dtypes beside the query's (AttentionSpec.kv_dtype)
 ALL_MODES = frozenset({"decode", "prefill", "verify", "mixed", "extend"})
 AUTO = "auto"  # spec.backend: build_plan picks per step (metadata.select.select_backend)
 
@@ -42,11 +43,19 @@ class Capabilities:
     prefix_free: bool = False
     package: str | None = None  # the third-party module it imports (None: torch only)
     needs_finite_cache: bool = False  # its kernel reads whole pages, rows past each sequence included
+    kv_dtypes: frozenset = frozenset()  # KV cache dtypes it serves beside the query dtype (FP8)
+    kv_note: str = ""  # why it serves no other KV dtype, for the PlanError
+
+    def serves_kv(self, spec) -> bool:
+        return spec.kv_cache_dtype == spec.dtype or spec.kv_cache_dtype in self.kv_dtypes
 
     def check(self, spec, name: str) -> None:
-        """PlanError unless this backend serves spec's dtype and head_dim."""
+        """PlanError unless this backend serves spec's dtype, KV cache dtype and head_dim."""
         if spec.dtype not in self.dtypes:
             raise PlanError(f"spec.dtype: backend {name!r} serves {sorted(map(str, self.dtypes))}, not {spec.dtype}")
+        if not self.serves_kv(spec):
+            raise PlanError(f"spec.kv_dtype: backend {name!r} keeps K/V in the query dtype, not {spec.kv_cache_dtype}"
+                            + (f" ({self.kv_note})" if self.kv_note else ""))
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             raise PlanError(f"spec.head_dim: backend {name!r} serves head dims {sorted(self.head_dims)}, not {spec.head_dim}")
 
@@ -55,12 +64,14 @@ _FA = "mstar_attn.kernels.flash_attn"
 _FI = "mstar_attn.kernels.flashinfer"
 _FI_DIMS = frozenset({64, 128, 256})
 _FA_DIMS = frozenset({64, 96, 128})
+_FA_FP8 = "FlashAttention-4 4.0.0b36 reads FP8 K/V on SM100 only, and this package targets Hopper"
 BACKENDS: dict[str, Capabilities] = {
-    "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}),
-    "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer"),
-    "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer"),
-    "flash_attn": Capabilities(_FA, HALF, _FA_DIMS, package="flash_attn.cute", needs_finite_cache=True),
-    "flash_attn_varlen": Capabilities(_FA, HALF, _FA_DIMS, frozenset({"prefill"}), True, "flash_attn.cute"),
+    "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}, kv_dtypes=FP8),
+    "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8),
+    "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer", kv_dtypes=FP8),
+    "flash_attn": Capabilities(_FA, HALF, _FA_DIMS, package="flash_attn.cute", needs_finite_cache=True, kv_note=_FA_FP8),
+    "flash_attn_varlen": Capabilities(_FA, HALF, _FA_DIMS, frozenset({"prefill"}), True, "flash_attn.cute",
+                                      kv_note=_FA_FP8),
 }
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from mstar_attn.metadata._arrays import INT32_MAX, positive_int
-from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.backends import AUTO, BACKENDS, FP8
 from mstar_attn.metadata.errors import PlanError
 
 __all__ = ["AttentionSpec", "Kind", "LayerGroup", "PlanError"]
@@ -104,7 +104,9 @@ def _layer_groups(value) -> tuple:
 class AttentionSpec:
     """Model and cache shape. `layer_groups[i]` is the index into `groups` of layer i.
 
-    dtype is the dtype of q, k, v and the KV cache. sm_scale defaults to head_dim ** -0.5;
+    dtype is the dtype of q, k, v and (unless kv_dtype says otherwise) the KV cache. kv_dtype: an FP8
+    dtype keeps the cache in FP8 with per-tensor scales (PagedKVCache.k_scale / v_scale): write_kv
+    quantizes, the kernels dequantize. sm_scale defaults to head_dim ** -0.5;
     soft_cap = 0 disables logit soft-capping (otherwise logits become cap * tanh(logits / cap)).
     num_pages: the engine's page ids are 0 .. num_pages - 1. The cache holds one page more,
     `scratch_page` (= num_pages): padding rows of bucketed steps and graph capture write and read
@@ -122,6 +124,7 @@ class AttentionSpec:
     groups: tuple[LayerGroup, ...] = attrs.field(default=(LayerGroup(),), converter=_groups)
     layer_groups: tuple[int, ...] = attrs.field(default=(0,), converter=_layer_groups)
     backend: str = "flashinfer"  # a BACKENDS name, or "auto": build_plan picks per step
+    kv_dtype: torch.dtype | None = None  # the KV cache's dtype: None (= dtype), or an FP8 dtype (backends.FP8)
     cache_shape: tuple[int, int, int, int] = attrs.field(init=False, eq=False, repr=False)
     """Shape of each layer's K and V: [num_pages + 1 (the scratch page), page_size, kv_heads, head_dim]."""
     own_page_groups: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
@@ -160,12 +163,24 @@ class AttentionSpec:
             raise PlanError(f"layer_groups[{bad[0]}] = {self.layer_groups[bad[0]]} is not a group index (0..{len(self.groups) - 1})")
         if not isinstance(self.backend, str) or (self.backend != AUTO and self.backend not in BACKENDS):
             raise PlanError(f"spec.backend: unknown backend {self.backend!r} (known: {sorted(BACKENDS)} or {AUTO!r})")
+        if self.kv_dtype is not None and self.kv_dtype != self.dtype and self.kv_dtype not in FP8:
+            raise PlanError(f"spec.kv_dtype: the KV cache keeps the query dtype ({self.dtype}) or an FP8 dtype "
+                            f"({', '.join(sorted(map(str, FP8)))}), not {self.kv_dtype!r}")
         name = "flashinfer" if self.backend == AUTO else self.backend  # auto falls back to FlashInfer paged
         BACKENDS[name].check(self, name)
         shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))
         object.__setattr__(self, "cache_shape", shape)
         object.__setattr__(self, "own_page_groups", tuple(g for g, group in enumerate(self.groups) if group.own_pages))
         object.__setattr__(self, "has_cross", any(group.cross for group in self.groups))
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype of the KV cache: kv_dtype, or dtype when it is None."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype in FP8
 
     @property
     def gqa_group(self) -> int:

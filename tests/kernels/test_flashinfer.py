@@ -298,3 +298,51 @@ def test_cross_attention_eager_and_replayed(page_size, rows):
     from tests.cross_pages import gpu_cross
 
     gpu_cross(fi, "flashinfer", fresh_seed(), page_size, rows)
+
+
+def test_fp8_kv_eager_and_replayed():
+    """An FP8 (e4m3) cache with per-tensor scales: decode and verify steps replayed, prefill, extend
+    and mixed eager, every request against the reference over the same quantized cache (which reads
+    value * scale in float32). Bound: FP8 values are exact in bf16, so the kernel computes as over a
+    bf16 cache (the usual 2u per request), then scales its bf16 output by v_scale, one more rounding
+    (<= u): 3u in norm, 9u elementwise."""
+    from mstar_attn import PagedKVCache
+    from tests.helpers import UNIT_ROUNDOFF, request_errors
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    spec = AttentionSpec(32, 8, 128, 16, 4000, kv_dtype=torch.float8_e4m3fn)
+    cache = PagedKVCache.allocate(spec, "cuda", k_scale=0.02, v_scale=0.015)
+    n = cache.flat()[0].shape[0]
+    for a in range(0, n, 8192):  # every slot random (through the quantizing store)
+        idx = torch.arange(a, min(a + 8192, n), device="cuda")
+        cache.store(idx, *(torch.randn(idx.shape[0], 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(2)))
+    pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=2048, max_num_pages=4000, buckets=(8, 32))
+    graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache),
+                          {"q": torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)})
+    graphs.capture(q_lens=(1, 4))
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    shapes = {"decode": lambda B: ([1] * B, rng.integers(1, 3000, B)),
+              "verify": lambda B: ([4] * B, rng.integers(5, 3000, B)),
+              "prefill": lambda B: (rng.integers(1, 300, B), None),
+              "extend": lambda B: (rng.integers(2, 200, B), rng.integers(300, 1500, B))}
+    replayed = 0
+    for i in range(16):
+        mode = ["decode", "verify", "prefill", "extend"][i % 4]
+        B = int(rng.integers(1, 40 if mode in ("decode", "verify") else 6))
+        q_lens, kv = shapes[mode](B)
+        kv_lens = q_lens if kv is None else kv
+        plan = build_plan(random_batch(rng, q_lens, kv_lens, 16, 4000), spec)
+        step = pool.commit(plan)
+        k, v = (torch.randn(plan.num_tokens, 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(2))
+        fi.write_kv(step, k, v, cache)
+        q = torch.randn(plan.num_tokens, 32, 128, generator=gen, device="cuda").bfloat16()
+        replay = graphs.serves(step)
+        replayed += replay
+        out = graphs(step, q=q) if replay else fi.run(step, q, cache)
+        want = reference.run(plan, q.float(), cache)
+        assert torch.isfinite(out).all(), (f"seed {seed}", i, mode)
+        for r, (rel, abs_err, scale) in enumerate(request_errors(out, want, plan)):
+            assert rel <= 3 * u and abs_err <= 9 * u * max(1.0, scale), (f"seed {seed}", i, mode, f"request {r}", rel, abs_err)
+    assert replayed >= 4, f"seed {seed}"

@@ -1,0 +1,106 @@
+"""H100: decode over an FP8 (e4m3) KV cache vs a bf16 one, side by side in one run, FlashInfer paged.
+
+B requests of exactly `context` tokens (page 16, 32/8 heads, d 128), one layer's decode replayed
+from a captured graph (DecodeGraphs), CUDA-event medians of 50 replays, 5 interleaved rounds per
+format. Bytes: the K and V the kernel must read, B * context * 8 heads * 128 * 2 * bytes per value;
+the copy ceiling is a 2 GiB device-to-device copy (bytes read + written over its time).
+Run on the GPU: python -m benchmarks.fp8_decode OUT_DIR   (writes fp8_decode_h100.json / .md)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn.capture.graphs import DecodeGraphs
+from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.kernels import flashinfer as fi
+from mstar_attn.tuning import event_median_us
+
+PS, H, KVH, D = 16, 32, 8, 128
+
+
+def fill(cache: PagedKVCache, gen) -> None:
+    n = cache.flat()[0].shape[0]
+    for a in range(0, n, 1 << 16):
+        idx = torch.arange(a, min(a + (1 << 16), n), device="cuda")
+        cache.store(idx, *(torch.randn(idx.shape[0], KVH, D, generator=gen, device="cuda").bfloat16() for _ in range(2)))
+
+
+def copy_ceiling_gbs() -> float:
+    a = torch.randint(0, 255, (1 << 31,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = statistics.median(event_median_us(lambda: b.copy_(a), 10) for _ in range(3))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * (1 << 31) / (us * 1e-6) / 1e9
+
+
+def run_case(B: int, context: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(B)
+    pages = B * context // PS + 64
+    rng = np.random.default_rng(B)
+    ids = rng.permutation(pages)[: B * context // PS].astype(np.int32)
+    batch = StepBatch.from_csr(np.ones(B, np.int32), np.full(B, context, np.int32),
+                               np.arange(B + 1, dtype=np.int32) * (context // PS), ids, PS)
+    replays, out = {}, {}
+    for name, kv_dtype, scales in (("bf16", None, {}), ("fp8_e4m3", torch.float8_e4m3fn, dict(k_scale=0.02, v_scale=0.015))):
+        spec = AttentionSpec(H, KVH, D, PS, pages, kv_dtype=kv_dtype)
+        cache = PagedKVCache.allocate(spec, "cuda", **scales)
+        fill(cache, gen)
+        pool = GraphBufferPool(spec, max_batch_size=B, max_num_tokens=B, max_num_pages=pages, buckets=(B,),
+                               max_pages_per_request=context // PS + 8)
+        q = torch.randn(B, H, D, generator=gen, device="cuda").bfloat16()
+        graphs = DecodeGraphs(pool, lambda s, x, c=cache: fi.run(s, x["q"], c), {"q": torch.zeros_like(q)})
+        graphs.capture()
+        step = pool.commit(build_plan(batch, spec))
+        graphs(step, q=q)
+        replays[name] = graphs.graphs[(step.slot, B, 1, "flashinfer")][0]
+        out[name] = (graphs, pool, cache)
+    t = {name: [] for name in replays}
+    for _ in range(5):
+        for name, g in replays.items():
+            t[name].append(event_median_us(g.replay, 50))
+    med = {k: statistics.median(v) for k, v in t.items()}
+    bytes_ = {"bf16": 2, "fp8_e4m3": 1}
+    res = dict(batch=B, context=context, bf16_us=med["bf16"], fp8_us=med["fp8_e4m3"], speedup=med["bf16"] / med["fp8_e4m3"],
+               bf16_rounds=t["bf16"], fp8_rounds=t["fp8_e4m3"])
+    for name, key in (("bf16", "bf16"), ("fp8_e4m3", "fp8")):
+        res[f"{key}_gbs"] = B * context * KVH * D * 2 * bytes_[name] / (med[name] * 1e-6) / 1e9
+    del out, replays
+    torch.cuda.empty_cache()
+    return res
+
+
+def markdown(r: dict) -> str:
+    lines = ["# FP8 (e4m3) vs bf16 KV cache, FlashInfer paged decode, H100", "",
+             f"`python -m benchmarks.fp8_decode OUT`; {r['device']}, FlashInfer {r['flashinfer']}; one layer, 32/8 heads, "
+             f"d 128, page 16, every request exactly `context` tokens, replayed graphs, medians of 5 rounds x 50 replays. "
+             f"Copy ceiling (2 GiB device-to-device, read + write): {r['copy_gbs']:.0f} GB/s.", "",
+             "| B | context | bf16 µs | FP8 µs | speedup | bf16 GB/s (% of copy) | FP8 GB/s (% of copy) |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for x in r["cases"]:
+        lines.append(f"| {x['batch']} | {x['context']} | {x['bf16_us']:.1f} | {x['fp8_us']:.1f} | {x['speedup']:.2f}x | "
+                     f"{x['bf16_gbs']:.0f} ({x['bf16_gbs'] / r['copy_gbs']:.0%}) | {x['fp8_gbs']:.0f} ({x['fp8_gbs'] / r['copy_gbs']:.0%}) |")
+    return "\n".join(lines) + "\n"
+
+
+def main(out_dir: str) -> None:
+    import flashinfer
+
+    r = {"device": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__, "copy_gbs": copy_ceiling_gbs(),
+         "cases": [run_case(B, ctx) for B, ctx in ((64, 4096), (16, 4096), (256, 2048))]}
+    for x in r["cases"]:
+        print(x["batch"], x["context"], f"{x['speedup']:.2f}x", flush=True)
+    json.dump(r, open(f"{out_dir}/fp8_decode_h100.json", "w"), indent=1)
+    open(f"{out_dir}/fp8_decode_h100.md", "w").write(markdown(r))
+    print(markdown(r))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".")
