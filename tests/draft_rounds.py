@@ -93,7 +93,7 @@ class DraftTrace:
         rep = spec.num_qo_heads // spec.num_kv_heads
         out = torch.empty(q.shape, dtype=torch.float64)
         for i, r in enumerate(self.live):
-            n = int(plan.kv_lens[i])
+            n = r.cached + 1 + plan.draft_step  # (the trace's own count, not the plan under test)
             k, v = (torch.stack(x[:n]).double().repeat_interleave(rep, dim=1) for x in (r.k, r.v))
             logits = torch.einsum("hd,khd->hk", q[i].double().cpu(), k) * spec.sm_scale
             if spec.soft_cap:

@@ -92,8 +92,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def serves(self, step: DeviceStep) -> bool:
-        """Whether `step` replays a graph: this pool's, bucketed, and captured for its q_len and its backend."""
-        return (step.pool is self.pool and step.bucket is not None
+        """Whether `step` replays a graph: this pool's, bucketed, and captured for its q_len and its backend
+        (never a step of a draft round: its arrays are not where a decode graph reads; RoundGraphs serves those)."""
+        return (step.pool is self.pool and step.bucket is not None and step.plan.draft_step is None
                 and (step.slot, step.bucket, step.q_len, step.plan.backend) in self.graphs)
 
     def __call__(self, step: DeviceStep, **inputs: torch.Tensor) -> torch.Tensor:
@@ -103,6 +104,9 @@ class DecodeGraphs:
         if step.pool is not self.pool:
             raise PlanError("DecodeGraphs: the step was committed to another pool than the one these graphs read")
         step.check("DecodeGraphs")
+        if step.plan.draft_step is not None:
+            raise PlanError("DecodeGraphs: this step is part of a draft round (commit_round); replay rounds with "
+                            "RoundGraphs, or run its steps eagerly")
         if not self.serves(step):
             return self.fn(step, inputs)
         if inputs.keys() != self.inputs.keys():
@@ -144,7 +148,7 @@ class RoundGraphs:
     def capture(self, k: int, buckets: tuple[int, ...] | None = None, backends: tuple[str, ...] | None = None) -> None:
         """Capture rounds of k steps for every (bucket, backend, slot); defaults as DecodeGraphs.capture."""
         pool, spec = self.pool, self.pool.spec
-        if not isinstance(k, int) or not 1 <= k <= pool.max_draft_steps:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= pool.max_draft_steps:
             raise PlanError(f"RoundGraphs.capture: k {k!r} is not a round this pool holds (1..max_draft_steps "
                             f"{pool.max_draft_steps})")
         buckets = tuple(pool.buckets if buckets is None else buckets)

@@ -5,7 +5,7 @@ other step: R = B, N = T) the arrays sit back to back, so a commit copies one co
 per layer group and nothing the step does not use:
 
     rows [R] | first_page [G * R] | table updates: positions [U], values [U] | (pad to 8 bytes)
-    draft steps 1 .. D-1: slot_mapping int64 [R], per group last_page_len [R], kv_lens [R] |
+    draft steps D-1 .. 1, each: slot_mapping int64 [R], per group last_page_len [R], kv_lens [R] |
     qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad)
     slot_mapping int64 [N] | one more slot_mapping int64 [N] per own_pages group (not cross) |
     group 0 indices [P + 1] | group 1 indices [P + 1] | ... | (pad) per cross group: its slots int64 [E]
@@ -16,9 +16,11 @@ copy): such a commit copies from 0, and the device fills the index regions. A cr
 (E: the most encoder tokens a step stores) sit past the index regions, copied only as far as a
 step stores encoder tokens (decode steps: not at all).
 A StepBatch commit copies from qo_indptr through group 0's used indices, then each other group's
-used indices; a draft round (D = the pool's max_draft_steps) copies from its later steps' arrays
-on, which is the same range for a single-group spec: one copy for all K steps. Step 0 of a round
-and every array the steps share (qo_indptr, kv_indptr, the indices) sit where a decode step's do. Only the first n_g (+ padding) entries of group g's index region are used; P
+used indices; a draft round of K steps (D = the pool's max_draft_steps) starts that first copy
+K - 1 blocks earlier, at its later steps' arrays: one copy for all K steps of a single-group spec.
+Step 0 of a round and every array the steps share (qo_indptr, kv_indptr, the indices) sit where a
+decode step's do. (A StepRows commit copies the head from 0, the draft region included when D > 1.)
+Only the first n_g (+ padding) entries of group g's index region are used; P
 (index_capacity) bounds the pages one group of one step may read, padding requests' scratch
 entries included; the last entry is a dump the device gather writes its masked lanes to.
 Offsets depend on (R, N), so a graph captured for a bucket reads its own fixed addresses.
@@ -44,8 +46,9 @@ class Offsets:
     head_end: int  # end of the slot mappings: group 0's indices start here
     group_slots: tuple[int, ...] = ()  # each group's slot_mapping: `slots`, or its own (own_pages, cross groups)
     end: int = 0  # the end of everything the layout places for (R, N)
-    draft: int = 0  # where draft steps 1.. start: a round's copy starts here
-    draft_steps: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()  # per step 1..D-1: (slots, per group (lpl, lens))
+    draft: int = 0  # where the draft region starts (its last step's block)
+    # per draft step 1..D-1: (its slots, per group (last_page_len, kv_lens)); a round of K steps copies from draft_steps[K-2][0]
+    draft_steps: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
 
 @attrs.frozen
@@ -67,11 +70,12 @@ class Layout:
         updates = rows * (1 + G)
         draft = updates + 2 * cap
         draft += draft & 1
+        block = 2 * rows * (1 + G)  # one draft step: 2R (int64 slots, 8-byte aligned) + 2GR
+        qo = draft + (self.draft_steps - 1) * block
         steps = []
-        for j in range(1, self.draft_steps):  # blocks of 2R + 2GR: int64 slots stay 8-byte aligned
-            at = draft + (j - 1) * 2 * rows * (1 + G)
+        for j in range(1, self.draft_steps):  # step j's block ends (j - 1) blocks before qo: a round of K steps
+            at = qo - j * block               # copies from qo - (K - 1) blocks on
             steps.append((at, tuple((at + 2 * rows * (1 + g), at + 2 * rows * (1 + g) + rows) for g in range(G))))
-        qo = draft + (self.draft_steps - 1) * 2 * rows * (1 + G)
         groups, head = [], qo + rows + 1
         for g in range(G):
             groups.append((head, head + rows + 1, head + 2 * rows + 1, rows * (1 + g)))

@@ -118,7 +118,7 @@ class GraphBufferPool:
         self.generations = [0] * slots  # commits per slot: a DeviceStep is live while its count is current
         self.consumers: list = [None] * slots  # the stream that waited for the slot's step (side-stream commits)
         self._reuse = [torch.cuda.Event() if cuda else _HostEvent() for _ in range(slots)]
-        self._views: dict[tuple[int, int, int], tuple] = {}  # (slot, rows, num_rows) of bucketed steps only
+        self._views: dict[tuple, tuple] = {}  # (["draft",] slot, rows, num_rows) of bucketed steps only
         self._scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
         self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
         self.bytes_to_device = 0  # host-to-device bytes the pool and its schedulers issued, all commits

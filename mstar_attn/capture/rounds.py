@@ -35,7 +35,8 @@ def check_steps(n) -> int:
 
 
 def _step_views(pool: GraphBufferPool, s: int, rows: int, num_rows: int) -> list[tuple]:
-    """Per draft step 1..D-1 of slot s: (slot_mapping, per group (lpl, lens, host lpl, host lens)) views."""
+    """Per draft step 1..D-1 of slot s: (slot_mapping [num_rows] int64 device, per group (last_page_len,
+    kv_lens [rows] int32 device, the same two [rows] int32 pinned host)) views."""
     offsets = pool.layout.at(rows, num_rows)
     dev, host = pool.dev[s], pool.host[s]
     out = []
@@ -47,7 +48,8 @@ def _step_views(pool: GraphBufferPool, s: int, rows: int, num_rows: int) -> list
 
 
 def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[DeviceStep, ...]:
-    """GraphBufferPool.commit_round: every check first, then stage, copy and schedule all K steps."""
+    """GraphBufferPool.commit_round: every check first, then stage, copy and schedule all K steps.
+    Returns K DeviceSteps of one slot and generation (rows: the bucket, or B past the largest)."""
     if not isinstance(draft, DraftRound) or not draft.sealed:
         raise PlanError(f"commit_round: expected a DraftRound made by build_round, got {type(draft).__name__}")
     K = draft.k
@@ -55,6 +57,9 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
         raise PlanError(f"commit_round: the round has {K} steps; this pool holds rounds of up to {pool.max_draft_steps} "
                         "(GraphBufferPool(max_draft_steps=...))")
     plans = draft.steps
+    if pool.spec.own_page_groups:  # (build_round refuses them; scratch rounds too: this is the pool's own check)
+        raise PlanError("commit_round: the pool's spec has layer groups with their own page lists or cross attention; "
+                        "draft rounds serve specs whose groups share one page list")
     bucket = pool._validate(plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
     if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < pool.num_slots):
         raise PlanError(f"commit_round: slot {slot!r} is not one of the pool's {pool.num_slots} slots")
@@ -98,7 +103,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     try:
         pool._after_consumer(s, here)
         offsets, qo, h_qo, slot_view, table_rows, group_views = views
-        first = offsets.draft if K > 1 else offsets.qo
+        first = offsets.draft_steps[K - 2][0] if K > 1 else offsets.qo
         for a, b in [(first, ranges[0][1])] + list(ranges[1:]):
             pool.upload(dev[a:b], host[a:b])
         indices = [dev[a:b] for a, b in ranges]

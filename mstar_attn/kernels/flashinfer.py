@@ -27,11 +27,19 @@ if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
 INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its plan
-FIXED_WORKSPACE_BYTES = 64 << 10  # a plan without split-KV: ~5 KB at 256 rows (work list, o_indptr, mask)
+FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
 # A bucket whose rows x KV heads reach this many CTAs per SM of the GPU is planned once, without
 # split-KV, and never re-planned (see Scheduler); below it split-KV pays for small batches over
 # long contexts, and the schedule is re-planned per step. Measured: benchmarks/results/fixed_schedule_h100.md
 FIXED_CTAS_PER_SM = None  # off by default until the H100 runs of the fixed path are clean (see the README)
+
+
+def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
+    """The int workspace of a graph-mode plan without split-KV: FlashInfer's tensor-core planner
+    writes three int32 work lists and a byte mask of padded_batch_size <= rows * (q_len * gqa + 1)
+    CTAs, o_indptr [rows + 1] and a few words (16-byte aligned); twice that, and at least 64 KiB."""
+    need = 2 * (13 * rows * (q_len * gqa + 1) + 4 * rows + 256)
+    return max(FIXED_WORKSPACE_BYTES, -(-need // 4096) * 4096)
 
 
 class Scheduler:
@@ -57,7 +65,8 @@ class Scheduler:
     own (keys end with j), always on tensor cores (their planner splits KV by each request's length,
     never past it, and a draft step lists pages ahead of its length), planning into the j-th of
     max_draft_steps equal parts of the slot and group's int workspace. Bucketed draft steps use the
-    fixed schedule (planned once, split-KV off) while `draft_fixed` is set, the default.
+    fixed schedule (planned once, split-KV off) while `draft_fixed` is set, the default (read when a
+    step's wrapper is first planned: set it before the pool's first round).
     """
 
     def __init__(self, pool: GraphBufferPool):
@@ -102,7 +111,7 @@ class Scheduler:
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
                     shared.add(t.untyped_storage().data_ptr())
                     own[0 if t.is_cuda else 1] += t.untyped_storage().nbytes() if (t.is_cuda or t.is_pinned()) else 0
-        m = len(self.private) * FIXED_WORKSPACE_BYTES
+        m = sum(ws.numel() for ws, _ in self.private)
         return {"flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
                 f"flashinfer fixed-schedule int workspaces ({len(self.private)})": (m, m),
                 f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
@@ -192,8 +201,9 @@ class Scheduler:
         )
         if not fixed:
             return self._share(w, step.slot, g, step.plan.draft_step)
-        ws = torch.zeros(FIXED_WORKSPACE_BYTES, dtype=torch.uint8, device=self.pool.device)
-        pinned = torch.zeros(FIXED_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
+        size = fixed_workspace_bytes(step.rows, step.q_len, self.pool.spec.gqa_group)
+        ws = torch.zeros(size, dtype=torch.uint8, device=self.pool.device)
+        pinned = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
         self.private.append((ws, pinned))
         share_workspace(w, self.float_ws, ws, pinned)
         return w

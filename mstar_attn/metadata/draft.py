@@ -40,8 +40,10 @@ MAX_DRAFT_STEPS = 16  # the most steps one round may have
 class DraftRound:
     """K decode plans over one batch of B requests: steps[j] reads kv_lens + j tokens and writes token j.
 
-    Every step shares the batch's page arrays (kv_indptr, kv_indices, each window group's trimmed
-    list: one object each for the whole round) and has its own O(B) arrays. Made by build_round."""
+    Every step shares the batch's page arrays (kv_indptr [B+1], kv_indices [n] int32 host, each
+    window group's trimmed list: one read-only object each for the whole round) and has its own
+    O(B) arrays (kv_lens, kv_last_page_len [B] int32; positions, slot_mapping [B] int64: rows of
+    [K, B] arrays). Made by build_round (or scratch_round); `sealed` marks that."""
 
     steps: tuple[AttentionPlan, ...]
     sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
@@ -74,20 +76,46 @@ def build_round(batch: StepBatch, spec: AttentionSpec, k: int, *, check_ownershi
     k = positive_int("k", k)
     if k > MAX_DRAFT_STEPS:
         raise PlanError(f"k: a draft round has at most {MAX_DRAFT_STEPS} steps, got {k}")
+    if not isinstance(check_ownership, bool):
+        raise PlanError(f"check_ownership: expected True or False, got {check_ownership!r}")
+    _shared_list_spec(spec)
+    if batch.group_pages:
+        raise PlanError("batch.group_pages: a draft round's groups share one page list; give none")
+    if batch.block_table is not None:  # its page lists were cut at kv_lens: take the round's from the table
+        batch = _from_table(batch, k)
+    return _round(batch, spec, k, check_ownership, spec.num_pages)
+
+
+def _shared_list_spec(spec: AttentionSpec) -> None:
     if spec.own_page_groups:
         raise PlanError(f"spec: layer group {spec.own_page_groups[0]} keeps its own page list (own_pages) or is cross "
                         "attention; draft rounds serve specs whose groups share one page list")
-    return _round(batch, spec, k, check_ownership, spec.num_pages)
+
+
+def _from_table(batch: StepBatch, k: int) -> StepBatch:
+    """The batch with each request's page list cut from its block table row for kv_lens + k - 1 tokens."""
+    table, ps = batch.block_table, batch.page_size
+    need = (batch.kv_lens.astype(np.int64) + (k - 1) + (ps - 1)) // ps
+    if need.max() > table.shape[1]:
+        fail_at("block_table", need > table.shape[1], f"the row has {table.shape[1]} pages, fewer than the round's {k} "
+                                                     "tokens need (kv_len + k - 1 tokens)")
+    indptr = np.zeros(need.shape[0] + 1, np.int32)
+    np.cumsum(need, out=indptr[1:])
+    return StepBatch(batch.q_lens, batch.kv_lens, indptr, table[np.arange(table.shape[1]) < need[:, None]], ps, table)
 
 
 def scratch_round(spec: AttentionSpec, batch_size: int, k: int, backend: str | None = None) -> DraftRound:
     """A round of `batch_size` requests that read and write only the scratch page (graph capture)."""
+    batch_size, k = positive_int("batch_size", batch_size), positive_int("k", k)
+    if k > MAX_DRAFT_STEPS:
+        raise PlanError(f"k: a draft round has at most {MAX_DRAFT_STEPS} steps, got {k}")
+    _shared_list_spec(spec)
     per = -(-k // spec.page_size)
     indptr = np.arange(batch_size + 1, dtype=np.int32) * per
     pages = np.full(batch_size * per, spec.scratch_page, np.int32)
     batch = StepBatch.from_csr(np.ones(batch_size, np.int32), np.ones(batch_size, np.int32), indptr, pages,
                                spec.page_size)
-    return _round(batch, spec, positive_int("k", k), False, spec.num_pages + 1, backend)
+    return _round(batch, spec, k, False, spec.num_pages + 1, backend)
 
 
 def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool, page_limit: int,

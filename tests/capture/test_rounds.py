@@ -90,9 +90,10 @@ def test_steps_go_stale_together_and_bad_rounds_change_nothing():
         pool.commit_round(_round(seed, k=5))
     with pytest.raises(PlanError, match="DraftRound"):
         pool.commit_round(draft.steps)
-    assert all(s.live for s in steps) and pool.next_slot == 1, seed
+    assert all(s.live for s in steps) and pool.next_slot == 1 and pool.generations == [1, 0], seed
     pool.commit_round(draft)
     pool.commit_round(draft)  # the slot of `steps` again
+    assert pool.generations == [2, 1] and not any(s.live for s in steps), seed
     for s in steps:
         with pytest.raises(StaleStepError):
             reference.run(s, torch.zeros(5, 4, 16, dtype=torch.bfloat16), PagedKVCache.allocate(s.plan.spec, "cpu"))
@@ -122,3 +123,41 @@ def test_rounds_through_the_reference_backend_per_request(ps):
     trace = DraftTrace(spec, seed, max_batch=10, max_context=60)
     ran = serve_rounds(trace, pool, reference, caches, [1, 2, 3, 4, 5, 6, 7, 8] * 2, seed)
     assert sum(ran.values()) == 16 and trace.poisoned > 0, seed
+
+
+def test_decode_graphs_refuse_a_draft_step():
+    """A draft step is not where a decode graph reads (steps 1.. have their own arrays): refused, not replayed."""
+    from mstar_attn.capture.graphs import DecodeGraphs
+
+    draft = _round(fresh_seed())
+    pool = _pool(draft.steps[0].spec)
+    steps = pool.commit_round(draft)
+    graphs = DecodeGraphs(pool, lambda step, x: x["q"], {"q": torch.zeros(8, 4, 16)})
+    assert not graphs.serves(steps[1])
+    with pytest.raises(PlanError, match="RoundGraphs"):
+        graphs(steps[1], q=torch.zeros(5, 4, 16))
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_layout_regions_never_overlap_with_draft_steps(groups):
+    """Every region of Layout.at, draft blocks included, disjoint, int64 views on even offsets, for
+    draft steps 1..6, rows 1..9 and token rows up to 3x."""
+    from mstar_attn.capture.layout import Layout
+
+    for D in range(1, 7):
+        lay = Layout(16, 64, 40, groups, (0,) * groups, D)
+        for rows in range(1, 10):
+            for num_rows in (rows, 2 * rows + 1, 3 * rows):
+                o = lay.at(rows, num_rows)
+                spans = [(o.table_rows, rows * (1 + groups)), (o.updates, 2 * o.update_capacity), (o.qo, rows + 1),
+                         (o.slots, 2 * num_rows)]
+                for ptr, lpl, lens, _, idx in o.groups:
+                    spans += [(ptr, rows + 1), (lpl, rows), (lens, rows), (idx, 41)]
+                for at, per_group in o.draft_steps:
+                    assert at % 2 == 0, (D, rows, num_rows)
+                    spans += [(at, 2 * rows)] + [(a, rows) for pair in per_group for a in pair]
+                assert len(o.draft_steps) == D - 1 and (D == 1 or o.draft_steps[-1][0] == o.draft)
+                spans.sort()
+                for (a, n), (b, _) in zip(spans, spans[1:]):
+                    assert a + n <= b, (D, rows, num_rows, a, n, b)
+                assert o.slots % 2 == 0 and spans[-1][0] + spans[-1][1] <= lay.size

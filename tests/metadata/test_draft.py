@@ -122,3 +122,27 @@ def test_own_page_and_cross_groups_are_refused():
     spec = _spec(4, groups=(LayerGroup(), LayerGroup("window", window=8, own_pages=True)))
     with pytest.raises(PlanError, match="own page list"):
         build_round(_batch([3], [[0, 1]]), spec, 2)
+
+
+def test_bad_flags_and_own_lists_are_refused():
+    spec = _spec(4)
+    batch = _batch([3, 5], [[0, 1], [2, 3]])
+    with pytest.raises(PlanError, match="check_ownership"):
+        build_round(batch, spec, 2, check_ownership=None)
+    with pytest.raises(PlanError, match="batch_size"):
+        scratch_round(spec, 0, 2)
+    with pytest.raises(PlanError, match="k: .*at most"):
+        scratch_round(spec, 2, MAX_DRAFT_STEPS + 1)
+    own = _spec(4, groups=(LayerGroup(), LayerGroup("window", window=8, own_pages=True)))
+    with pytest.raises(PlanError, match="own page list"):
+        scratch_round(own, 2, 2)
+
+
+def test_a_block_table_batch_lists_the_rounds_pages_from_its_table():
+    """from_block_table cuts each list at kv_lens; a round reads kv_lens + k - 1: taken from the table."""
+    spec = _spec(4)
+    table = np.array([[0, 1, 2, 9], [3, 4, 5, 6]])
+    draft = build_round(StepBatch.from_block_table([1, 1], [3, 6], table, 4), spec, 4)
+    assert np.array_equal(draft.steps[0].kv_indices, [0, 1, 3, 4, 5]) and np.array_equal(draft.steps[-1].kv_lens, [6, 9])
+    with pytest.raises(PlanError, match=r"block_table\[1\].*request 1"):
+        build_round(StepBatch.from_block_table([1, 1], [3, 14], table, 4), spec, 4)
