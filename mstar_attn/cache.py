@@ -30,7 +30,9 @@ def _tensor(name: str):
 
 @attrs.frozen
 class PagedKVCache:
-    """k, v: [pages, page_size, num_kv_heads, head_dim], one dtype, one device.
+    """k, v: [pages, page_size, num_kv_heads, head_dim], one dtype, one device. (A latent-attention
+    cache, AttentionSpec.mla_rope_dim > 0: k is c_kv [pages, page_size, 1, head_dim], v is k_pe
+    [pages, page_size, 1, mla_rope_dim].)
 
     Token at slot s (= page * page_size + offset) lives at k.view(-1, H, D)[s]. A cache for an
     AttentionSpec has spec.cache_shape: the engine's num_pages pages plus the scratch page.
@@ -56,8 +58,8 @@ class PagedKVCache:
     v_scale: float = attrs.field(default=1.0, kw_only=True)
 
     def __attrs_post_init__(self):
-        k, v = self.k, self.v
-        if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        k, v = self.k, self.v  # (an MLA cache's V, the RoPE keys, has its own last dimension)
+        if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
             raise PlanError(f"PagedKVCache: k and v differ: {tuple(k.shape)} {k.dtype} {k.device} vs "
                             f"{tuple(v.shape)} {v.dtype} {v.device}")
         g = self.group
@@ -76,7 +78,7 @@ class PagedKVCache:
                  k_scale: float = 1.0, v_scale: float = 1.0) -> PagedKVCache:
         """Zero-filled, spec.cache_shape, spec.kv_cache_dtype: finite from the start. group, scales: see the class doc."""
         return cls(torch.zeros(spec.cache_shape, dtype=spec.kv_cache_dtype, device=device),
-                   torch.zeros(spec.cache_shape, dtype=spec.kv_cache_dtype, device=device), finite=True, group=group,
+                   torch.zeros(spec.v_cache_shape, dtype=spec.kv_cache_dtype, device=device), finite=True, group=group,
                    k_scale=k_scale, v_scale=v_scale)
 
     @classmethod
@@ -131,7 +133,8 @@ class PagedKVCache:
         if self.group is not None and group is not None and self.group != group:
             raise PlanError(f"{where}: the cache serves layer group {self.group}, the call names group {group}")
         k = self.k
-        if k.dtype != spec.kv_cache_dtype or k.shape[1:] != spec.cache_shape[1:] or k.shape[0] < spec.cache_shape[0]:
+        if (k.dtype != spec.kv_cache_dtype or k.shape[1:] != spec.cache_shape[1:] or k.shape[0] < spec.cache_shape[0]
+                or self.v.shape[1:] != spec.v_cache_shape[1:]):
             raise PlanError(f"{where}: cache is {tuple(k.shape)} {k.dtype}; the spec needs at least "
                             f"{spec.cache_shape} {spec.kv_cache_dtype} (num_pages + 1: the last page is the scratch page; "
                             "PagedKVCache.allocate(spec) makes one)")

@@ -30,7 +30,7 @@ def test_from_tensors_checks_every_element_once():
 
 @pytest.mark.parametrize("k, v, match", [
     (torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), "contiguous \\[pages, page_size, kv_heads, head_dim\\]"),
-    (torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 8), "k and v differ"),
+    (torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 1, 16), "k and v differ"),
     (torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16, dtype=torch.float16), "k and v differ"),
     (torch.zeros(3, 4, 16, 2).transpose(2, 3), torch.zeros(3, 4, 2, 16), "not contiguous"),
     ("k", torch.zeros(3, 4, 2, 16), "expected a tensor"),
@@ -44,3 +44,9 @@ def test_a_cache_without_the_scratch_page_does_not_fit_the_spec():
     spec = spec_for(page_size=4, num_pages=10)
     with pytest.raises(PlanError, match="scratch page"):
         PagedKVCache(torch.zeros(10, 4, 2, 16), torch.zeros(10, 4, 2, 16)).check(spec, "run: cache")
+
+
+def test_a_v_of_another_width_fits_only_a_latent_attention_spec():
+    spec = spec_for(page_size=4, num_pages=10)
+    with pytest.raises(PlanError, match="the spec needs"):
+        PagedKVCache(torch.zeros(11, 4, 2, 16), torch.zeros(11, 4, 2, 8)).check(spec, "run: cache")

@@ -62,12 +62,13 @@ def cache_fits(cache, plan: AttentionPlan, where: str, finite: bool = False, ste
                         "cache must be known finite: make it with PagedKVCache.allocate or PagedKVCache.from_tensors")
 
 
-def _tensor(t, name: str, heads: int, plan: AttentionPlan, device, where: str, dtypes) -> torch.Tensor:
+def _tensor(t, name: str, heads: int, plan: AttentionPlan, device, where: str, dtypes, dim: int | None = None) -> torch.Tensor:
+    dim = plan.spec.head_dim if dim is None else dim
     if not isinstance(t, torch.Tensor):
-        raise PlanError(f"{where}: {name} must be a tensor [rows, {heads}, {plan.spec.head_dim}], got {type(t).__name__}")
+        raise PlanError(f"{where}: {name} must be a tensor [rows, {heads}, {dim}], got {type(t).__name__}")
     shape = t.shape
-    if len(shape) != 3 or shape[1] != heads or shape[2] != plan.spec.head_dim:
-        raise PlanError(f"{where}: {name} has shape {tuple(shape)}; expected [rows, {heads}, {plan.spec.head_dim}]")
+    if len(shape) != 3 or shape[1] != heads or shape[2] != dim:
+        raise PlanError(f"{where}: {name} has shape {tuple(shape)}; expected [rows, {heads}, {dim}]")
     if t.dtype not in dtypes:
         raise PlanError(f"{where}: {name} is {t.dtype}; this step takes {' or '.join(map(str, dict.fromkeys(dtypes)))} "
                         "(spec.dtype)")
@@ -85,16 +86,19 @@ def rows(t: torch.Tensor, name: str, step, plan: AttentionPlan, where: str) -> N
 
 
 def query(q, step, plan: AttentionPlan, cache, where: str, dtypes=None) -> None:
-    _tensor(q, "q", plan.spec.num_qo_heads, plan, cache.k.device, where, dtypes or (plan.spec.dtype,))
+    """q: [rows, qo_heads, head_dim] (latent attention: head_dim + mla_rope_dim, q_nope then q_pe)."""
+    spec = plan.spec
+    _tensor(q, "q", spec.num_qo_heads, plan, cache.k.device, where, dtypes or (spec.dtype,), spec.head_dim + spec.mla_rope_dim)
     rows(q, "q", step, plan, where)
 
 
 def new_kv(k, v, step, plan: AttentionPlan, cache, where: str, group: int = 0) -> None:
     """k, v: the step's new keys and values, cache dtype and device, rows as q's; for a
     cross-attention group, exactly the encoder tokens the step stores (sum of its new_lens)."""
-    cross = plan.spec.groups[group].cross
-    for name, t in (("k", k), ("v", v)):
-        _tensor(t, name, plan.spec.num_kv_heads, plan, cache.k.device, where, (plan.spec.dtype,))
+    cross, spec = plan.spec.groups[group].cross, plan.spec
+    for name, t in (("k", k), ("v", v)):  # (latent attention: k is c_kv, v is k_pe [rows, 1, mla_rope_dim])
+        dim = spec.mla_rope_dim if name == "v" and spec.mla else spec.head_dim
+        _tensor(t, name, spec.num_kv_heads, plan, cache.k.device, where, (spec.dtype,), dim)
         if not cross:
             rows(t, name, step, plan, where)
         elif t.shape[0] != plan.groups[group].stored or t.shape[0] == 0:

@@ -38,8 +38,9 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=
     """Attention of the step's queries over the cache for one layer of layer group `group`
     (required when the spec has own_pages groups, else default 0).
 
-    q: [T (or a committed step's padded rows), num_qo_heads, head_dim] on the cache's device, in
-    spec.dtype or, as an oracle, float32 / float64. Returns q's shape and dtype, computed in
+    q: [T (or a committed step's padded rows), num_qo_heads, head_dim (+ mla_rope_dim: latent
+    attention)] on the cache's device, in spec.dtype or, as an oracle, float32 / float64. Returns
+    [rows, num_qo_heads, head_dim] in q's dtype, computed in
     float32 (float64 for float64 q); padding rows past T are zero. Queries sit at the end of each
     sequence. k, v: unused, the new K/V are read from the cache (write_kv first).
     """
@@ -56,13 +57,15 @@ def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: in
     spec, gp = plan.spec, plan.groups[group]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rep = spec.num_qo_heads // spec.num_kv_heads
-    out = torch.zeros_like(q)
+    out = q.new_zeros(q.shape[0], q.shape[1], spec.head_dim)  # (latent attention: q is wider than the output)
     for i in range(plan.batch_size):
         q0, q1 = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
         p0, p1 = int(gp.kv_indptr[i]), int(gp.kv_indptr[i + 1])
         n_kv, start = int(gp.kv_lens[i]), 0 if gp.kv_start is None else int(gp.kv_start[i])
         pages = torch.tensor(kv_indices[p0:p1], device=q.device, dtype=torch.long)
         k, v = (x[:n_kv].repeat_interleave(rep, dim=1) for x in cache.read(pages, work))  # (FP8: dequantized)
+        if spec.mla:  # keys [c_kv, k_pe] against [q_nope, q_pe]; values c_kv
+            k, v = torch.cat([k, v], dim=-1), k
         logits = torch.einsum("qhd,khd->hqk", q[q0:q1].to(work), k) * spec.sm_scale
         if spec.soft_cap > 0:
             logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)

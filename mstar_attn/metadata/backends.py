@@ -45,6 +45,7 @@ class Capabilities:
     needs_finite_cache: bool = False  # its kernel reads whole pages, rows past each sequence included
     kv_dtypes: frozenset = frozenset()  # KV cache dtypes it serves beside the query dtype (FP8)
     kv_note: str = ""  # why it serves no other KV dtype, for the PlanError
+    mla: bool = False  # it serves latent attention (AttentionSpec.mla_rope_dim > 0)
 
     def serves_kv(self, spec) -> bool:
         return spec.kv_cache_dtype == spec.dtype or spec.kv_cache_dtype in self.kv_dtypes
@@ -53,6 +54,9 @@ class Capabilities:
         """PlanError unless this backend serves spec's dtype, KV cache dtype and head_dim."""
         if spec.dtype not in self.dtypes:
             raise PlanError(f"spec.dtype: backend {name!r} serves {sorted(map(str, self.dtypes))}, not {spec.dtype}")
+        if spec.mla and not self.mla:
+            raise PlanError(f"spec.mla_rope_dim: backend {name!r} does not serve latent attention (MLA) yet; "
+                            "the reference backend does")
         if not self.serves_kv(spec):
             raise PlanError(f"spec.kv_dtype: backend {name!r} keeps K/V in the query dtype, not {spec.kv_cache_dtype}"
                             + (f" ({self.kv_note})" if self.kv_note else ""))
@@ -66,7 +70,8 @@ _FI_DIMS = frozenset({64, 128, 256})
 _FA_DIMS = frozenset({64, 96, 128})
 _FA_FP8 = "FlashAttention-4 4.0.0b36 reads FP8 K/V on SM100 only, and this package targets Hopper"
 BACKENDS: dict[str, Capabilities] = {
-    "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}, kv_dtypes=FP8),
+    "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}, kv_dtypes=FP8,
+                              mla=True),
     "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8),
     "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer", kv_dtypes=FP8),
     "flash_attn": Capabilities(_FA, HALF, _FA_DIMS, package="flash_attn.cute", needs_finite_cache=True, kv_note=_FA_FP8),

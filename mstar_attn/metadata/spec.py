@@ -106,7 +106,13 @@ class AttentionSpec:
 
     dtype is the dtype of q, k, v and (unless kv_dtype says otherwise) the KV cache. kv_dtype: an FP8
     dtype keeps the cache in FP8 with per-tensor scales (PagedKVCache.k_scale / v_scale): write_kv
-    quantizes, the kernels dequantize. sm_scale defaults to head_dim ** -0.5;
+    quantizes, the kernels dequantize. mla_rope_dim > 0 makes the layers latent attention (MLA, the
+    absorbed form DeepSeek V2/V3 decode with): one KV head (num_kv_heads 1) whose cache holds the
+    compressed latent c_kv (head_dim, e.g. 512) as "K" and the shared RoPE key k_pe (mla_rope_dim, e.g.
+    64) as "V"; q is [T, heads, head_dim + mla_rope_dim] (q_nope absorbed through W_UK, then q_pe),
+    logits = q_nope . c_kv + q_pe . k_pe, and the output [T, heads, head_dim] is softmax . c_kv (apply
+    W_UV after). Pass sm_scale (MLA's is 1 / sqrt(qk_nope_head_dim + rope dim), not head_dim's).
+    sm_scale defaults to head_dim ** -0.5;
     soft_cap = 0 disables logit soft-capping (otherwise logits become cap * tanh(logits / cap)).
     num_pages: the engine's page ids are 0 .. num_pages - 1. The cache holds one page more,
     `scratch_page` (= num_pages): padding rows of bucketed steps and graph capture write and read
@@ -125,8 +131,11 @@ class AttentionSpec:
     layer_groups: tuple[int, ...] = attrs.field(default=(0,), converter=_layer_groups)
     backend: str = "flashinfer"  # a BACKENDS name, or "auto": build_plan picks per step
     kv_dtype: torch.dtype | None = None  # the KV cache's dtype: None (= dtype), or an FP8 dtype (backends.FP8)
+    mla_rope_dim: int = 0  # > 0: latent attention (MLA); see the class doc
     cache_shape: tuple[int, int, int, int] = attrs.field(init=False, eq=False, repr=False)
-    """Shape of each layer's K and V: [num_pages + 1 (the scratch page), page_size, kv_heads, head_dim]."""
+    """Shape of each layer's K (and V): [num_pages + 1 (the scratch page), page_size, kv_heads, head_dim]."""
+    v_cache_shape: tuple[int, int, int, int] = attrs.field(init=False, eq=False, repr=False)
+    """Shape of each layer's V: cache_shape, or for MLA [num_pages + 1, page_size, 1, mla_rope_dim] (k_pe)."""
     own_page_groups: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     """Indices of the groups that keep their own page list (LayerGroup.own_pages; cross groups among them)."""
     has_cross: bool = attrs.field(init=False, eq=False, repr=False)
@@ -166,10 +175,16 @@ class AttentionSpec:
         if self.kv_dtype is not None and self.kv_dtype != self.dtype and self.kv_dtype not in FP8:
             raise PlanError(f"spec.kv_dtype: the KV cache keeps the query dtype ({self.dtype}) or an FP8 dtype "
                             f"({', '.join(sorted(map(str, FP8)))}), not {self.kv_dtype!r}")
+        r = self.mla_rope_dim
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+            raise PlanError(f"spec.mla_rope_dim: expected an integer >= 0 (0: not MLA), got {r!r}")
+        if r and self.num_kv_heads != 1:
+            raise PlanError(f"spec.num_kv_heads: latent attention (mla_rope_dim {r}) has one KV head, got {self.num_kv_heads}")
         name = "flashinfer" if self.backend == AUTO else self.backend  # auto falls back to FlashInfer paged
         BACKENDS[name].check(self, name)
         shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))
         object.__setattr__(self, "cache_shape", shape)
+        object.__setattr__(self, "v_cache_shape", shape[:3] + (int(r),) if r else shape)
         object.__setattr__(self, "own_page_groups", tuple(g for g, group in enumerate(self.groups) if group.own_pages))
         object.__setattr__(self, "has_cross", any(group.cross for group in self.groups))
 
@@ -177,6 +192,11 @@ class AttentionSpec:
     def kv_cache_dtype(self) -> torch.dtype:
         """The dtype of the KV cache: kv_dtype, or dtype when it is None."""
         return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+    @property
+    def mla(self) -> bool:
+        """Latent attention (mla_rope_dim > 0): see the class doc."""
+        return self.mla_rope_dim > 0
 
     @property
     def fp8_kv(self) -> bool:
