@@ -67,8 +67,9 @@ class PagedKVCache:
             raise PlanError(f"PagedKVCache.group: expected a layer-group index or None, got {g!r}")
         for name in ("k_scale", "v_scale"):
             x = getattr(self, name)
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-                raise PlanError(f"PagedKVCache.{name}: expected a finite positive number, got {x!r}")
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not 2.0**-100 <= x <= 2.0**100:
+                raise PlanError(f"PagedKVCache.{name}: expected a positive number in 2^-100 .. 2^100 (its inverse and "
+                                f"products must stay finite in float32), got {x!r}")
             if x != 1.0 and k.dtype not in FP8:
                 raise PlanError(f"PagedKVCache.{name}: scales are for FP8 caches; this one is {k.dtype}")
             object.__setattr__(self, name, float(x))
@@ -103,27 +104,31 @@ class PagedKVCache:
         return self.k.shape[1]
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """K/V rows [n, H, D] into flat slots [n] int64 (same device), in place, capturable: cast to
-        the cache dtype, or for FP8 scaled by 1 / scale, saturated to the FP8 range and cast (as
-        bytes: CPU torch has no FP8 index_copy_)."""
+        """K rows [n, H, k.shape[-1]] and V rows [n, H, v.shape[-1]] (any float dtype, the cache's
+        device) into flat slots [n] int64, in place, capturable. Cast to the cache dtype, or for FP8
+        scaled by 1 / scale, saturated to the FP8 range (an infinity becomes NaN, as NaN stays NaN)
+        and cast, written as bytes (CPU torch has no FP8 index_copy_). The backends' write_kv check
+        the arguments first; this does not."""
         k_flat, v_flat = self.flat()
         for flat, x, scale in ((k_flat, k, self.k_scale), (v_flat, v, self.v_scale)):
             if flat.dtype in FP8:
                 top = torch.finfo(flat.dtype).max
-                x = (x.float() * (1.0 / scale)).clamp_(-top, top).to(flat.dtype)
+                x = x.float() * (1.0 / scale)
+                x = torch.where(x.isinf(), torch.nan, x).clamp_(-top, top).to(flat.dtype)
                 flat.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
             else:
                 flat.index_copy_(0, slots, x.to(flat.dtype))
 
     def read(self, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of `pages` [n] (long) as [n * page_size, H, D] in `dtype`, dequantized (value * scale)."""
+        """K and V of `pages` [n] (int64, the cache's device) as [n * page_size, H, k's / v's last dim]
+        in `dtype`, dequantized for FP8 (value * scale). Unchecked, like `store`."""
         k, v = (t[pages].flatten(0, 1).to(dtype) for t in (self.k, self.v))
         if self.k.dtype in FP8:
             k, v = k * self.k_scale, v * self.v_scale
         return k, v
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as [pages * page_size, H, D] views indexed by slot."""
+        """K and V as [pages * page_size, H, k's / v's last dim] views indexed by slot."""
         return self.k.view(-1, *self.k.shape[2:]), self.v.view(-1, *self.v.shape[2:])
 
     def check(self, spec: AttentionSpec, where: str, group: int | None = None) -> None:

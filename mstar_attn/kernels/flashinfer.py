@@ -216,7 +216,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     q: [T, qo_heads, head_dim] (a bucketed step also takes its padding requests' rows, see
     DeviceStep.accepts_rows), spec.dtype, on the cache's device; returns the same number of rows.
     k, v: the step's new keys and values [T, kv_heads, head_dim], needed only when the plan names
-    "flashinfer_ragged" (attention over the new tokens alone).
+    "flashinfer_ragged" (attention over the new tokens alone). An FP8 cache is read with its
+    k_scale / v_scale (host floats: a captured graph keeps the scales of the cache it captured).
     """
     plan = _check.step_plan(step, "run")
     group = _check.layer_group(group, plan, "run")

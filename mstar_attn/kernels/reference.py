@@ -20,7 +20,9 @@ _ORACLE_DTYPES = (torch.float32, torch.float64)
 def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group: int | None = None) -> None:
     """Store the step's new keys and values for one layer of layer group `group` (required when the
     spec has own_pages groups, else default 0). k, v: [T (or a committed step's padded rows),
-    kv_heads, head_dim], spec.dtype, on the cache's device; token t goes to slot plan.slots_of(group)[t]."""
+    kv_heads, head_dim], spec.dtype, on the cache's device (latent attention: k is c_kv [.., 1,
+    head_dim], v is k_pe [.., 1, mla_rope_dim]); token t goes to slot plan.slots_of(group)[t]. An
+    FP8 cache stores them quantized (PagedKVCache.store: scaled, saturated)."""
     plan = _check.step_plan(step, "write_kv", plans_ok=True)
     group = _check.layer_group(group, plan, "write_kv")
     _check.cache_fits(cache, plan, "write_kv", step=step, group=group)

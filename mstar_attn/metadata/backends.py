@@ -48,6 +48,7 @@ class Capabilities:
     mla: bool = False  # it serves latent attention (AttentionSpec.mla_rope_dim > 0)
 
     def serves_kv(self, spec) -> bool:
+        """Whether it serves spec's KV cache dtype (the query dtype, or one of kv_dtypes)."""
         return spec.kv_cache_dtype == spec.dtype or spec.kv_cache_dtype in self.kv_dtypes
 
     def check(self, spec, name: str) -> None:
@@ -73,7 +74,8 @@ BACKENDS: dict[str, Capabilities] = {
     "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}, kv_dtypes=FP8,
                               mla=True),
     "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8),
-    "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer", kv_dtypes=FP8),
+    "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer",
+                                      kv_note="it attends over the step's K/V as given, not as an FP8 cache holds them"),
     "flash_attn": Capabilities(_FA, HALF, _FA_DIMS, package="flash_attn.cute", needs_finite_cache=True, kv_note=_FA_FP8),
     "flash_attn_varlen": Capabilities(_FA, HALF, _FA_DIMS, frozenset({"prefill"}), True, "flash_attn.cute",
                                       kv_note=_FA_FP8),

@@ -172,7 +172,11 @@ class AttentionSpec:
             raise PlanError(f"layer_groups[{bad[0]}] = {self.layer_groups[bad[0]]} is not a group index (0..{len(self.groups) - 1})")
         if not isinstance(self.backend, str) or (self.backend != AUTO and self.backend not in BACKENDS):
             raise PlanError(f"spec.backend: unknown backend {self.backend!r} (known: {sorted(BACKENDS)} or {AUTO!r})")
-        if self.kv_dtype is not None and self.kv_dtype != self.dtype and self.kv_dtype not in FP8:
+        if self.kv_dtype is not None and not isinstance(self.kv_dtype, torch.dtype):
+            raise PlanError(f"spec.kv_dtype: expected a torch.dtype or None, got {self.kv_dtype!r}")
+        if self.kv_dtype == self.dtype:
+            object.__setattr__(self, "kv_dtype", None)  # (the same spec as without it: equal, and the same pools)
+        if self.kv_dtype is not None and self.kv_dtype not in FP8:
             raise PlanError(f"spec.kv_dtype: the KV cache keeps the query dtype ({self.dtype}) or an FP8 dtype "
                             f"({', '.join(sorted(map(str, FP8)))}), not {self.kv_dtype!r}")
         r = self.mla_rope_dim
@@ -200,6 +204,7 @@ class AttentionSpec:
 
     @property
     def fp8_kv(self) -> bool:
+        """Whether the KV cache is FP8 (kv_dtype one of backends.FP8)."""
         return self.kv_cache_dtype in FP8
 
     @property
