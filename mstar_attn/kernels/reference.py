@@ -11,6 +11,7 @@ import torch
 
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
+from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.spec import Kind
 
@@ -80,3 +81,67 @@ def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: in
             logits = logits.masked_fill(hidden, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v).to(q.dtype)
     return out
+
+
+def merge_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint key sets, from each one's output o [T, H, D] and log-sum-exp of its
+    logits lse [T, H] (natural log, -inf for no keys): the output over their union and its lse."""
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    total = w1 + w2
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / total[..., None], m + torch.log(total)
+
+
+def _partial(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [t, H, D] over k, v [n, H, D] (hidden [t, n] or None): output [t, H, D] and lse [t, H]."""
+    logits = torch.einsum("qhd,khd->hqk", q, k) * spec.sm_scale
+    if spec.soft_cap > 0:
+        logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)
+    if hidden is not None:
+        logits = logits.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [H, t]
+    return torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v), lse.transpose(0, 1)
+
+
+def run_cascade(plan: AttentionPlan, cascade, q: torch.Tensor, cache: PagedKVCache, group: int = 0) -> torch.Tensor:
+    """`run` computed in two levels (metadata/cascade.py): each prefix group's queries over its shared
+    pages once (every key visible), each request's queries over its own suffix (causal), merged by
+    log-sum-exp (merge_states). Requests in no group attend over their whole list. Causal and
+    non-causal groups over the shared list only (a window group reads its own range: refused).
+    q: [T, qo_heads, head_dim] on the cache's device; returns [T, qo_heads, head_dim] in q's dtype."""
+    group = _check.layer_group(group, plan, "run_cascade")
+    gp, spec = plan.groups[group], plan.spec
+    if gp.kv_start is not None or gp.group.kind not in (Kind.CAUSAL, Kind.NONCAUSAL) or spec.mla:
+        raise PlanError("run_cascade: shared prefixes serve full causal and non-causal groups of standard attention; "
+                        f"layer group {group} is {gp.group.kind.value}")
+    _check.cache_fits(cache, plan, "run_cascade", group=group)
+    _check.query(q, plan, plan, cache, "run_cascade", (spec.dtype, *_ORACLE_DTYPES))
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep, ps = spec.num_qo_heads // spec.num_kv_heads, spec.page_size
+    qw = q.to(work)
+    out = torch.zeros_like(qw)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=work, device=q.device)
+
+    def keys(i: int, first: int, last: int):  # tokens first .. last - 1 of request i
+        p0 = int(gp.kv_indptr[i])
+        pages = torch.tensor(gp.kv_indices[p0 + first // ps : p0 + -(-last // ps)], device=q.device, dtype=torch.long)
+        k, v = cache.read(pages, work)
+        return (x[: last - first].repeat_interleave(rep, dim=1) for x in (k, v))
+
+    for g in range(cascade.num_groups):  # the shared level: all the group's query rows at once
+        members = cascade.members[cascade.members_indptr[g] : cascade.members_indptr[g + 1]]
+        rows = torch.cat([torch.arange(int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])) for i in members]).to(q.device)
+        k, v = keys(int(members[0]), 0, int(cascade.shared_pages[g]) * ps)
+        out[rows], lse[rows] = _partial(spec, qw[rows], k, v, None)
+    for i in range(plan.batch_size):  # the suffix level, merged into the shared one
+        a, b, n = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1]), int(gp.kv_lens[i])
+        start = int(cascade.suffix_page[i]) * ps
+        k, v = keys(i, start, n)
+        hidden = None
+        if gp.group.causal:
+            q_pos = torch.arange(n - (b - a), n, device=q.device)
+            hidden = torch.arange(start, n, device=q.device)[None, :] > q_pos[:, None]
+        o2, l2 = _partial(spec, qw[a:b], k, v, hidden)
+        out[a:b], lse[a:b] = merge_states(out[a:b], lse[a:b], o2, l2)
+    return out.to(q.dtype)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, Kind, LayerGroup, PlanError, build_plan
+from mstar_attn import AttentionSpec, Kind, LayerGroup, PagedKVCache, PlanError, StepBatch, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import (
     assert_close_per_request, fresh_seed, make_step, naive_attention, random_batch, random_cache, request_errors, spec_for,
@@ -169,3 +169,54 @@ def test_cross_attention_matches_the_exact_attention(page_size):
     k = torch.randn(plan.num_tokens, 2, 16)
     with pytest.raises(PlanError, match="layer group 1 is cross attention and this step stores no encoder K/V"):
         reference.write_kv(plan, k, k, caches[1], group=1)
+
+
+@pytest.mark.parametrize("kind, soft_cap", [("causal", 0.0), ("noncausal", 0.0), ("causal", 5.0)])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_cascade_levels_merged_by_lse_equal_the_flat_attention(kind, soft_cap, page_size):
+    """run_cascade (each prefix group's shared pages once, each request's suffix, merged by log-sum-exp)
+    equals run per request (float64): several prefix groups, requests in no group, decode and
+    longer queries, suffixes starting on a partly filled page."""
+    from mstar_attn.kernels.reference import run_cascade
+    from mstar_attn.metadata.cascade import find_prefixes
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    ps = page_size
+    free = list(rng.permutation(3000))
+    pages, kv, q = [], [], []
+    for n_members in (3, 2, 4, 1, 1):  # three prefix groups and two loners
+        run = [free.pop() for _ in range(int(rng.integers(1, 5)))]
+        for _ in range(n_members):
+            own = [free.pop() for _ in range(int(rng.integers(1, 4)))]
+            pages.append(run + own)
+            cut = int(rng.integers(0, ps))  # the last page partly filled
+            kv.append(len(pages[-1]) * ps - cut)
+            q.append(int(rng.integers(1, len(own) * ps - cut + 1)))  # new tokens on its own pages (shared ones are read-only)
+    order = rng.permutation(len(pages))
+    pages, kv, q = [pages[i] for i in order], np.array(kv)[order], np.array(q)[order]
+    spec = spec_for(page_size=ps, num_pages=3000, dtype=torch.float64, groups=(LayerGroup(kind),), soft_cap=soft_cap)
+    plan = build_plan(StepBatch.from_pages(q, kv, pages, ps), spec)
+    cascade = find_prefixes(plan.kv_indptr, plan.kv_indices, plan.q_lens, plan.kv_lens, ps)
+    assert cascade.num_groups >= 2 and (cascade.group_of == -1).any(), seed
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(*(torch.randn(spec.cache_shape, generator=gen, dtype=torch.float64) for _ in range(2)))
+    qt = torch.randn(plan.num_tokens, 4, 16, generator=gen, dtype=torch.float64)
+    got, want = run_cascade(plan, cascade, qt, cache), reference.run(plan, qt, cache)
+    for i in range(plan.batch_size):
+        a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
+        err = ((got[a:b] - want[a:b]).norm() / want[a:b].norm()).item()
+        assert err < 1e-12, (f"seed {seed}", f"request {i}", f"group {cascade.group_of[i]}", err)
+
+
+def test_merge_states_of_a_split_key_set_is_the_whole_attention():
+    from mstar_attn.kernels.reference import _partial, merge_states
+
+    gen = torch.Generator().manual_seed(0)
+    spec = spec_for(dtype=torch.float64)
+    q, k, v = (torch.randn(n, 4, 16, generator=gen, dtype=torch.float64) for n in (3, 20, 20))
+    whole, lse = _partial(spec, q, k, v, None)
+    merged, lse2 = merge_states(*_partial(spec, q, k[:7], v[:7], None), *_partial(spec, q, k[7:], v[7:], None))
+    assert torch.allclose(merged, whole, rtol=1e-12, atol=1e-12) and torch.allclose(lse2, lse, rtol=1e-12)
+    empty = torch.full((3, 4), float("-inf"), dtype=torch.float64)  # one side without keys: the other one
+    assert torch.equal(merge_states(torch.zeros_like(whole), empty, whole, lse)[0], whole)
