@@ -17,6 +17,20 @@ from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
 from mstar_attn.metadata.select import graph_backends
 
 
+def _record(fn, step, static: dict[str, torch.Tensor], memory) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn(step, static) warmed up once on a side stream (JIT, lazily allocated library buffers), then
+    captured into a graph of the shared memory pool `memory`; returns the graph and its output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(step, static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=memory):
+        out = fn(step, static)
+    return graph, out
+
+
 class DecodeGraphs:
     """fn(step, inputs) -> Tensor [num_rows, ...], captured once per (pool slot, bucket, q_len, backend).
 
@@ -80,15 +94,7 @@ class DecodeGraphs:
         for bucket, q_len, backend, slot in itertools.product(buckets, q_lens, backends, range(self.pool.num_slots)):
             step = self.pool.commit(scratch_plan(spec, bucket, q_len, backend=backend), slot=slot)
             static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: JIT, lazily allocated library buffers
-                self.fn(step, static)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory):
-                out = self.fn(step, static)
-            self.graphs[(slot, bucket, q_len, backend)] = (graph, out)
+            self.graphs[(slot, bucket, q_len, backend)] = _record(self.fn, step, static, self.memory)
         torch.cuda.synchronize()
 
     def serves(self, step: DeviceStep) -> bool:
@@ -160,15 +166,7 @@ class RoundGraphs:
         for bucket, backend, slot in itertools.product(buckets, backends, range(pool.num_slots)):
             steps = pool.commit_round(scratch_round(spec, bucket, k, backend=backend), slot=slot)
             static = {name: t[:bucket] for name, t in self.inputs.items()}
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: JIT, lazily allocated library buffers
-                self.fn(steps, static)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.decode.memory):
-                out = self.fn(steps, static)
-            self.graphs[(slot, bucket, k, backend)] = (graph, out)
+            self.graphs[(slot, bucket, k, backend)] = _record(self.fn, steps, static, self.decode.memory)
         torch.cuda.synchronize()
 
     def serves(self, steps: tuple[DeviceStep, ...]) -> bool:
