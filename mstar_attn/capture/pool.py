@@ -26,7 +26,7 @@ from mstar_attn.capture import cross, rounds
 from mstar_attn.capture.layout import Layout
 from mstar_attn.capture.expand import gather_csr
 from mstar_attn.capture.stage import stage_pages, stage_rows
-from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
+from mstar_attn.capture.step import DeviceGroup, DeviceStep, HostEvent, MemoryReport
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import AUTO, BACKENDS, load
@@ -38,16 +38,6 @@ from mstar_attn.metadata.spec import AttentionSpec
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_MAX_PAGES_PER_REQUEST = 2048
 FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch, shared by every wrapper of a pool
-
-
-class _HostEvent:
-    """The event of a CPU pool: CPU copies are synchronous, so every commit is done at once."""
-
-    def record(self, stream=None) -> None: ...
-    def synchronize(self) -> None: ...
-
-    def query(self) -> bool:
-        return True
 
 
 class GraphBufferPool:
@@ -114,10 +104,10 @@ class GraphBufferPool:
         self.host_np = [h.numpy() for h in self.host]
         self.dev = [torch.zeros(self.layout.size, dtype=torch.int32, device=self.device) for _ in range(slots)]
         # recorded after each slot's commit: once it has run, the slot's staging may be rewritten
-        self.ready = [torch.cuda.Event() if cuda else _HostEvent() for _ in range(slots)]
+        self.ready = [torch.cuda.Event() if cuda else HostEvent() for _ in range(slots)]
         self.generations = [0] * slots  # commits per slot: a DeviceStep is live while its count is current
         self.consumers: list = [None] * slots  # the stream that waited for the slot's step (side-stream commits)
-        self._reuse = [torch.cuda.Event() if cuda else _HostEvent() for _ in range(slots)]
+        self._reuse = [torch.cuda.Event() if cuda else HostEvent() for _ in range(slots)]
         self._views: dict[tuple, tuple] = {}  # (["draft",] slot, rows, num_rows) of bucketed steps only
         self._scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
         self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
@@ -226,26 +216,18 @@ class GraphBufferPool:
         """
         bucket = self._validate(plan)  # the plan's bucket (None: unpadded)
         stream = self.check_stream(stream, "commit")
-        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
-            raise PlanError(f"commit: slot {slot!r} is not one of the pool's {self.num_slots} slots")
+        self._check_slot(slot, "commit")
         scheduler = self.scheduler_for(plan.backend)
         if scheduler is not None:
             scheduler.check(plan, bucket)
         slots = None if plan.rows is None else self.table.check_step(plan)  # the last check: O(B + T)
         xg = cross.rows_group(plan)
         x_slots = None if xg is None else cross.check(self.cross_table, plan, xg)
-        s = self.next_slot if slot is None else slot
-        if not self.ready[s].query():
-            self.stalls += 1
-            self.ready[s].synchronize()
+        s = self._free_slot(slot)
         B, T = plan.batch_size, plan.num_tokens
         rows, q_len = (bucket, plan.max_q_len) if bucket else (B, 1)
         num_rows = rows * q_len if bucket else T
-        views = self._views.get((s, rows, num_rows)) if bucket else None
-        if views is None:
-            views = self._make_views(s, rows, num_rows)
-            if bucket:
-                self._views[(s, rows, num_rows)] = views
+        views = self._views_of(s, rows, num_rows, bucket is not None)
 
         cuda = self.device.type == "cuda"
         here = torch.cuda.current_stream(self.device.index) if cuda else None  # (an int index: no device lookup)
@@ -363,8 +345,27 @@ class GraphBufferPool:
         out += [r for r, skip in zip(ranges[1:], gathered[1:]) if not skip]
         return out + [(at, at + 2 * gp.stored) for gp, at in zip(plan.groups, offsets.group_slots) if gp.stored]
 
+    def _check_slot(self, slot, where: str) -> None:
+        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
+            raise PlanError(f"{where}: slot {slot!r} is not one of the pool's {self.num_slots} slots")
+
+    def _free_slot(self, slot: int | None) -> int:  # the slot a commit fills, once its last copies have run
+        s = self.next_slot if slot is None else slot
+        if not self.ready[s].query():
+            self.stalls += 1
+            self.ready[s].synchronize()
+        return s
+
+    def _views_of(self, s: int, rows: int, num_rows: int, keep: bool) -> tuple:
+        """Slot s's fixed views for `rows` requests and `num_rows` token rows (kept for bucketed shapes)."""
+        views = self._views.get((s, rows, num_rows))
+        if views is None:
+            views = self._make_views(s, rows, num_rows)
+            if keep:
+                self._views[(s, rows, num_rows)] = views
+        return views
+
     def _make_views(self, s: int, rows: int, num_rows: int) -> tuple:
-        """Slot s's fixed views for `rows` requests and `num_rows` token rows."""
         offsets = self.layout.at(rows, num_rows)
         dev, host = self.dev[s], self.host[s]
         slots = dev[offsets.slots : offsets.slots + 2 * num_rows].view(torch.int64)

@@ -61,29 +61,19 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
         raise PlanError("commit_round: the pool's spec has layer groups with their own page lists or cross attention; "
                         "draft rounds serve specs whose groups share one page list")
     bucket = pool._validate(plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
-    if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < pool.num_slots):
-        raise PlanError(f"commit_round: slot {slot!r} is not one of the pool's {pool.num_slots} slots")
+    pool._check_slot(slot, "commit_round")
     scheduler = pool.scheduler_for(draft.backend)
     if scheduler is not None:
         scheduler.check(plans[-1], bucket)
-    s = pool.next_slot if slot is None else slot
-    if not pool.ready[s].query():
-        pool.stalls += 1
-        pool.ready[s].synchronize()
+    s = pool._free_slot(slot)
     B = draft.batch_size
-    rows = bucket or B
-    num_rows = rows
-    key = (s, rows, num_rows)
-    views = pool._views.get(key) if bucket else None
-    if views is None:
-        views = pool._make_views(s, rows, num_rows)
-        if bucket:
-            pool._views[key] = views
-    more = pool._views.get(("draft",) + key) if bucket else None
+    rows = num_rows = bucket or B
+    views = pool._views_of(s, rows, num_rows, bucket is not None)
+    more = pool._views.get(("draft", s, rows, num_rows))
     if more is None:
         more = _step_views(pool, s, rows, num_rows)
         if bucket:
-            pool._views[("draft",) + key] = more
+            pool._views[("draft", s, rows, num_rows)] = more
 
     h, offsets = pool.host_np[s], views[0]
     ranges = stage_pages(h, plans[0], offsets, rows, 1, num_rows, pool._scratch_slots)

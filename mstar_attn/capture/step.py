@@ -14,6 +14,16 @@ if TYPE_CHECKING:
     from mstar_attn.capture.pool import GraphBufferPool
 
 
+class HostEvent:
+    """The event of a CPU pool: CPU copies are synchronous, so every commit is done at once."""
+
+    def record(self, stream=None) -> None: ...
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+
 @attrs.frozen
 class DeviceGroup:
     """One layer group's committed arrays: int32 device views, and pinned host views of the small ones."""
