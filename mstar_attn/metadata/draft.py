@@ -27,8 +27,8 @@ from mstar_attn.metadata._arrays import INT32_MAX, fail_at, positive_int, read_o
 from mstar_attn.metadata.batch import StepBatch
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, first_read_page
-from mstar_attn.metadata.pages import check_page_ids, gather_ranges, scan_ownership
-from mstar_attn.metadata.plan import AttentionPlan, Mode, _check_lengths, resolve_backend
+from mstar_attn.metadata.pages import gather_ranges, scan_ownership
+from mstar_attn.metadata.plan import AttentionPlan, Mode, check_batch, check_lengths, read_pages, resolve_backend
 from mstar_attn.metadata.spec import AttentionSpec, Kind
 
 __all__ = ["MAX_DRAFT_STEPS", "DraftRound", "build_round", "scratch_round"]
@@ -121,34 +121,17 @@ def scratch_round(spec: AttentionSpec, batch_size: int, k: int, backend: str | N
 def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool, page_limit: int,
            backend: str | None = None) -> DraftRound:
     ps = spec.page_size
-    if batch.page_size != ps:
-        raise PlanError(f"page_size: the batch says {batch.page_size}, the cache has {ps}")
-    q, kv0, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
+    q, kv0, _ = check_batch(batch, spec)
     B = q.shape[0]
-    if indptr.shape != (B + 1,):
-        raise PlanError(f"shapes: q_lens {q.shape} and page_indptr {indptr.shape} must be [B] and [B+1]")
-    _check_lengths(q, kv0, ps)
+    check_lengths(q, kv0, ps)
     if q.max() != 1:
         fail_at("q_lens", q != 1, "the steps of a draft round add one token per request (q_len 1)")
     top = int(kv0.max()) + k - 1  # the longest length after the round's last step
     if top > INT32_MAX - ps:
         fail_at("kv_lens", kv0 > INT32_MAX - ps - (k - 1), f"kv_len + {k - 1} is past the int32 range the kernels index")
-    last = kv0 + np.int32(k - 1)
-    n_listed = idx.shape[0]
-    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
-        raise PlanError(f"page_indptr must start at 0 and stay within page_indices (length {n_listed}), "
-                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
-    need = (last + (ps - 1)) // ps
-    spare = indptr[1:] - indptr[:-1]
-    spare -= need
-    if spare.min() < 0:
-        fail_at("page_indices", spare < 0, f"fewer pages than the round's {k} tokens need (kv_len + {k - 1} tokens), "
-                                           "or page_indptr decreases")
-    check_page_ids(spec, "page_indices", indptr, idx[: indptr[-1]], page_limit)
-    if spare.max() == 0:
-        kv_indptr, kv_indices = indptr, idx[: indptr[-1]]
-    else:
-        kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1], need)
+    need = (kv0 + np.int32(k - 1) + (ps - 1)) // ps  # the pages of the round's last token
+    kv_indptr, kv_indices, listed = read_pages(spec, batch, need, page_limit, f"fewer pages than the round's {k} tokens "
+                                               f"need (kv_len + {k - 1} tokens), or page_indptr decreases")
     if check_ownership:  # the pages of the round's k tokens: the last one, and (when they start a page earlier) the one before
         last_page = kv_indptr[1:] - 1
         first_page = kv_indptr[:-1] + (kv0 - 1) // ps
@@ -157,7 +140,7 @@ def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool,
             written = np.concatenate([kv_indices[last_page], kv_indices[first_page[two]]])
         else:
             written = gather_ranges(kv_indices, first_page, last_page - first_page + 1)[1]
-        scan_ownership(spec, indptr, idx[: indptr[-1]], written)
+        scan_ownership(spec, batch.page_indptr, listed, written)
 
     # [K, B] arrays, rows shared by the steps (read-only, so every row view is too)
     kv = kv0 + np.arange(k, dtype=np.int32)[:, None]
@@ -176,7 +159,7 @@ def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool,
             read_only(w_start, w_lens)
             windows[group.window] = (w_indptr, w_indices, w_start, w_lens)
     backend = resolve_backend(spec, Mode.DECODE, B, B, 1, top, backend)
-    plans, block_table, low = [], batch.block_table, int(kv0.max())
+    plans, block_table, low = [], batch.block_table, top - (k - 1)
     for j in range(k):
         groups = tuple(GroupPlan(g, kv_indptr, kv_indices, lpl[j], kv[j]) if g.kind is not Kind.WINDOW
                        else GroupPlan(g, windows[g.window][0], windows[g.window][1], lpl[j], windows[g.window][3][j],

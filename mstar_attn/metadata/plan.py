@@ -153,7 +153,40 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
     return _plan(batch, spec, False, spec.num_pages + 1, backend)
 
 
-def _check_lengths(q: np.ndarray, kv: np.ndarray, ps: int) -> int:
+def check_batch(batch: StepBatch, spec: AttentionSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PlanError unless the batch's page size is the spec's and page_indptr is [B+1]; its q_lens,
+    kv_lens, page_indptr (int32 host vectors)."""
+    if batch.page_size != spec.page_size:
+        raise PlanError(f"page_size: the batch says {batch.page_size}, the cache has {spec.page_size}")
+    q, kv, indptr = batch.q_lens, batch.kv_lens, batch.page_indptr
+    if indptr.shape != (q.shape[0] + 1,):
+        raise PlanError(f"shapes: q_lens {q.shape} and page_indptr {indptr.shape} must be [B] and [B+1]")
+    return q, kv, indptr
+
+
+def read_pages(spec: AttentionSpec, batch: StepBatch, need: np.ndarray, page_limit: int,
+               short: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pages each request reads, the first need[i] (>= 1) of its list, after checking the lists:
+    page_indptr within page_indices, at least need[i] pages each (else PlanError `short`, which
+    also catches a decreasing indptr), page ids below page_limit. Returns (kv_indptr [B+1],
+    kv_indices, every listed page), the batch's own arrays when the lists are exact."""
+    indptr, idx = batch.page_indptr, batch.page_indices
+    n_listed = idx.shape[0]
+    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
+        raise PlanError(f"page_indptr must start at 0 and stay within page_indices (length {n_listed}), "
+                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
+    spare = indptr[1:] - indptr[:-1]
+    spare -= need
+    if spare.min() < 0:
+        fail_at("page_indices", spare < 0, short)
+    listed = idx[: indptr[-1]]
+    check_page_ids(spec, "page_indices", indptr, listed, page_limit)
+    if spare.max() == 0:
+        return indptr, listed, listed
+    return (*gather_ranges(idx, indptr[:-1], need), listed)
+
+
+def check_lengths(q: np.ndarray, kv: np.ndarray, ps: int) -> int:
     """PlanError unless every request has q_len >= 1 and q_len <= kv_len < int32 - page_size; returns max q_len."""
     B = q.shape[0]
     if B == 0:
@@ -197,30 +230,11 @@ def _new_tokens(q: np.ndarray, kv: np.ndarray, q_max: int) -> tuple[Mode, int, n
 def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_limit: int,
           backend: str | None = None) -> AttentionPlan:
     ps = spec.page_size  # the spec checked its backend's support when it was made
-    if batch.page_size != ps:
-        raise PlanError(f"page_size: the batch says {batch.page_size}, the cache has {ps}")
-    q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
-    B = q.shape[0]  # StepBatch made them int32 vectors
-    if indptr.shape != (B + 1,):
-        raise PlanError(f"shapes: q_lens {q.shape} and page_indptr {indptr.shape} must be [B] and [B+1]")
-    q_max = _check_lengths(q, kv, ps)
-    n_listed = idx.shape[0]
-    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
-        raise PlanError(f"page_indptr must start at 0 and stay within page_indices (length {n_listed}), "
-                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
-    need = (kv + (ps - 1)) // ps  # >= 1 everywhere, so spare >= 0 below also proves indptr monotone
-    spare = indptr[1:] - indptr[:-1]
-    spare -= need
-    if spare.min() < 0:
-        fail_at("page_indices", spare < 0, "fewer pages than the KV length needs (or page_indptr decreases)")
-    listed = idx[: indptr[-1]]
-    check_page_ids(spec, "page_indices", indptr, listed, page_limit)
-
-    # Pages each request reads: the first `need` of its list (shared with the batch when exact).
-    if spare.max() == 0:
-        kv_indptr, kv_indices = indptr, listed
-    else:
-        kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1], need)
+    q, kv, indptr = check_batch(batch, spec)
+    q_max = check_lengths(q, kv, ps)
+    need = (kv + (ps - 1)) // ps
+    kv_indptr, kv_indices, listed = read_pages(spec, batch, need, page_limit,
+                                               "fewer pages than the KV length needs (or page_indptr decreases)")
     last_page_len = kv - need * ps
     last_page_len += ps
 
@@ -283,7 +297,7 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
                         "the pool's page table does not hold; describe such steps with a StepBatch")
     if rows.shape != q.shape:
         raise PlanError(f"shapes: rows {rows.shape} and q_lens {q.shape} must both be [B]")
-    q_max = _check_lengths(q, kv, ps)
+    q_max = check_lengths(q, kv, ps)
     if rows.min() < 0:
         fail_at("rows", rows < 0, "a page-table row is negative")
     need = (kv + (ps - 1)) // ps
