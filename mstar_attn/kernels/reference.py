@@ -69,18 +69,22 @@ def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: in
         k, v = (x[:n_kv].repeat_interleave(rep, dim=1) for x in cache.read(pages, work))  # (FP8: dequantized)
         if spec.mla:  # keys [c_kv, k_pe] against [q_nope, q_pe]; values c_kv
             k, v = torch.cat([k, v], dim=-1), k
-        logits = torch.einsum("qhd,khd->hqk", q[q0:q1].to(work), k) * spec.sm_scale
-        if spec.soft_cap > 0:
-            logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)
-        if gp.group.causal:
-            q_pos = torch.arange(int(plan.kv_lens[i]) - (q1 - q0), int(plan.kv_lens[i]), device=q.device)
-            k_pos = torch.arange(start, start + n_kv, device=q.device)
-            hidden = k_pos[None, :] > q_pos[:, None]
-            if gp.group.kind is Kind.WINDOW:
-                hidden |= k_pos[None, :] <= q_pos[:, None] - gp.group.window
-            logits = logits.masked_fill(hidden, float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v).to(q.dtype)
+        hidden = _hidden(gp.group, int(plan.kv_lens[i]), q1 - q0, start, start + n_kv, q.device)
+        out[q0:q1] = _partial(spec, q[q0:q1].to(work), k, v, hidden)[0].to(q.dtype)
     return out
+
+
+def _hidden(group, q_end: int, q_len: int, k_first: int, k_end: int, device) -> torch.Tensor | None:
+    """[q_len, k_end - k_first] bool: the keys (positions k_first..k_end - 1) each query (positions
+    q_end - q_len..q_end - 1) may not see in `group` (its causal mask and window); None: all seen."""
+    if not group.causal:
+        return None
+    q_pos = torch.arange(q_end - q_len, q_end, device=device)[:, None]
+    k_pos = torch.arange(k_first, k_end, device=device)[None, :]
+    hidden = k_pos > q_pos
+    if group.kind is Kind.WINDOW:
+        hidden |= k_pos <= q_pos - group.window
+    return hidden
 
 
 def merge_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,10 +142,6 @@ def run_cascade(plan: AttentionPlan, cascade, q: torch.Tensor, cache: PagedKVCac
         a, b, n = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1]), int(gp.kv_lens[i])
         start = int(cascade.suffix_page[i]) * ps
         k, v = keys(i, start, n)
-        hidden = None
-        if gp.group.causal:
-            q_pos = torch.arange(n - (b - a), n, device=q.device)
-            hidden = torch.arange(start, n, device=q.device)[None, :] > q_pos[:, None]
-        o2, l2 = _partial(spec, qw[a:b], k, v, hidden)
+        o2, l2 = _partial(spec, qw[a:b], k, v, _hidden(gp.group, n, b - a, start, n, q.device))
         out[a:b], lse[a:b] = merge_states(out[a:b], lse[a:b], o2, l2)
     return out.to(q.dtype)
