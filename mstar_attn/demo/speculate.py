@@ -37,10 +37,8 @@ class SpecResult:
     config: DemoConfig
     k: int
     draft: str
-    rounds: int = 0
     proposed: int = 0
     accepted: int = 0
-    verify_steps: int = 0
     catch_up_steps: int = 0  # draft decode steps over the last proposal of a fully accepted round
     plain_steps: int = 0  # target decode steps plain greedy decoding of the batch takes
     replayed_rounds: int = 0
@@ -50,6 +48,14 @@ class SpecResult:
     greedy_checked: int = 0
     tokens: dict[int, list[int]] = attrs.Factory(dict)
     round_sizes: list[int] = attrs.Factory(list)  # requests drafting in each round
+
+    @property
+    def rounds(self) -> int:
+        return len(self.round_sizes)
+
+    @property
+    def verify_steps(self) -> int:  # one target verify step per draft round
+        return len(self.round_sizes)
 
     @property
     def acceptance(self) -> float:
@@ -176,11 +182,9 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small") -> SpecResult
             before = getattr(getattr(d.attn, "round_graphs", None), "replays", 0)
             proposals = d.attn.run_round(d.round_fn, steps, x)[:n].cpu().tolist()
             res.replayed_rounds += getattr(getattr(d.attn, "round_graphs", None), "replays", 0) - before
-            res.rounds += 1
             res.round_sizes.append(n)
             verify = StepBatch.from_pages([k + 1] * n, [len(r.tokens) + k for r in live], [r.pages for r in live], ps)
             logits = t.step(verify, [x for r, p in zip(live, proposals) for x in [r.tokens[-1], *p]]).cpu()
-            res.verify_steps += 1
             for i, (r, p) in enumerate(zip(live, proposals)):
                 rows_i = logits[i * (k + 1) : (i + 1) * (k + 1)]
                 picks = rows_i.argmax(-1).tolist()
