@@ -147,7 +147,7 @@ def serve(trace: CrossTrace, pool, backend, caches, steps: int, seed: int, graph
     then both layers (a replay when `graphs` serves the step, equal to an eager call bit for bit);
     every request of both groups within the dtype's bounds of the exact attention. Returns step
     counts by (mode, replayed, stored encoder K/V)."""
-    from tests.helpers import assert_close_per_request, request_errors
+    from tests.helpers import assert_close_per_request, replay_or_run, request_errors
 
     ran: dict = {}
     for i in range(steps):
@@ -157,10 +157,7 @@ def serve(trace: CrossTrace, pool, backend, caches, steps: int, seed: int, graph
         if k_enc is not None:
             backend.write_kv(step, k_enc, v_enc, caches[1], group=1)
         x = {"q": trace.query(plan), "k": k, "v": v}
-        replay = graphs is not None and graphs.serves(step)
-        out = graphs(step, **x).clone() if replay else cross_layers(backend, caches, step, x)
-        if replay:
-            assert torch.equal(out, cross_layers(backend, caches, step, x)), (f"seed {seed}", i, plan.mode)
+        out, replay = replay_or_run(graphs, step, x, lambda s, x: cross_layers(backend, caches, s, x), (f"seed {seed}", i, plan.mode))
         for g in range(2):
             want, context = trace.oracle(plan, x["q"], g), (f"seed {seed}", i, plan.mode, f"group {g}")
             if trace.spec.dtype == torch.float32:  # float32 sums over up to thousands of keys: ~1e-6 relative, bound 1e-5

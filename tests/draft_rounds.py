@@ -145,7 +145,7 @@ def serve_rounds(trace: DraftTrace, pool, backend, caches, ks, seed: int, graphs
     output of every group, per request, within the dtype's bounds of the exact attention. With
     `graphs` (a RoundGraphs of round_layers) a captured round replays, and equals an eager call bit
     for bit. Returns rounds run by (k, replayed)."""
-    from tests.helpers import assert_close_per_request
+    from tests.helpers import assert_close_per_request, replay_or_run
 
     ran: dict = {}
     for i, k in enumerate(ks):
@@ -154,10 +154,7 @@ def serve_rounds(trace: DraftTrace, pool, backend, caches, ks, seed: int, graphs
         steps = pool.commit_round(draft)
         kk, vv = trace.new_kv(k)
         x = {"q": trace.query(k), "k": kk, "v": vv}
-        replay = graphs is not None and graphs.serves(steps)
-        out = graphs(steps, **x).clone() if replay else round_layers(backend, caches, steps, x)
-        if replay:  # (the eager call rewrites the same K/V bytes)
-            assert torch.equal(out, round_layers(backend, caches, steps, x)), (f"seed {seed}", i, k)
+        out, replay = replay_or_run(graphs, steps, x, lambda s, x: round_layers(backend, caches, s, x), (f"seed {seed}", i, k))
         for j, plan in enumerate(draft.steps):
             for g in range(len(caches)):
                 want = trace.oracle(plan, x["q"][:, j].cpu(), g)

@@ -142,7 +142,7 @@ def serve(trace: HybridTrace, pool, backend, caches, steps: int, seed: int, grap
     per request, within the dtype's bounds of the exact attention (trace.oracle). With `graphs` (a
     DecodeGraphs of hybrid_layers), bucketed decode and verify steps replay, and equal an eager call
     on the same step bit for bit. Returns how many steps ran, by (mode, replayed)."""
-    from tests.helpers import assert_close_per_request
+    from tests.helpers import assert_close_per_request, replay_or_run
 
     ran: dict = {}
     for i in range(steps):
@@ -150,10 +150,7 @@ def serve(trace: HybridTrace, pool, backend, caches, steps: int, seed: int, grap
         step = pool.commit(plan)
         k, v = trace.new_kv(plan)
         x = {"q": trace.query(plan), "k": k, "v": v}
-        replay = graphs is not None and graphs.serves(step)
-        out = graphs(step, **x).clone() if replay else hybrid_layers(backend, caches, step, x)
-        if replay:  # (the eager call rewrites the same K/V bytes)
-            assert torch.equal(out, hybrid_layers(backend, caches, step, x)), (f"seed {seed}", i, plan.mode)
+        out, replay = replay_or_run(graphs, step, x, lambda s, x: hybrid_layers(backend, caches, s, x), (f"seed {seed}", i, plan.mode))
         for g in range(len(caches)):
             want = trace.oracle(plan, x["q"].cpu(), g)
             assert_close_per_request(out[:, g], want, plan, trace.spec.dtype, (f"seed {seed}", i, plan.mode, f"group {g}"))

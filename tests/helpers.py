@@ -386,3 +386,13 @@ def table_steps(run, write_kv, backend: str, seed: int, steps: int = 30, heads=(
         for r, k in zip(rows, kv):
             kv_len[int(r)] = int(k)
     return counts
+
+
+def replay_or_run(graphs, step, x: dict, eager, context) -> tuple[torch.Tensor, bool]:
+    """(output, replayed): graphs(step, **x) when a graph serves `step` (a DeviceStep, or a round's
+    steps), checked bit-equal to eager(step, x), which rewrites the same K/V bytes; else eager(step, x)."""
+    if graphs is None or not graphs.serves(step):
+        return eager(step, x), False
+    out = graphs(step, **x).clone()
+    assert torch.equal(out, eager(step, x)), context
+    return out, True
