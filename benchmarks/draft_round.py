@@ -207,30 +207,32 @@ def _name(x: dict) -> str:
     return x["backend"] + ("" if fixed is None else " (draft steps planned once)" if fixed else " (draft steps replanned)")
 
 
+def _table(title: str, columns: list[str], rows) -> list[str]:
+    """A Markdown section: its title, then a table (first column left-aligned, the others right)."""
+    return [title, "", "| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1),
+            *("| " + " | ".join(cells) + " |" for cells in rows), ""]
+
+
 def markdown(r: dict) -> str:
     lines = [f"# Draft rounds (H100): K = {K}, page {PS}, 32/8 heads, d 128, bf16", "",
              f"Measured with `python -m benchmarks.draft_round OUT`; {r['device']}, FlashInfer {r['flashinfer']}, torch {r['torch']}.", ""]
     if "host" in r:
-        lines += ["## (a) Host µs: plan + commit of a K = 4 round vs one decode step of the same batch",
-                  "", "| backend | B | decode step µs (IQR) | K = 4 round µs (IQR) | round / step | H2D bytes step | H2D bytes round |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for x in r["host"]:
-            lines.append(f"| {_name(x)} | {x['batch']} | {x['decode_step_us']:.0f} ({x['decode_iqr_us']:.0f}) | "
-                         f"{x['round_us']:.0f} ({x['round_iqr_us']:.0f}) | {x['ratio']:.2f} | {x['decode_h2d_bytes']} | {x['round_h2d_bytes']} |")
-        lines.append("")
+        lines += _table("## (a) Host µs: plan + commit of a K = 4 round vs one decode step of the same batch",
+                        ["backend", "B", "decode step µs (IQR)", "K = 4 round µs (IQR)", "round / step", "H2D bytes step",
+                         "H2D bytes round"],
+                        [[_name(x), str(x["batch"]), f"{x['decode_step_us']:.0f} ({x['decode_iqr_us']:.0f})",
+                          f"{x['round_us']:.0f} ({x['round_iqr_us']:.0f})", f"{x['ratio']:.2f}", str(x["decode_h2d_bytes"]),
+                          str(x["round_h2d_bytes"])] for x in r["host"]])
     if "replay" in r:
-        lines += [f"## (b) A K = 4 round of {LAYERS} attention layers: one commit + one graph replay vs 4 commits + 4 replays",
-                  "", "| backend | B | ctx | round wall µs | 4 steps wall µs | round event µs | 4 steps event µs |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for x in r["replay"]:
-            lines.append(f"| {_name(x)} | {x['batch']} | {x['context']} | {x['round_wall_us']:.0f} | {x['separate_wall_us']:.0f} | "
-                         f"{x['round_gpu_us']:.0f} | {x['separate_gpu_us']:.0f} |")
-        lines.append("")
+        lines += _table(f"## (b) A K = 4 round of {LAYERS} attention layers: one commit + one graph replay vs 4 commits + 4 replays",
+                        ["backend", "B", "ctx", "round wall µs", "4 steps wall µs", "round event µs", "4 steps event µs"],
+                        [[_name(x), str(x["batch"]), str(x["context"])] + [f"{x[k]:.0f}" for k in (
+                            "round_wall_us", "separate_wall_us", "round_gpu_us", "separate_gpu_us")] for x in r["replay"]])
     if "verify" in r:
-        lines += [f"## (c) One layer's kernel: verify (q_len {K + 1}) vs decode at the same batch, ~2k tokens, replayed",
-                  "", "| backend | B | decode µs | verify µs | verify / decode |", "|---|---:|---:|---:|---:|"]
-        for x in r["verify"]:
-            lines.append(f"| {x['backend']} | {x['batch']} | {x['decode_us']:.1f} | {x['verify_us']:.1f} | {x['ratio']:.2f} |")
+        lines += _table(f"## (c) One layer's kernel: verify (q_len {K + 1}) vs decode at the same batch, ~2k tokens, replayed",
+                        ["backend", "B", "decode µs", "verify µs", "verify / decode"],
+                        [[x["backend"], str(x["batch"]), f"{x['decode_us']:.1f}", f"{x['verify_us']:.1f}", f"{x['ratio']:.2f}"]
+                         for x in r["verify"]])
     return "\n".join(lines) + "\n"
 
 
