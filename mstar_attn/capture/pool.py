@@ -300,10 +300,8 @@ class GraphBufferPool:
             dev[: offsets.head_end].copy_(host[: offsets.head_end], non_blocking=True)
             at = offsets.updates
             table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
-            expand = getattr(scheduler, "expand", None)
-            if expand is not None:
-                expand(step)
-            else:  # the CSR page lists (FlashInfer, the reference)
+            expand = getattr(scheduler, "expand", None)  # a backend's own arrays; True: it reads the CSR lists too
+            if expand is None or expand(step):  # the CSR page lists (FlashInfer, the reference)
                 gather_csr(table.dev, table.width, step.table_rows, dev, offsets.groups, self.layout.index_capacity)
 
         self._graphed((step.slot, step.rows, step.num_rows, step.plan.backend), step.bucket is not None, work)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import attrs
 import flashinfer
 import torch
 
@@ -19,6 +20,7 @@ from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
+from mstar_attn.kernels._tables import PageTables
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
@@ -40,6 +42,53 @@ def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
     CTAs, o_indptr [rows + 1] and a few words (16-byte aligned); twice that, and at least 64 KiB."""
     need = 2 * (13 * rows * (q_len * gqa + 1) + 4 * rows + 256)
     return max(FIXED_WORKSPACE_BYTES, -(-need // 4096) * 4096)
+
+
+class Xqa:
+    """The pool's state for FlashInfer's XQA FP8 decode kernel (AttentionSpec.fp8_math), Hopper only.
+
+    XQA has no host planner: its grid is fixed by the batch rows, the KV heads and the page table's
+    width (bucketed steps: max_pages_per_request), and it reads every request's length from the
+    device at run time, so a captured graph replays any later commit. It reads dense page tables
+    (PageTables) and a uint32 view of the group's kv_lens. Its multi-block mode splits each
+    sequence over at most ~0.75 x SMs / (rows x KV heads) CTAs, which meet through semaphores (zero
+    at rest: the last CTA of a sequence resets its counter) and a float scratch of their partial
+    outputs. One of each for the pool: kernels of one stream never overlap (like the float workspace).
+    Memory: semaphores 4 * max_rows * kv_heads bytes, scratch (0.75 * SMs + 2 * max_rows * kv_heads)
+    chunks of gqa * (8 + 2 * head_dim) bytes, doubled for alignment, plus the page tables.
+    """
+
+    def __init__(self, pool: GraphBufferPool):
+        from flashinfer.xqa import get_xqa_module
+
+        if torch.cuda.get_device_capability(pool.device)[0] != 9:
+            raise PlanError("spec.fp8_math: FlashInfer's XQA FP8 decode kernel (mha_sm90) runs on Hopper (SM90) only")
+        spec = pool.spec
+        self.tables = PageTables(pool)
+        self.sm_count = torch.cuda.get_device_properties(pool.device).multi_processor_count
+        rows = pool.layout.max_rows * spec.num_kv_heads
+        self.semaphores = torch.zeros(rows, dtype=torch.int32, device=pool.device).view(torch.uint32)
+        chunk = spec.gqa_group * (8 + 2 * spec.head_dim)
+        self.scratch = torch.zeros(2 * (self.sm_count + 2 * rows) * chunk + (1 << 16), dtype=torch.uint8, device=pool.device)
+        self.modules = {w: get_xqa_module(spec.dtype, spec.kv_cache_dtype, spec.page_size, spec.head_dim, spec.gqa_group,
+                                          w, spec.dtype, 1) for w in {g.window is not None for g in spec.groups}}
+
+    def serves(self, step: DeviceStep, g: int) -> bool:
+        """Decode steps (one query token per request, draft steps included), groups other than cross."""
+        return step.plan.mode is Mode.DECODE and not self.tables.pool.spec.groups[g].cross
+
+    def memory(self) -> dict[str, tuple[int, int]]:
+        n = self.semaphores.numel() * 4 + self.scratch.numel()
+        return {"xqa semaphores + scratch": (n, 0), **self.tables.memory("xqa page tables")}
+
+
+@attrs.frozen
+class XqaDecode:
+    """What `run` needs for one layer group of an XQA decode step: its page table [rows, width]
+    int32 (device) and the pool's Xqa state."""
+
+    table: torch.Tensor
+    xqa: Xqa
 
 
 class Scheduler:
@@ -91,13 +140,24 @@ class Scheduler:
         # a draft round's bucketed steps are planned once, without split-KV, and never again: one planner
         # call per step and group would cost each round K times a decode step's (benchmarks/results/draft_round_h100.md)
         self.draft_fixed = True
+        self.xqa = Xqa(pool) if spec.fp8_math else None
         self.plan_kwargs = dict(  # the same for every plan() call of this pool
             logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.kv_cache_dtype,
             sm_scale=spec.sm_scale, non_blocking=True,
         )
 
     def check(self, plan: AttentionPlan, bucket: int | None) -> None:
-        """Nothing to refuse beyond what build_plan and the pool check (shapes FlashInfer serves)."""
+        """XQA decode (fp8_math): PlanError if a request reads more pages than the pool's
+        max_pages_per_request. Nothing else to refuse beyond what build_plan and the pool check."""
+        if self.xqa is not None and plan.mode is Mode.DECODE:
+            self.xqa.tables.check(plan)
+
+    def expand(self, step: DeviceStep) -> bool:
+        """A StepRows step's XQA page tables, on the device (fp8_math decode); True: the pool also
+        gathers the CSR page lists (the wrappers' and the reference's)."""
+        if self.xqa is not None and step.plan.mode is Mode.DECODE:
+            self.xqa.tables.expand(step)
+        return True
 
     def memory(self) -> dict[str, tuple[int, int]]:
         """The shared workspaces, and what the wrappers own beyond them and the pool's buffers."""
@@ -112,12 +172,23 @@ class Scheduler:
                     shared.add(t.untyped_storage().data_ptr())
                     own[0 if t.is_cuda else 1] += t.untyped_storage().nbytes() if (t.is_cuda or t.is_pinned()) else 0
         m = sum(ws.numel() for ws, _ in self.private)
-        return {"flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
+        return {**(self.xqa.memory() if self.xqa is not None else {}),"flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
                 f"flashinfer fixed-schedule int workspaces ({len(self.private)})": (m, m),
                 f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
 
-    def schedule(self, step: DeviceStep) -> tuple:
+    def schedule(self, step: DeviceStep, tables: tuple | None = None) -> tuple:
+        """One entry per layer group: its planned wrapper, or an XqaDecode (fp8_math decode)."""
+        x = self.xqa
+        if x is not None and step.plan.mode is Mode.DECODE:
+            tables = x.tables.schedule(step) if tables is None else tables
+            return tuple(XqaDecode(tables[g], x) if x.serves(step, g) else self._plan(step, g, dg)
+                         for g, dg in enumerate(step.groups))
         return tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
+
+    def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
+        """A draft round: XQA's page tables once (the steps list the same pages), the wrappers per step."""
+        tables = self.xqa.tables.schedule(steps[0]) if self.xqa is not None else None
+        return [self.schedule(st, tables) for st in steps]
 
     def _plan(self, step: DeviceStep, g: int, dg):
         spec, group = self.pool.spec, self.pool.spec.groups[g]
@@ -224,6 +295,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run")
     w = step.scheduled[group]
+    if isinstance(w, XqaDecode):
+        return _xqa(step, q, cache, group, w)
     if plan.backend == "flashinfer_ragged":
         if k is None or v is None:
             raise PlanError("run: this step is planned as ragged attention (flashinfer_ragged); pass its k and v")
@@ -235,3 +308,20 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     if plan.spec.fp8_kv:  # FlashInfer folds k_scale into the softmax scale and scales the output by v_scale
         return w.run(q, (cache.k, cache.v), k_scale=cache.k_scale, v_scale=cache.v_scale)[:rows]
     return w.run(q, (cache.k, cache.v))[:rows]
+
+
+def _xqa(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int, x: XqaDecode) -> torch.Tensor:
+    """XQA's Hopper FP8 decode over q's rows (the step's requests, or a bucket's rows with padding).
+    Logits = q_scale * kv_scale / sqrt(head_dim) * q . k_stored and output = kv_scale * p . v_stored,
+    so kv_scale = v_scale and q_scale = sm_scale * k_scale / v_scale * sqrt(head_dim)."""
+    spec, rows = step.plan.spec, q.shape[0]
+    win = spec.groups[group].window
+    out = torch.empty_like(q)
+    seq_lens = step.groups[group].kv_lens[:rows].view(torch.uint32).unsqueeze(1)
+    table = x.table[:rows]
+    q_scale = spec.sm_scale * cache.k_scale / cache.v_scale * spec.head_dim**0.5
+    x.xqa.modules[win is not None].xqa(
+        True, x.xqa.sm_count, spec.num_kv_heads, 0 if win is None else win, q_scale, out.unsqueeze(1), 1.0, q.unsqueeze(1),
+        None, cache.k, cache.v, None, None, table, table.shape[1] * spec.page_size, seq_lens, rows, cache.v_scale,
+        x.xqa.semaphores, x.xqa.scratch, True, 1, None, None)
+    return out

@@ -13,6 +13,8 @@ from mstar_attn.metadata._arrays import INT32_MAX, positive_int
 from mstar_attn.metadata.backends import AUTO, BACKENDS, FP8
 from mstar_attn.metadata.errors import PlanError
 
+XQA_PAGE_SIZES = (16, 32, 64, 128)  # the page sizes FlashInfer's XQA decode kernel compiles for (AttentionSpec.fp8_math)
+
 __all__ = ["AttentionSpec", "Kind", "LayerGroup", "PlanError"]
 
 
@@ -112,6 +114,12 @@ class AttentionSpec:
     64) as "V"; q is [T, heads, head_dim + mla_rope_dim] (q_nope absorbed through W_UK, then q_pe),
     logits = q_nope . c_kv + q_pe . k_pe, and the output [T, heads, head_dim] is softmax . c_kv (apply
     W_UV after). Pass sm_scale (MLA's is 1 / sqrt(qk_nope_head_dim + rope dim), not head_dim's).
+    fp8_math (with kv_dtype float8_e4m3fn, FlashInfer backend, Hopper): decode steps (one query token
+    per request, draft-round steps included) run FlashInfer's XQA FP8 kernel, which rounds the queries
+    and the softmax probabilities to e4m3 for FP8 tensor-core math: 1.8x bf16 decode at B 64 / 4k
+    tokens against 1.44x for bf16 math over the same cache (benchmarks/results/fp8_kernels_h100.md), at
+    a larger error (README, "FP8 KV cache"). Other steps keep bf16 math. Page sizes 16, 32, 64, 128; no
+    soft cap. The reference backend computes exactly (the oracle of both).
     sm_scale defaults to head_dim ** -0.5;
     soft_cap = 0 disables logit soft-capping (otherwise logits become cap * tanh(logits / cap)).
     num_pages: the engine's page ids are 0 .. num_pages - 1. The cache holds one page more,
@@ -132,6 +140,7 @@ class AttentionSpec:
     backend: str = "flashinfer"  # a BACKENDS name, or "auto": build_plan picks per step
     kv_dtype: torch.dtype | None = None  # the KV cache's dtype: None (= dtype), or an FP8 dtype (backends.FP8)
     mla_rope_dim: int = 0  # > 0: latent attention (MLA); see the class doc
+    fp8_math: bool = False  # FP8 cache: decode steps compute in FP8 (queries and probabilities in e4m3); see the class doc
     cache_shape: tuple[int, int, int, int] = attrs.field(init=False, eq=False, repr=False)
     """Shape of each layer's K (and V): [num_pages + 1 (the scratch page), page_size, kv_heads, head_dim]."""
     v_cache_shape: tuple[int, int, int, int] = attrs.field(init=False, eq=False, repr=False)
@@ -184,6 +193,15 @@ class AttentionSpec:
             raise PlanError(f"spec.mla_rope_dim: expected an integer >= 0 (0: not MLA), got {r!r}")
         if r and self.num_kv_heads != 1:
             raise PlanError(f"spec.num_kv_heads: latent attention (mla_rope_dim {r}) has one KV head, got {self.num_kv_heads}")
+        if not isinstance(self.fp8_math, bool):
+            raise PlanError(f"spec.fp8_math: expected a bool, got {self.fp8_math!r}")
+        if self.fp8_math:
+            why = (self.kv_dtype != torch.float8_e4m3fn and f"kv_dtype float8_e4m3fn, not {self.kv_dtype}"
+                   or self.page_size not in XQA_PAGE_SIZES and f"a page size in {XQA_PAGE_SIZES}, not {self.page_size}"
+                   or self.soft_cap and "no logit soft cap" or self.mla_rope_dim and "standard (not latent) attention"
+                   or self.backend not in ("flashinfer", "reference", AUTO) and f"backend flashinfer, not {self.backend!r}")
+            if why:
+                raise PlanError(f"spec.fp8_math: FP8 decode math (FlashInfer XQA) needs {why}")
         name = "flashinfer" if self.backend == AUTO else self.backend  # auto falls back to FlashInfer paged
         BACKENDS[name].check(self, name)
         shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))

@@ -1,0 +1,191 @@
+"""FlashInfer's XQA FP8 decode (AttentionSpec.fp8_math) through the pool, eager, replayed and in draft
+rounds, every request against exact attention with the kernel's FP8 roundings accounted for (GPU only).
+
+The bound. XQA's Hopper kernel (mha_sm90) rounds the query to e4m3 (round to nearest, saturating) and
+the probabilities x_j = exp(s_j - running max) to e4m3 before its FP8 tensor-core products, and
+accumulates in float32. The reference applies the query rounding exactly (q rounded to e4m3, then
+float64 attention over the dequantized cache), which leaves the probabilities' rounding:
+  - x_j >= 2^-6 (normal e4m3): relative error <= u8 = 2^-4, each an independent rounding of an
+    unrelated value, of zero mean: the output's error is a sum of such terms (x_j err_j (v_j - o)) / L
+    of standard deviation sigma <= sqrt(sum_j (u8 x_j (|v_j| + |o|))^2 / 3) / L (a uniform error on
+    [-a, a] has standard deviation a / sqrt(3)). We allow 6 sigma: a few terms are bounded by
+    sqrt(3) sigma each, many are near normal (a 6-sigma tail is 2e-9 per element).
+  - x_j < 2^-6 (subnormal, spacing 2^-9): error <= min(x_j, 2^-10), possibly all one way: counted in
+    full, sum_j min(x_j, 2^-10) (|v_j| + |o|) / L. (x relative to the final max is never larger
+    than the kernel's x relative to a running max, so both terms are upper bounds.)
+  - the bf16 output: 2^-8 |o|.
+A wrong page, request, scale or length moves an output by about |o| (the inputs make attention peaked,
+so |o| is near |v|), far over this bound; the query rounding alone (not emulated) is over it too.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, StepBatch, build_plan
+from tests.helpers import fresh_seed, random_batch, random_pages
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+flashinfer = pytest.importorskip("flashinfer")
+
+from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
+from mstar_attn.capture.pool import GraphBufferPool  # noqa: E402
+from mstar_attn.kernels import flashinfer as fi  # noqa: E402
+from mstar_attn.metadata.draft import build_round  # noqa: E402
+
+H, KVH, D, W = 32, 8, 128, 200
+K_SCALE, V_SCALE = 0.02, 0.015
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
+
+
+def bound_and_reference(plan, q: torch.Tensor, cache: PagedKVCache, window: int | None):
+    """Per decode row, float64: the reference [B, H, D] (e4m3 query), the elementwise bound above
+    [B, H, D], and per request the norm bound [B] (see `check`). The row's largest probability is
+    exactly 1 in the kernel (exp(0), in the tile that holds the maximum) and carries no rounding."""
+    ps, g = plan.spec.page_size, H // KVH
+    gp = plan.groups[0]  # the full group's (untrimmed) page lists; a window masks by position
+    refs, tols, norms = [], [], []
+    for r in range(plan.batch_size):
+        n = int(plan.kv_lens[r])
+        pages = torch.as_tensor(gp.kv_indices[gp.kv_indptr[r] : gp.kv_indptr[r + 1]], device="cuda").long()
+        k, v = cache.read(pages, torch.float64)
+        k, v = k[:n], v[:n]
+        qr = e4m3(q[r]).view(KVH, g, D)
+        s = torch.einsum("kgd,nkd->kgn", qr, k) * plan.spec.sm_scale
+        if window is not None:
+            s[..., : max(n - window, 0)] = float("-inf")
+        x = (s - s.amax(-1, keepdim=True)).exp()
+        L = x.sum(-1, keepdim=True)
+        o = torch.einsum("kgn,nkd->kgd", x, v) / L
+        normal = (x >= 2.0**-6) & (x < 1)
+        xr = torch.where(normal, x, 0.0) ** 2
+        sq = (torch.einsum("kgn,nkd->kgd", xr, v**2) + 2 * o.abs() * torch.einsum("kgn,nkd->kgd", xr, v.abs())
+              + o**2 * xr.sum(-1, keepdim=True))
+        sigma = (2.0**-4) * sq.sqrt() / 3**0.5 / L
+        xs = torch.where(x < 2.0**-6, x.clamp(max=2.0**-10), 0.0)
+        fixed = (torch.einsum("kgn,nkd->kgd", xs, v.abs()) + o.abs() * xs.sum(-1, keepdim=True)) / L + 2.0**-8 * o.abs()
+        refs.append(o.reshape(H, D))
+        tols.append((6 * sigma + fixed + 1e-6).reshape(H, D))
+        norms.append(2 * sigma.norm() + fixed.norm() + 1e-6)
+    return torch.stack(refs), torch.stack(tols), torch.stack(norms)
+
+
+def violations(got: torch.Tensor, ref, tol, norm) -> torch.Tensor:
+    """Per request: the larger of (worst element error / its bound) and (error norm / norm bound).
+    The norm bound: the rounding errors of different probabilities are independent with mean 0, so
+    the squared error norm has expectation sum sigma^2 (its terms: sigma per element); 2x in norm
+    (4x in square) over >= 32 heads' independent terms is never reached by a correct kernel, while
+    an error of a few percent of |o| on every element is."""
+    err = (got.double() - ref).abs()
+    return torch.maximum((err / tol).flatten(1).amax(1), err.flatten(1).norm(dim=1) / norm)
+
+
+def check(out, plan, q, caches, windows, context) -> float:
+    """Every request within both bounds; returns the largest violation ratio seen."""
+    worst = 0.0
+    for grp, (cache, window) in enumerate(zip(caches, windows)):
+        ref, tol, norm = bound_and_reference(plan, q, cache, window)
+        got = out[grp][: plan.batch_size]
+        assert torch.isfinite(got).all(), (context, grp, "non-finite output")
+        ratio = violations(got, ref, tol, norm)
+        for r in range(plan.batch_size):
+            assert ratio[r] <= 1.0, (context, f"group {grp}", f"request {r} of {plan.batch_size}",
+                                     f"kv_len {plan.kv_lens[r]}", f"error / bound {ratio[r].item():.2f}")
+        worst = max(worst, ratio.max().item())
+    return worst
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_fp8_math_decode_eager_replayed_and_rounds(page_size):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    groups = (LayerGroup(), LayerGroup("window", window=W))
+    spec = AttentionSpec(H, KVH, D, page_size, 30000 // page_size * 8, groups=groups, layer_groups=(0, 1),
+                         kv_dtype=torch.float8_e4m3fn, fp8_math=True)
+    caches = [PagedKVCache.allocate(spec, "cuda", group=grp, k_scale=K_SCALE, v_scale=V_SCALE) for grp in range(2)]
+    for cache in caches:  # every slot random, through the quantizing store
+        n = cache.flat()[0].shape[0]
+        for a in range(0, n, 1 << 15):
+            idx = torch.arange(a, min(a + (1 << 15), n), device="cuda")
+            cache.store(idx, *(torch.randn(idx.shape[0], KVH, D, generator=gen, device="cuda").bfloat16() for _ in range(2)))
+    pool = GraphBufferPool(spec, max_batch_size=48, max_num_tokens=48 * 4, max_num_pages=spec.num_pages, buckets=(8, 32),
+                           max_pages_per_request=3000 // page_size + 2, max_draft_steps=4)
+
+    def layers(step, x):
+        outs = []
+        for grp, cache in enumerate(caches):
+            fi.write_kv(step, x["k"], x["v"], cache, group=grp)
+            outs.append(fi.run(step, x["q"], cache, group=grp))
+        return torch.stack(outs)
+
+    graphs = DecodeGraphs(pool, layers, {"q": torch.zeros(32, H, D, device="cuda", dtype=torch.bfloat16),
+                                         "k": torch.zeros(32, KVH, D, device="cuda", dtype=torch.bfloat16),
+                                         "v": torch.zeros(32, KVH, D, device="cuda", dtype=torch.bfloat16)})
+    graphs.capture()
+    ran, worst = {"replayed": 0, "eager": 0, "round": 0}, 0.0
+    for i in range(10):
+        B = int(rng.integers(1, 48))
+        kv_lens = rng.integers(1, 3000, B)
+        batch = random_batch(rng, [1] * B, kv_lens, page_size, spec.num_pages)
+        plan = build_plan(batch, spec)
+        step = pool.commit(plan)
+        # peaked attention (logits of standard deviation ~3): outputs near |v|, so a wrong key shows
+        x = {"q": 3 * torch.randn(B, H, D, generator=gen, device="cuda").bfloat16(),
+             **{n: torch.randn(B, KVH, D, generator=gen, device="cuda").bfloat16() for n in "kv"}}
+        replay = graphs.serves(step)
+        out = graphs(step, **x) if replay else layers(step, x)
+        ran["replayed" if replay else "eager"] += 1
+        worst = max(worst, check(out, plan, x["q"], caches, (None, W), (f"seed {seed}", f"step {i}", f"B {B}")))
+        if i % 3 == 2:  # a draft round over the same requests, one token further on
+            kv_lens = kv_lens + 1
+            pages = random_pages(rng, kv_lens + 2, page_size, spec.num_pages)  # room for the round's 3 tokens
+            draft = build_round(StepBatch.from_pages([1] * B, kv_lens, pages, page_size), spec, 3)
+            steps = pool.commit_round(draft)
+            for j, (st, p) in enumerate(zip(steps, draft.steps)):
+                xj = {"q": 3 * torch.randn(B, H, D, generator=gen, device="cuda").bfloat16(),
+                      **{n: torch.randn(B, KVH, D, generator=gen, device="cuda").bfloat16() for n in "kv"}}
+                out = layers(st, xj)
+                worst = max(worst, check(out, p, xj["q"], caches, (None, W), (f"seed {seed}", f"round after {i}", f"step {j}")))
+            ran["round"] += 1
+    assert ran["replayed"] >= 3 and ran["eager"] >= 1 and ran["round"] >= 3, (f"seed {seed}", ran)
+    print(f"seed {seed} page {page_size}: {ran}, worst error / bound {worst:.3f}")
+
+
+def test_fp8_math_bound_sees_small_errors():
+    """The bound is not vacuous: the kernel's own output passes, but fails for most requests when the
+    query's rounding is not emulated (the reference over the query as given), or when the output is
+    off by 3% (a scale error)."""
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(H, KVH, D, 16, 4000, kv_dtype=torch.float8_e4m3fn, fp8_math=True)
+    cache = PagedKVCache.allocate(spec, "cuda", k_scale=K_SCALE, v_scale=V_SCALE)
+    n = cache.flat()[0].shape[0]
+    cache.store(torch.arange(n, device="cuda"), *(torch.randn(n, KVH, D, generator=gen, device="cuda").bfloat16() for _ in range(2)))
+    pool = GraphBufferPool(spec, max_batch_size=16, max_num_tokens=16, max_num_pages=4000, buckets=(16,),
+                           max_pages_per_request=200)
+    plan = build_plan(random_batch(rng, [1] * 16, rng.integers(500, 3000, 16), 16, 4000), spec)
+    step = pool.commit(plan)
+    q = 3 * torch.randn(16, H, D, generator=gen, device="cuda").bfloat16()
+    out = fi.run(step, q, cache)
+    ref, tol, norm = bound_and_reference(plan, q, cache, None)
+    ok = violations(out, ref, tol, norm)
+    assert (ok <= 1).all(), (f"seed {seed}", ok.tolist())
+    exact = []
+    for r in range(16):  # float64 attention over the same cache with the query as given
+        gp = plan.groups[0]
+        pages = torch.as_tensor(gp.kv_indices[gp.kv_indptr[r] : gp.kv_indptr[r + 1]], device="cuda").long()
+        k, v = (t[: int(plan.kv_lens[r])] for t in cache.read(pages, torch.float64))
+        s = torch.einsum("kgd,nkd->kgn", q[r].double().view(KVH, H // KVH, D), k) * spec.sm_scale
+        exact.append(torch.einsum("kgn,nkd->kgd", s.softmax(-1), v).reshape(H, D))
+    unrounded = violations(out, torch.stack(exact), tol, norm)
+    scaled = violations(out.double() * 1.03, ref, tol, norm)
+    print(f"seed {seed}: violation ratios, kernel {ok.max().item():.2f}, query rounding ignored "
+          f"{unrounded.median().item():.2f} (median), output x1.03 {scaled.median().item():.2f} (median)")
+    assert (unrounded > 1).sum() >= 12 and (scaled > 1).sum() >= 12, (f"seed {seed}", unrounded.tolist(), scaled.tolist())
