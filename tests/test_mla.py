@@ -88,3 +88,12 @@ def test_shapes_are_checked():
         reference.run(plan, torch.randn(2, H, DC), cache)
     with pytest.raises(PlanError, match=rf"v has shape .*expected \[rows, 1, {DR}\]"):
         reference.write_kv(plan, torch.randn(2, 1, DC), torch.randn(2, 1, DC), cache)
+
+
+def test_mla_backend_refuses_what_it_cannot_serve():
+    with pytest.raises(PlanError, match="latent attention"):
+        AttentionSpec(16, 8, 128, 16, 100, backend="flashinfer_mla")
+    with pytest.raises(PlanError, match="latent attention"):
+        AttentionSpec(16, 1, 512, 16, 100, mla_rope_dim=64, backend="flash_attn")
+    spec = AttentionSpec(16, 1, 512, 16, 1000, mla_rope_dim=64, backend="auto")
+    assert build_plan(random_batch(np.random.default_rng(0), [1, 1], [30, 40], 16, 1000), spec).backend == "flashinfer_mla"

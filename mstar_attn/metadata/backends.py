@@ -46,6 +46,7 @@ class Capabilities:
     kv_dtypes: frozenset = frozenset()  # KV cache dtypes it serves beside the query dtype (FP8)
     kv_note: str = ""  # why it serves no other KV dtype, for the PlanError
     mla: bool = False  # it serves latent attention (AttentionSpec.mla_rope_dim > 0)
+    mla_only: bool = False  # it serves latent attention and nothing else
 
     def serves_kv(self, spec) -> bool:
         """Whether it serves spec's KV cache dtype (the query dtype, or one of kv_dtypes)."""
@@ -56,8 +57,10 @@ class Capabilities:
         if spec.dtype not in self.dtypes:
             raise PlanError(f"spec.dtype: backend {name!r} serves {sorted(map(str, self.dtypes))}, not {spec.dtype}")
         if spec.mla and not self.mla:
-            raise PlanError(f"spec.mla_rope_dim: backend {name!r} does not serve latent attention (MLA) yet; "
-                            "the reference backend does")
+            raise PlanError(f"spec.mla_rope_dim: backend {name!r} does not serve latent attention (MLA); "
+                            "'flashinfer_mla' and 'reference' do")
+        if self.mla_only and not spec.mla:
+            raise PlanError(f"spec.mla_rope_dim: backend {name!r} serves latent attention (MLA) only; set mla_rope_dim")
         if not self.serves_kv(spec):
             raise PlanError(f"spec.kv_dtype: backend {name!r} keeps K/V in the query dtype, not {spec.kv_cache_dtype}"
                             + (f" ({self.kv_note})" if self.kv_note else ""))
@@ -76,6 +79,9 @@ BACKENDS: dict[str, Capabilities] = {
     "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8),
     "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer",
                                       kv_note="it attends over the step's K/V as given, not as an FP8 cache holds them"),
+    "flashinfer_mla": Capabilities("mstar_attn.kernels.flashinfer_mla", frozenset({torch.bfloat16}), frozenset({128, 256, 512}),
+                                   package="flashinfer", mla=True, mla_only=True,
+                                   kv_note="FP8 latent caches are not served yet"),
     "flash_attn": Capabilities(_FA, HALF, _FA_DIMS, package="flash_attn.cute", needs_finite_cache=True, kv_note=_FA_FP8),
     "flash_attn_varlen": Capabilities(_FA, HALF, _FA_DIMS, frozenset({"prefill"}), True, "flash_attn.cute",
                                       kv_note=_FA_FP8),

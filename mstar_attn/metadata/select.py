@@ -34,7 +34,7 @@ from pathlib import Path
 import attrs
 
 from mstar_attn.metadata.backends import BACKENDS
-from mstar_attn.metadata.spec import Kind
+from mstar_attn.metadata.spec import MLA_BACKEND, Kind
 
 DEFAULT = "flashinfer"
 TABLE_VERSION = 1
@@ -217,6 +217,8 @@ def select_backend(spec, mode: str, batch_size: int, num_tokens: int, max_q_len:
     every request's KV is new this step (ragged / varlen kernels may serve it). table: None for
     the package's table (`load_table()`), else anything `as_table` takes (pass a DispatchTable
     on a hot path: a mapping is compiled on every call)."""
+    if spec.mla:  # the table is measured on standard attention; one GPU backend serves latent attention
+        return MLA_BACKEND
     t = load_table() if table is None else as_table(table)
     choices = t.choices
     if not choices:

@@ -13,6 +13,7 @@ from mstar_attn.metadata._arrays import INT32_MAX, positive_int
 from mstar_attn.metadata.backends import AUTO, BACKENDS, FP8
 from mstar_attn.metadata.errors import PlanError
 
+MLA_BACKEND = "flashinfer_mla"  # what backend="auto" serves latent attention with
 XQA_PAGE_SIZES = (16, 32, 64, 128)  # the page sizes FlashInfer's XQA decode kernel compiles for (AttentionSpec.fp8_math)
 
 __all__ = ["AttentionSpec", "Kind", "LayerGroup", "PlanError"]
@@ -202,7 +203,7 @@ class AttentionSpec:
                    or self.backend not in ("flashinfer", "reference", AUTO) and f"backend flashinfer, not {self.backend!r}")
             if why:
                 raise PlanError(f"spec.fp8_math: FP8 decode math (FlashInfer XQA) needs {why}")
-        name = "flashinfer" if self.backend == AUTO else self.backend  # auto falls back to FlashInfer paged
+        name = self.backend if self.backend != AUTO else MLA_BACKEND if r else "flashinfer"  # auto's fallbacks
         BACKENDS[name].check(self, name)
         shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))
         object.__setattr__(self, "cache_shape", shape)
