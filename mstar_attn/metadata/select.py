@@ -190,6 +190,8 @@ def as_table(table) -> DispatchTable:
 def graph_backends(spec, table=None) -> tuple[str, ...]:
     """The backends an "auto" spec's decode and verify steps may get from the table (FlashInfer
     first): what DecodeGraphs captures for. table: as in select_backend."""
+    if spec.mla:
+        return (MLA_BACKEND,)
     t = load_table() if table is None else as_table(table)
     picks = {n for n in t.choices.values()
              if n != DEFAULT and any(_serves(t.caps[n], spec, m, False) for m in ("decode", "verify"))}
@@ -199,6 +201,8 @@ def graph_backends(spec, table=None) -> tuple[str, ...]:
 def table_backends(spec, table=None) -> tuple[str, ...]:
     """Every backend the table may pick for some step of an "auto" spec (FlashInfer first): what a
     pool makes schedulers for up front. table: as in select_backend."""
+    if spec.mla:
+        return (MLA_BACKEND,)
     t = load_table() if table is None else as_table(table)
     picks = {n for n in t.choices.values() if n != DEFAULT and any(_serves(t.caps[n], spec, m, True) for m in MODE_CLASS)}
     return (DEFAULT, *sorted(picks))

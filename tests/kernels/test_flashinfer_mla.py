@@ -30,7 +30,7 @@ def test_mla_eager_and_replayed(page_size, heads):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    num_pages = 24000 // page_size
+    num_pages = 80000 // page_size
     spec = AttentionSpec(heads, 1, CKV, page_size, num_pages, mla_rope_dim=ROPE, sm_scale=192**-0.5, backend="flashinfer_mla")
     cache = PagedKVCache.allocate(spec, "cuda")
     n = cache.flat()[0].shape[0]
