@@ -111,3 +111,39 @@ def test_out_of_range_scales_and_non_finite_values():
     assert k[:3].isnan().all() and (k[3] == 1.0).all()  # an infinity is no finite stand-in
     with pytest.raises(PlanError, match="flashinfer_ragged.*FP8"):
         AttentionSpec(32, 8, 128, 16, 64, kv_dtype=E4M3, backend="flashinfer_ragged")
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(kv_dtype=None), "kv_dtype float8_e4m3fn"), (dict(kv_dtype=torch.float8_e5m2), "kv_dtype float8_e4m3fn"),
+    (dict(page_size=1), "page size"), (dict(page_size=8), "page size"), (dict(soft_cap=30.0), "soft cap"),
+    (dict(backend="flash_attn"), "backend flashinfer"), (dict(fp8_math=1), "expected a bool"),
+])
+def test_fp8_math_needs_what_xqa_serves(change, field):
+    """fp8_math (XQA FP8 decode) is refused at spec construction where XQA cannot serve it, naming why."""
+    kw = {**dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, num_pages=100,
+                 kv_dtype=torch.float8_e4m3fn, fp8_math=True), **change}
+    with pytest.raises(PlanError, match=f"spec.fp8_math.*{field}"):
+        AttentionSpec(**kw)
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+def test_fp8_math_specs_plan_like_fp8_specs_and_the_reference_computes_exactly(page_size):
+    """An fp8_math spec plans exactly as the same spec without it (the flag changes only the decode
+    kernel), `auto` keeps FlashInfer, and the reference (the oracle) computes as over any FP8 cache."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    base = AttentionSpec(8, 2, 64, page_size, 400, kv_dtype=torch.float8_e4m3fn, dtype=torch.float32, backend="reference")
+    spec = AttentionSpec(8, 2, 64, page_size, 400, kv_dtype=torch.float8_e4m3fn, dtype=torch.float32, fp8_math=True,
+                         backend="reference")
+    auto = AttentionSpec(8, 2, 64, page_size, 400, kv_dtype=torch.float8_e4m3fn, fp8_math=True, backend="auto")
+    batch = random_batch(rng, [1] * 5, rng.integers(1, 300, 5), page_size, 400)
+    a, b = build_plan(batch, base), build_plan(batch, spec)
+    for name in ("qo_indptr", "kv_lens", "positions"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), (f"seed {seed}", name)
+    assert table_backends(auto)[0] == "flashinfer" and all(n != "flash_attn" for n in table_backends(auto))
+    cache = PagedKVCache.allocate(spec, k_scale=0.05, v_scale=0.03)
+    n = cache.flat()[0].shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    cache.store(torch.arange(n), torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen))
+    q = torch.randn(5, 8, 64, generator=gen)
+    assert torch.equal(reference.run(a, q, cache), reference.run(b, q, cache)), f"seed {seed}"
