@@ -147,3 +147,9 @@ def test_fp8_math_specs_plan_like_fp8_specs_and_the_reference_computes_exactly(p
     cache.store(torch.arange(n), torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen))
     q = torch.randn(5, 8, 64, generator=gen)
     assert torch.equal(reference.run(a, q, cache), reference.run(b, q, cache)), f"seed {seed}"
+
+
+def test_fp8_math_refuses_gqa_ratios_xqa_cannot_compile():
+    with pytest.raises(PlanError, match="GQA ratio of at most 128"):
+        AttentionSpec(256, 1, 128, 16, 100, kv_dtype=torch.float8_e4m3fn, fp8_math=True)
+    AttentionSpec(128, 1, 128, 16, 100, kv_dtype=torch.float8_e4m3fn, fp8_math=True)

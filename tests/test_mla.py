@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, PagedKVCache, PlanError, build_plan
+from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, PlanError, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import fresh_seed, random_batch
 
@@ -97,3 +97,16 @@ def test_mla_backend_refuses_what_it_cannot_serve():
         AttentionSpec(16, 1, 512, 16, 100, mla_rope_dim=64, backend="flash_attn")
     spec = AttentionSpec(16, 1, 512, 16, 1000, mla_rope_dim=64, backend="auto")
     assert build_plan(random_batch(np.random.default_rng(0), [1, 1], [30, 40], 16, 1000), spec).backend == "flashinfer_mla"
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(soft_cap=30.0), "soft cap"), (dict(mla_rope_dim=32), "multiple of 64"), (dict(num_qo_heads=24), "head count"),
+    (dict(groups=(LayerGroup("window", window=64),)), "causal or non-causal"),
+])
+@pytest.mark.parametrize("backend", ["flashinfer_mla", "auto"])
+def test_flashinfer_mla_refuses_what_its_kernels_cannot_express(kw, why, backend):
+    """Refused at spec construction (not mid-commit, not silently wrong); the reference serves all of it."""
+    base = dict(num_qo_heads=16, num_kv_heads=1, head_dim=512, page_size=16, num_pages=100, mla_rope_dim=64)
+    with pytest.raises(PlanError, match=why):
+        AttentionSpec(**{**base, **kw, "backend": backend})
+    AttentionSpec(**{**base, **kw, "backend": "reference", "dtype": torch.float32})

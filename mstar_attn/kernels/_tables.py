@@ -36,17 +36,19 @@ class PageTables:
     the pool's max_pages_per_request to the longest context / page_size, not the whole pool.
     """
 
-    def __init__(self, pool: GraphBufferPool):
+    def __init__(self, pool: GraphBufferPool, groups: list[int] | None = None):
+        """groups: the layer groups that read tables (default all); the others get None from schedule."""
         self.pool = pool
-        alone = [g.kind is Kind.WINDOW or g.own_pages for g in pool.spec.groups]  # trimmed, or its own list
-        shared = 0 if not all(alone) else -1
-        self.table_of, n = [], shared + 1
-        for a in alone:
-            self.table_of.append(n if a else shared)
+        served = range(len(pool.spec.groups)) if groups is None else groups
+        alone = {g: pool.spec.groups[g].kind is Kind.WINDOW or pool.spec.groups[g].own_pages for g in served}
+        shared = 0 if not all(alone.values()) else -1
+        self.table_of, n = [None] * len(pool.spec.groups), shared + 1  # group -> its table (None: not served)
+        for g, a in alone.items():
+            self.table_of[g] = n if a else shared
             n += a
         self.firsts = {}  # table -> the first group that reads it (groups sharing a table read the same pages)
-        for g, t in enumerate(self.table_of):
-            self.firsts.setdefault(t, g)
+        for g in alone:
+            self.firsts.setdefault(self.table_of[g], g)
         size = pool.layout.max_rows * pool.max_pages_per_request
         pin = pool.device.type == "cuda"
         self.host = [[torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(n)] for _ in range(pool.num_slots)]
@@ -85,10 +87,10 @@ class PageTables:
                 torch.gather(full.index_select(0, step.table_rows), 1, cols.clamp_(max=table.width - 1), out=out)
 
     def schedule(self, step: DeviceStep) -> tuple:
-        """One entry per layer group: its page table, int32 device [rows, width]."""
+        """One entry per layer group: its page table, int32 device [rows, width] (None: a group not served)."""
         plan = step.plan
         if plan.rows is not None:  # filled on the device by expand
-            return tuple(self._table(step, self.table_of[g], self.pool.table.width) for g in range(len(plan.groups)))
+            return tuple(None if t is None else self._table(step, t, self.pool.table.width) for t in self.table_of)
         B, rows, ps = plan.batch_size, step.rows, plan.spec.page_size
         pad_pages = -(-step.q_len // ps)  # a padding request reads q_len tokens of the scratch page
         tables = {}
@@ -109,4 +111,4 @@ class PageTables:
             dev = self.dev[step.slot][t][:n]
             self.pool.upload(dev, self.host[step.slot][t][:n])
             tables[t] = dev.view(rows, width)
-        return tuple(tables[self.table_of[g]] for g in range(len(plan.groups)))
+        return tuple(None if t is None else tables[t] for t in self.table_of)

@@ -64,7 +64,7 @@ class Xqa:
         if torch.cuda.get_device_capability(pool.device)[0] != 9:
             raise PlanError("spec.fp8_math: FlashInfer's XQA FP8 decode kernel (mha_sm90) runs on Hopper (SM90) only")
         spec = pool.spec
-        self.tables = PageTables(pool)
+        self.tables = PageTables(pool, [g for g, grp in enumerate(spec.groups) if not grp.cross])
         self.sm_count = torch.cuda.get_device_properties(pool.device).multi_processor_count
         rows = pool.layout.max_rows * spec.num_kv_heads
         self.semaphores = torch.zeros(rows, dtype=torch.int32, device=pool.device).view(torch.uint32)
@@ -172,7 +172,7 @@ class Scheduler:
                     shared.add(t.untyped_storage().data_ptr())
                     own[0 if t.is_cuda else 1] += t.untyped_storage().nbytes() if (t.is_cuda or t.is_pinned()) else 0
         m = sum(ws.numel() for ws, _ in self.private)
-        return {**(self.xqa.memory() if self.xqa is not None else {}),"flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
+        return {**(self.xqa.memory() if self.xqa is not None else {}), "flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
                 f"flashinfer fixed-schedule int workspaces ({len(self.private)})": (m, m),
                 f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
 
@@ -292,9 +292,10 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     """
     plan = _check.step_plan(step, "run")
     group = _check.layer_group(group, plan, "run")
-    _check.cache_fits(cache, plan, "run", step=step, group=group)
-    _check.query(q, step, plan, cache, "run")
     w = step.scheduled[group]
+    # XQA reads whole 64-token tiles (masking logits, not values): the rows past a length must be finite
+    _check.cache_fits(cache, plan, "run", finite=isinstance(w, XqaDecode), step=step, group=group)
+    _check.query(q, step, plan, cache, "run")
     if isinstance(w, XqaDecode):
         return _xqa(step, q, cache, group, w)
     if plan.backend == "flashinfer_ragged":
@@ -316,7 +317,8 @@ def _xqa(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int, x: 
     so kv_scale = v_scale and q_scale = sm_scale * k_scale / v_scale * sqrt(head_dim)."""
     spec, rows = step.plan.spec, q.shape[0]
     win = spec.groups[group].window
-    out = torch.empty_like(q)
+    q = q.contiguous()  # the kernel reads and writes dense [rows, heads, head_dim] rows
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     seq_lens = step.groups[group].kv_lens[:rows].view(torch.uint32).unsqueeze(1)
     table = x.table[:rows]
     q_scale = spec.sm_scale * cache.k_scale / cache.v_scale * spec.head_dim**0.5

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
@@ -37,10 +38,15 @@ if TYPE_CHECKING:
     from mstar_attn.capture.pool import GraphBufferPool
     from mstar_attn.capture.step import DeviceStep
 
+MAX_QUERY_TILES = 8192  # FlashInfer MLA plans at most 16384 work items (query tiles of 64 rows plus KV splits)
+
+
 class Scheduler:
     """The pool's MLA wrappers, planned at commit from pinned host arrays (see the module doc).
-    Memory: the pool's float workspace (FlashInfer asks ~17 MiB on an H100 for MLA's partial
-    outputs), and per wrapper FlashInfer's own 8 MiB device + 8 MiB pinned int workspace."""
+    Memory: a float workspace of pool.float_workspace_bytes (128 MiB by default; FlashInfer needs
+    ~17 MiB on an H100 for MLA's partial outputs), and per wrapper FlashInfer's own 8 MiB device +
+    8 MiB pinned int workspace. Host cost not yet measured: FlashInfer builds a backend object per
+    plan() and, in graph mode, clones its int workspace and metadata buffers for rollback."""
 
     def __init__(self, pool: GraphBufferPool):
         spec = pool.spec
@@ -63,10 +69,16 @@ class Scheduler:
                                 kv_cache_layout="split")
 
     def check(self, plan: AttentionPlan, bucket: int | None) -> None:
-        """Draft-round steps list pages ahead of their lengths, which FlashInfer MLA's planner refuses."""
+        """PlanError before any state changes for what FlashInfer's MLA planner would refuse mid-commit:
+        draft-round steps (their page lists run ahead of each step's length) and steps past its work
+        list (16384 items of query tiles plus KV splits: we allow query tiles of 64 rows up to half)."""
         if plan.draft_step is not None:
             raise PlanError("commit: backend 'flashinfer_mla' does not serve draft rounds (their page lists run "
                             "ahead of each step's length; FlashInfer MLA takes exactly ceil(kv_len / page_size) pages)")
+        tiles = int((-(-plan.q_lens.astype(np.int64) * plan.spec.num_qo_heads // 64)).sum())
+        if tiles > MAX_QUERY_TILES:
+            raise PlanError(f"commit: {plan.num_tokens} tokens x {plan.spec.num_qo_heads} heads make {tiles} query tiles, over "
+                            f"the {MAX_QUERY_TILES} FlashInfer MLA's work list leaves room for: split the step")
 
     def memory(self) -> dict[str, tuple[int, int]]:
         n = len(self.wrappers)

@@ -120,7 +120,9 @@ class AttentionSpec:
     and the softmax probabilities to e4m3 for FP8 tensor-core math: 1.8x bf16 decode at B 64 / 4k
     tokens against 1.44x for bf16 math over the same cache (benchmarks/results/fp8_kernels_h100.md), at
     a larger error (README, "FP8 KV cache"). Other steps keep bf16 math. Page sizes 16, 32, 64, 128; no
-    soft cap. The reference backend computes exactly (the oracle of both).
+    soft cap; GQA ratio <= 128. Queries are rounded to e4m3 unscaled: magnitudes above 448 saturate and
+    below 2^-6 lose relative precision (fine for the usual O(1) post-RoPE queries). A decode request
+    must fit the pool's max_pages_per_request (XQA reads a dense page table). The reference backend computes exactly (the oracle of both).
     sm_scale defaults to head_dim ** -0.5;
     soft_cap = 0 disables logit soft-capping (otherwise logits become cap * tanh(logits / cap)).
     num_pages: the engine's page ids are 0 .. num_pages - 1. The cache holds one page more,
@@ -200,10 +202,19 @@ class AttentionSpec:
             why = (self.kv_dtype != torch.float8_e4m3fn and f"kv_dtype float8_e4m3fn, not {self.kv_dtype}"
                    or self.page_size not in XQA_PAGE_SIZES and f"a page size in {XQA_PAGE_SIZES}, not {self.page_size}"
                    or self.soft_cap and "no logit soft cap" or self.mla_rope_dim and "standard (not latent) attention"
+                   or self.num_qo_heads // self.num_kv_heads > 128 and "a GQA ratio of at most 128"
                    or self.backend not in ("flashinfer", "reference", AUTO) and f"backend flashinfer, not {self.backend!r}")
             if why:
                 raise PlanError(f"spec.fp8_math: FP8 decode math (FlashInfer XQA) needs {why}")
         name = self.backend if self.backend != AUTO else MLA_BACKEND if r else "flashinfer"  # auto's fallbacks
+        if name == MLA_BACKEND:  # what FlashInfer's MLA kernels cannot express (the reference serves all of it)
+            why = (self.soft_cap and "no logit soft cap" or r % 64 and f"mla_rope_dim a multiple of 64, not {r}"
+                   or (self.num_qo_heads % 64 and 64 % self.num_qo_heads) and
+                   f"a head count dividing 64 or a multiple of 64, not {self.num_qo_heads}"
+                   or any(g.kind not in (Kind.CAUSAL, Kind.NONCAUSAL) or g.own_pages for g in self.groups)
+                   and "causal or non-causal groups sharing one page list")
+            if why:
+                raise PlanError(f"spec: backend {MLA_BACKEND!r} (FlashInfer MLA) needs {why}; the reference backend serves it")
         BACKENDS[name].check(self, name)
         shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))
         object.__setattr__(self, "cache_shape", shape)
