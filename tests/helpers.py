@@ -159,12 +159,20 @@ def gpu_pool(spec, **kw):
                            max_num_pages=spec.num_pages, device="cuda", **kw)
 
 
-def random_cache(spec, seed: int, device="cuda") -> PagedKVCache:
-    """A cache of spec.cache_shape filled with seeded normal values (finite, never zeros)."""
+def random_cache(spec, seed: int, device="cuda", group: int | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> PagedKVCache:
+    """A cache of spec.cache_shape filled with seeded normal values (finite, never zeros). An FP8 cache
+    (k_scale, v_scale its scales) is filled through the quantizing store, every slot."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    cache = PagedKVCache.allocate(spec, device)
-    for t in (cache.k, cache.v):
-        t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32).to(spec.dtype))
+    cache = PagedKVCache.allocate(spec, device, group=group, k_scale=k_scale, v_scale=v_scale)
+    if not spec.fp8_kv:
+        for t in (cache.k, cache.v):
+            t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32).to(spec.dtype))
+        return cache
+    k, v = cache.flat()
+    for a in range(0, k.shape[0], 1 << 15):
+        idx = torch.arange(a, min(a + (1 << 15), k.shape[0]), device=device)
+        cache.store(idx, *(torch.randn(idx.shape[0], *t.shape[1:], generator=gen, device=device) for t in (k, v)))
     return cache
 
 

@@ -73,9 +73,9 @@ class Xqa:
         self.modules = {w: get_xqa_module(spec.dtype, spec.kv_cache_dtype, spec.page_size, spec.head_dim, spec.gqa_group,
                                           w, spec.dtype, 1) for w in {g.window is not None for g in spec.groups}}
 
-    def serves(self, step: DeviceStep, g: int) -> bool:
-        """Decode steps (one query token per request, draft steps included), groups other than cross."""
-        return step.plan.mode is Mode.DECODE and not self.tables.pool.spec.groups[g].cross
+    def serves(self, g: int) -> bool:
+        """Whether layer group g runs on XQA in decode steps (the groups other than cross: those with tables)."""
+        return self.tables.table_of[g] is not None
 
     def memory(self) -> dict[str, tuple[int, int]]:
         n = self.semaphores.numel() * 4 + self.scratch.numel()
@@ -149,15 +149,19 @@ class Scheduler:
     def check(self, plan: AttentionPlan, bucket: int | None) -> None:
         """XQA decode (fp8_math): PlanError if a request reads more pages than the pool's
         max_pages_per_request. Nothing else to refuse beyond what build_plan and the pool check."""
-        if self.xqa is not None and plan.mode is Mode.DECODE:
+        if self._on_xqa(plan):
             self.xqa.tables.check(plan)
 
     def expand(self, step: DeviceStep) -> bool:
         """A StepRows step's XQA page tables, on the device (fp8_math decode); True: the pool also
         gathers the CSR page lists (the wrappers' and the reference's)."""
-        if self.xqa is not None and step.plan.mode is Mode.DECODE:
+        if self._on_xqa(step.plan):
             self.xqa.tables.expand(step)
         return True
+
+    def _on_xqa(self, plan: AttentionPlan) -> bool:
+        """fp8_math decode steps (one query token per request, draft steps included) run on XQA."""
+        return self.xqa is not None and plan.mode is Mode.DECODE
 
     def memory(self) -> dict[str, tuple[int, int]]:
         """The shared workspaces, and what the wrappers own beyond them and the pool's buffers."""
@@ -179,15 +183,15 @@ class Scheduler:
     def schedule(self, step: DeviceStep, tables: tuple | None = None) -> tuple:
         """One entry per layer group: its planned wrapper, or an XqaDecode (fp8_math decode)."""
         x = self.xqa
-        if x is not None and step.plan.mode is Mode.DECODE:
+        if self._on_xqa(step.plan):
             tables = x.tables.schedule(step) if tables is None else tables
-            return tuple(XqaDecode(tables[g], x) if x.serves(step, g) else self._plan(step, g, dg)
+            return tuple(XqaDecode(tables[g], x) if x.serves(g) else self._plan(step, g, dg)
                          for g, dg in enumerate(step.groups))
         return tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """A draft round: XQA's page tables once (the steps list the same pages), the wrappers per step."""
-        tables = self.xqa.tables.schedule(steps[0]) if self.xqa is not None else None
+        tables = self.xqa.tables.schedule(steps[0]) if self._on_xqa(steps[0].plan) else None
         return [self.schedule(st, tables) for st in steps]
 
     def _plan(self, step: DeviceStep, g: int, dg):

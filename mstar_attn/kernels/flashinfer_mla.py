@@ -32,7 +32,6 @@ from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv: c_kv as K, k_pe as V)
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
-from mstar_attn.metadata.spec import Kind
 
 if TYPE_CHECKING:
     from mstar_attn.capture.pool import GraphBufferPool
@@ -52,14 +51,7 @@ class Scheduler:
         spec = pool.spec
         if pool.device.type != "cuda":
             raise PlanError(f"GraphBufferPool(device={pool.device}): the FlashInfer MLA backend runs on CUDA")
-        if not spec.mla:
-            raise PlanError("spec.mla_rope_dim: backend 'flashinfer_mla' serves latent attention only")
-        bad = [g for g, grp in enumerate(spec.groups) if grp.kind not in (Kind.CAUSAL, Kind.NONCAUSAL) or grp.own_pages]
-        if bad:
-            raise PlanError(f"spec.groups[{bad[0]}]: FlashInfer MLA serves causal and non-causal groups sharing one page list")
-        if spec.mla_rope_dim % 64 or spec.head_dim % 128:
-            raise PlanError(f"spec: FlashInfer MLA needs head_dim a multiple of 128 and mla_rope_dim of 64, got "
-                            f"{spec.head_dim} and {spec.mla_rope_dim}")
+        # (what FlashInfer MLA cannot express, soft cap, windows, rope and head shapes, the spec refused already)
         self.pool = pool
         self.float_ws = torch.zeros(pool.float_workspace_bytes, dtype=torch.uint8, device=pool.device)
         self.wrappers: dict[tuple, BatchMLAPagedAttentionWrapper] = {}

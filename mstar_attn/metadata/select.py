@@ -210,7 +210,7 @@ def table_backends(spec, table=None) -> tuple[str, ...]:
 
 def _serves(caps, spec, mode: str, prefix_free: bool) -> bool:
     return (mode in caps.modes and (prefix_free or not caps.prefix_free) and spec.dtype in caps.dtypes and caps.serves_kv(spec)
-            and (caps.mla or not spec.mla)
+            and (caps.mla if spec.mla else not caps.mla_only)
             and (caps.head_dims is None or spec.head_dim in caps.head_dims)
             and not spec.soft_cap and all(g.kind is Kind.CAUSAL for g in spec.groups))
 

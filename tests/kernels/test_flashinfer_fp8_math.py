@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, StepBatch, build_plan
-from tests.helpers import fresh_seed, random_batch, random_pages
+from tests.helpers import fresh_seed, random_batch, random_cache, random_pages
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -48,7 +48,7 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
 
 
-def bound_and_reference(plan, q: torch.Tensor, cache: PagedKVCache, window: int | None):
+def bound_and_reference(plan, q: torch.Tensor, cache: PagedKVCache, window: int | None, round_query: bool = True):
     """Per decode row, float64: the reference [B, H, D] (e4m3 query), the elementwise bound above
     [B, H, D], and per request the norm bound [B] (see `check`). The row's largest probability is
     exactly 1 in the kernel (exp(0), in the tile that holds the maximum) and carries no rounding."""
@@ -60,7 +60,7 @@ def bound_and_reference(plan, q: torch.Tensor, cache: PagedKVCache, window: int 
         pages = torch.as_tensor(gp.kv_indices[gp.kv_indptr[r] : gp.kv_indptr[r + 1]], device="cuda").long()
         k, v = cache.read(pages, torch.float64)
         k, v = k[:n], v[:n]
-        qr = e4m3(q[r]).view(KVH, g, D)
+        qr = (e4m3(q[r]) if round_query else q[r].double()).view(KVH, g, D)
         s = torch.einsum("kgd,nkd->kgn", qr, k) * plan.spec.sm_scale
         if window is not None:
             s[..., : max(n - window, 0)] = float("-inf")
@@ -112,12 +112,7 @@ def test_fp8_math_decode_eager_replayed_and_rounds(page_size):
     groups = (LayerGroup(), LayerGroup("window", window=W))
     spec = AttentionSpec(H, KVH, D, page_size, 30000 // page_size * 8, groups=groups, layer_groups=(0, 1),
                          kv_dtype=torch.float8_e4m3fn, fp8_math=True, sm_scale=0.7 * D**-0.5)  # (a q_scale dropping it shows)
-    caches = [PagedKVCache.allocate(spec, "cuda", group=grp, k_scale=K_SCALE, v_scale=V_SCALE) for grp in range(2)]
-    for cache in caches:  # every slot random, through the quantizing store
-        n = cache.flat()[0].shape[0]
-        for a in range(0, n, 1 << 15):
-            idx = torch.arange(a, min(a + (1 << 15), n), device="cuda")
-            cache.store(idx, *(torch.randn(idx.shape[0], KVH, D, generator=gen, device="cuda").bfloat16() for _ in range(2)))
+    caches = [random_cache(spec, seed + grp, group=grp, k_scale=K_SCALE, v_scale=V_SCALE) for grp in range(2)]
     pool = GraphBufferPool(spec, max_batch_size=48, max_num_tokens=48 * 4, max_num_pages=spec.num_pages, buckets=(8, 32),
                            max_pages_per_request=3000 // page_size + 2, max_draft_steps=4)
 
@@ -170,9 +165,7 @@ def test_fp8_math_bound_sees_errors():
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rng = np.random.default_rng(seed)
     spec = AttentionSpec(H, KVH, D, 16, 4000, kv_dtype=torch.float8_e4m3fn, fp8_math=True)
-    cache = PagedKVCache.allocate(spec, "cuda", k_scale=K_SCALE, v_scale=V_SCALE)
-    n = cache.flat()[0].shape[0]
-    cache.store(torch.arange(n, device="cuda"), *(torch.randn(n, KVH, D, generator=gen, device="cuda").bfloat16() for _ in range(2)))
+    cache = random_cache(spec, seed, k_scale=K_SCALE, v_scale=V_SCALE)
     pool = GraphBufferPool(spec, max_batch_size=16, max_num_tokens=16, max_num_pages=4000, buckets=(16,),
                            max_pages_per_request=200)
     plan = build_plan(random_batch(rng, [1] * 16, rng.integers(500, 3000, 16), 16, 4000), spec)
@@ -182,14 +175,8 @@ def test_fp8_math_bound_sees_errors():
     ref, tol, norm = bound_and_reference(plan, q, cache, None)
     ok = violations(out, ref, tol, norm)
     assert (ok <= 1).all(), (f"seed {seed}", ok.tolist())
-    exact = []
-    for r in range(16):  # float64 attention over the same cache with the query as given
-        gp = plan.groups[0]
-        pages = torch.as_tensor(gp.kv_indices[gp.kv_indptr[r] : gp.kv_indptr[r + 1]], device="cuda").long()
-        k, v = (t[: int(plan.kv_lens[r])] for t in cache.read(pages, torch.float64))
-        s = torch.einsum("kgd,nkd->kgn", q[r].double().view(KVH, H // KVH, D), k) * spec.sm_scale
-        exact.append(torch.einsum("kgn,nkd->kgd", s.softmax(-1), v).reshape(H, D))
-    unrounded = violations(out, torch.stack(exact), tol, norm)
+    exact = bound_and_reference(plan, q, cache, None, round_query=False)[0]  # the query as given
+    unrounded = violations(out, exact, tol, norm)
     scaled = violations(out.double() * 1.10, ref, tol, norm)
     print(f"seed {seed}: violation ratios, kernel {ok.max().item():.2f}, query rounding ignored "
           f"{unrounded.median().item():.2f} (median), output x1.10 {scaled.median().item():.2f} (median)")

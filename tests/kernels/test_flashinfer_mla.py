@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, PagedKVCache, build_plan
+from mstar_attn import AttentionSpec, build_plan
 from mstar_attn.kernels import reference
-from tests.helpers import assert_close_per_request, fresh_seed, random_batch
+from tests.helpers import assert_close_per_request, fresh_seed, random_batch, random_cache
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -32,10 +32,7 @@ def test_mla_eager_and_replayed(page_size, heads):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     num_pages = 80000 // page_size
     spec = AttentionSpec(heads, 1, CKV, page_size, num_pages, mla_rope_dim=ROPE, sm_scale=192**-0.5, backend="flashinfer_mla")
-    cache = PagedKVCache.allocate(spec, "cuda")
-    n = cache.flat()[0].shape[0]
-    cache.store(torch.arange(n, device="cuda"), torch.randn(n, 1, CKV, generator=gen, device="cuda"),
-                torch.randn(n, 1, ROPE, generator=gen, device="cuda"))
+    cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, max_batch_size=32, max_num_tokens=1024, max_num_pages=num_pages, buckets=(8, 32),
                            max_pages_per_request=2400 // page_size + 2)
     graphs = DecodeGraphs(pool, lambda step, x: mla.run(step, x["q"], cache),
