@@ -94,7 +94,7 @@ def check(out, plan, q, caches, windows, context) -> float:
     worst = 0.0
     for grp, (cache, window) in enumerate(zip(caches, windows)):
         ref, tol, norm = bound_and_reference(plan, q, cache, window)
-        got = out[grp][: plan.batch_size]
+        got = out[: plan.batch_size, grp]
         assert torch.isfinite(got).all(), (context, grp, "non-finite output")
         ratio = violations(got, ref, tol, norm)
         for r in range(plan.batch_size):
@@ -121,7 +121,7 @@ def test_fp8_math_decode_eager_replayed_and_rounds(page_size):
         for grp, cache in enumerate(caches):
             fi.write_kv(step, x["k"], x["v"], cache, group=grp)
             outs.append(fi.run(step, x["q"], cache, group=grp))
-        return torch.stack(outs)
+        return torch.stack(outs, dim=1)  # [rows, groups, H, D]: rows first, as DecodeGraphs slices them
 
     graphs = DecodeGraphs(pool, layers, {"q": torch.zeros(32, H, D, device="cuda", dtype=torch.bfloat16),
                                          "k": torch.zeros(32, KVH, D, device="cuda", dtype=torch.bfloat16),
