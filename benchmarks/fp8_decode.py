@@ -62,7 +62,7 @@ def run_case(B: int, context: int) -> dict:
         graphs.capture()
         step = pool.commit(build_plan(batch, spec))
         graphs(step, q=q)
-        replays[name] = graphs.graphs[(step.slot, B, 1, "flashinfer")][0]
+        replays[name] = graphs.graphs[(step.slot, B, 1, "flashinfer", False)][0]
         out[name] = (graphs, pool, cache)
     t = {name: [] for name in replays}
     for _ in range(5):

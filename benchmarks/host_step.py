@@ -142,7 +142,7 @@ def part_b(spec_for) -> list[dict]:
                     times[name] = []
                 for _ in range(5):
                     for name, (graphs, step) in steps.items():
-                        g = graphs.graphs[(step.slot, B, 1, "flashinfer")][0]
+                        g = graphs.graphs[(step.slot, B, 1, "flashinfer", False)][0]
                         times[name].append(event_median_us(g.replay, 30))
                 med = {k: statistics.median(v) for k, v in times.items()}
                 out.append(dict(heads=f"{heads[0]}/{heads[1]}", batch=B, context=ctx, ctas=B * heads[1], split_us=med["split"],
@@ -179,7 +179,7 @@ def part_c(spec_for) -> list[dict]:
         x = {n: torch.randn(B, t.shape[1], 128, device="cuda", dtype=torch.bfloat16) for n, t in static.items()}
         step = eng.step()
         graphs(step, **x)
-        graph = graphs.graphs[(step.slot, step.bucket, 1, "flashinfer")][0]
+        graph = graphs.graphs[(step.slot, step.bucket, 1, "flashinfer", False)][0]
         n = 200
 
         def timed(fn):

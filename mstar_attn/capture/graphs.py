@@ -31,6 +31,11 @@ def _record(fn, step, static: dict[str, torch.Tensor], memory) -> tuple[torch.cu
     return graph, out
 
 
+def _key(step: DeviceStep) -> tuple[int, int, int, str, bool]:
+    """A decode / verify graph's key: (slot, bucket, q_len, backend, whether a cascade step)."""
+    return step.slot, step.bucket, step.q_len, step.plan.backend, step.plan.cascade is not None
+
+
 class DecodeGraphs:
     """fn(step, inputs) -> Tensor [num_rows, ...], captured once per (pool slot, bucket, q_len, backend).
 
@@ -54,8 +59,8 @@ class DecodeGraphs:
                 raise PlanError(f"DecodeGraphs: inputs[{name!r}] must be a tensor with a row dimension")
         self.pool, self.fn, self.inputs = pool, fn, dict(inputs)
         self.memory = None  # the graphs' shared memory pool, made at the first capture
-        # (slot, bucket, q_len, backend) -> (graph, its output)
-        self.graphs: dict[tuple[int, int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (slot, bucket, q_len, backend, cascade) -> (graph, its output)
+        self.graphs: dict[tuple[int, int, int, str, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _check_capture(self, buckets, q_lens, backends) -> None:
         pool = self.pool
@@ -80,10 +85,12 @@ class DecodeGraphs:
             raise PlanError(f"DecodeGraphs.capture: CUDA graphs need a CUDA pool, not {pool.device}")
 
     def capture(self, buckets: tuple[int, ...] | None = None, q_lens: tuple[int, ...] = (1,),
-                backends: tuple[str, ...] | None = None) -> None:
+                backends: tuple[str, ...] | None = None, cascade: bool | None = None) -> None:
         """Capture every (bucket, q_len, backend, slot). buckets: default the pool's; backends: default
         the spec's backend; with spec.backend "auto", every backend the dispatch table may pick for
-        this spec's decode and verify steps (select.graph_backends)."""
+        this spec's decode and verify steps (select.graph_backends). cascade (default: whether the
+        spec has cascade on): also capture shared-prefix steps (plan.cascade) of every bucket of 2+
+        rows for the backends that run them (flashinfer): a graph of their own, on a cascade scratch plan."""
         spec = self.pool.spec
         buckets = tuple(self.pool.buckets if buckets is None else buckets)
         if backends is None:
@@ -91,17 +98,19 @@ class DecodeGraphs:
         self._check_capture(buckets, tuple(q_lens), tuple(backends))
         if self.memory is None:
             self.memory = torch.cuda.graph_pool_handle()
+        cascade = bool(spec.cascade_groups) if cascade is None else cascade
         for bucket, q_len, backend, slot in itertools.product(buckets, q_lens, backends, range(self.pool.num_slots)):
-            step = self.pool.commit(scratch_plan(spec, bucket, q_len, backend=backend), slot=slot)
-            static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
-            self.graphs[(slot, bucket, q_len, backend)] = _record(self.fn, step, static, self.memory)
+            for levels in (False, True) if cascade and bucket >= 2 and backend == "flashinfer" else (False,):
+                step = self.pool.commit(scratch_plan(spec, bucket, q_len, backend=backend, cascade=levels), slot=slot)
+                static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
+                self.graphs[_key(step)] = _record(self.fn, step, static, self.memory)
         torch.cuda.synchronize()
 
     def serves(self, step: DeviceStep) -> bool:
         """Whether `step` replays a graph: this pool's, bucketed, and captured for its q_len and its backend
         (never a step of a draft round: its arrays are not where a decode graph reads; RoundGraphs serves those)."""
         return (step.pool is self.pool and step.bucket is not None and step.plan.draft_step is None
-                and (step.slot, step.bucket, step.q_len, step.plan.backend) in self.graphs)
+                and _key(step) in self.graphs)
 
     def __call__(self, step: DeviceStep, **inputs: torch.Tensor) -> torch.Tensor:
         """fn(step, inputs), replayed when a graph serves the step; returns [plan.num_tokens, ...] rows."""
@@ -117,7 +126,7 @@ class DecodeGraphs:
             return self.fn(step, inputs)
         if inputs.keys() != self.inputs.keys():
             raise PlanError(f"DecodeGraphs: inputs {sorted(inputs)} differ from the captured {sorted(self.inputs)}")
-        graph, out = self.graphs[(step.slot, step.bucket, step.q_len, step.plan.backend)]
+        graph, out = self.graphs[_key(step)]
         for name, t in inputs.items():
             buf = self.inputs[name]
             if not isinstance(t, torch.Tensor) or t.dtype != buf.dtype or t.device != buf.device or t.shape[1:] != buf.shape[1:]:

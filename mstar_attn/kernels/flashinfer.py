@@ -17,7 +17,7 @@ import flashinfer
 import torch
 
 from mstar_attn.cache import PagedKVCache
-from mstar_attn.kernels import _check
+from mstar_attn.kernels import _cascade, _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
 from mstar_attn.kernels._tables import PageTables
@@ -141,6 +141,7 @@ class Scheduler:
         # call per step and group would cost each round K times a decode step's (benchmarks/results/draft_round_h100.md)
         self.draft_fixed = True
         self.xqa = Xqa(pool) if spec.fp8_math else None
+        self.cascade = _cascade.CascadeState(self) if spec.cascade_groups else None  # shared-prefix steps
         self.plan_kwargs = dict(  # the same for every plan() call of this pool
             logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.kv_cache_dtype,
             sm_scale=spec.sm_scale, non_blocking=True,
@@ -176,12 +177,17 @@ class Scheduler:
                     shared.add(t.untyped_storage().data_ptr())
                     own[0 if t.is_cuda else 1] += t.untyped_storage().nbytes() if (t.is_cuda or t.is_pinned()) else 0
         m = sum(ws.numel() for ws, _ in self.private)
-        return {**(self.xqa.memory() if self.xqa is not None else {}), "flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
+        return {**(self.xqa.memory() if self.xqa is not None else {}),
+                **(self.cascade.memory() if self.cascade is not None else {}), "flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
                 f"flashinfer fixed-schedule int workspaces ({len(self.private)})": (m, m),
                 f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
 
     def schedule(self, step: DeviceStep, tables: tuple | None = None) -> tuple:
-        """One entry per layer group: its planned wrapper, or an XqaDecode (fp8_math decode)."""
+        """One entry per layer group: its planned wrapper, an XqaDecode (fp8_math decode), or the
+        cascade group's Levels (a cascade step: plan.cascade)."""
+        if step.plan.cascade is not None:
+            levels = self.cascade.schedule(step)
+            return tuple(levels[g] if g in levels else self._plan(step, g, dg) for g, dg in enumerate(step.groups))
         x = self.xqa
         if self._on_xqa(step.plan):
             tables = x.tables.schedule(step) if tables is None else tables
@@ -302,6 +308,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     _check.query(q, step, plan, cache, "run")
     if isinstance(w, XqaDecode):
         return _xqa(step, q, cache, group, w)
+    if isinstance(w, _cascade.Levels):
+        return _cascade.run(step, q, cache, w)
     if plan.backend == "flashinfer_ragged":
         if k is None or v is None:
             raise PlanError("run: this step is planned as ragged attention (flashinfer_ragged); pass its k and v")

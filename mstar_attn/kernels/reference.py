@@ -52,6 +52,8 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=
     _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run", (plan.spec.dtype, *_ORACLE_DTYPES))
     gp = plan.groups[group]
+    if plan.cascade is not None and group in plan.spec.cascade_groups:
+        return _attend_cascade(plan, q, cache, group)
     indices = gp.kv_indices if gp.kv_indices is not None else step.groups[group].kv_indices[: gp.kv_indptr[-1]].cpu().numpy()
     return _attend(plan, q, cache, group, indices)
 
@@ -108,40 +110,33 @@ def _partial(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden) ->
     return torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v), lse.transpose(0, 1)
 
 
-def run_cascade(plan: AttentionPlan, cascade, q: torch.Tensor, cache: PagedKVCache, group: int = 0) -> torch.Tensor:
-    """`run` computed in two levels (metadata/cascade.py): each prefix group's queries over its shared
-    pages once (every key visible), each request's queries over its own suffix (causal), merged by
-    log-sum-exp (merge_states). Requests in no group attend over their whole list. Causal and
-    non-causal groups over the shared list only (a window group reads its own range: refused).
-    q: [T, qo_heads, head_dim] on the cache's device; returns [T, qo_heads, head_dim] in q's dtype."""
-    group = _check.layer_group(group, plan, "run_cascade")
-    gp, spec = plan.groups[group], plan.spec
-    if gp.kv_start is not None or gp.group.kind not in (Kind.CAUSAL, Kind.NONCAUSAL) or spec.mla:
-        raise PlanError("run_cascade: shared prefixes serve full causal and non-causal groups of standard attention; "
-                        f"layer group {group} is {gp.group.kind.value}")
-    _check.cache_fits(cache, plan, "run_cascade", group=group)
-    _check.query(q, plan, plan, cache, "run_cascade", (spec.dtype, *_ORACLE_DTYPES))
+def _attend_cascade(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int) -> torch.Tensor:
+    """`_attend` in the two levels of plan.cascade (metadata/cascade.py): each prefix group's
+    queries over its shared pages at once (every key visible), each request's queries over its own
+    suffix (causal: bottom-right aligned), merged by log-sum-exp (merge_states). Reads only the
+    CascadePlan's level arrays, the ones the GPU backend uploads."""
+    spec, c, grp = plan.spec, plan.cascade, plan.groups[group].group
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    rep, ps = spec.num_qo_heads // spec.num_kv_heads, spec.page_size
-    qw = q.to(work)
-    out = torch.zeros_like(qw)
+    rep = spec.num_qo_heads // spec.num_kv_heads
+    rows = torch.tensor(c.rows, device=q.device, dtype=torch.long)
+    ql = q[rows].to(work)  # level order
+    out = torch.zeros_like(ql)[..., : spec.head_dim]
     lse = torch.full(q.shape[:2], float("-inf"), dtype=work, device=q.device)
 
-    def keys(i: int, first: int, last: int):  # tokens first .. last - 1 of request i
-        p0 = int(gp.kv_indptr[i])
-        pages = torch.tensor(gp.kv_indices[p0 + first // ps : p0 + -(-last // ps)], device=q.device, dtype=torch.long)
-        k, v = cache.read(pages, work)
-        return (x[: last - first].repeat_interleave(rep, dim=1) for x in (k, v))
+    def keys(indptr, indices, j: int, n: int):  # the first n tokens of list j
+        pages = torch.tensor(indices[indptr[j] : indptr[j + 1]], device=q.device, dtype=torch.long)
+        return (x[:n].repeat_interleave(rep, dim=1) for x in cache.read(pages, work))
 
-    for g in range(cascade.num_groups):  # the shared level: all the group's query rows at once
-        members = cascade.members[cascade.members_indptr[g] : cascade.members_indptr[g + 1]]
-        rows = torch.cat([torch.arange(int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])) for i in members]).to(q.device)
-        k, v = keys(int(members[0]), 0, int(cascade.shared_pages[g]) * ps)
-        out[rows], lse[rows] = _partial(spec, qw[rows], k, v, None)
-    for i in range(plan.batch_size):  # the suffix level, merged into the shared one
-        a, b, n = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1]), int(gp.kv_lens[i])
-        start = int(cascade.suffix_page[i]) * ps
-        k, v = keys(i, start, n)
-        o2, l2 = _partial(spec, qw[a:b], k, v, _hidden(gp.group, n, b - a, start, n, q.device))
+    for g in range(c.num_groups):  # the shared level
+        a, b = int(c.shared_qo_indptr[g]), int(c.shared_qo_indptr[g + 1])
+        n = int(c.shared_kv_indptr[g + 1] - c.shared_kv_indptr[g]) * spec.page_size
+        k, v = keys(c.shared_kv_indptr, c.shared_kv_indices, g, n)
+        out[a:b], lse[a:b] = _partial(spec, ql[a:b], k, v, None)
+    for j in range(plan.batch_size):  # the suffix level, merged into the shared one
+        a, b, n = int(c.suffix_qo_indptr[j]), int(c.suffix_qo_indptr[j + 1]), int(c.suffix_kv_lens[j])
+        k, v = keys(c.suffix_kv_indptr, c.suffix_kv_indices, j, n)
+        o2, l2 = _partial(spec, ql[a:b], k, v, _hidden(grp, n, b - a, 0, n, q.device))
         out[a:b], lse[a:b] = merge_states(out[a:b], lse[a:b], o2, l2)
-    return out.to(q.dtype)
+    result = q.new_zeros(q.shape[0], q.shape[1], spec.head_dim)
+    result[rows] = out.to(q.dtype)
+    return result

@@ -17,8 +17,9 @@ import numpy as np
 
 from mstar_attn.metadata._arrays import array_field, read_only
 from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.pages import gather_ranges
 
-__all__ = ["Cascade", "find_prefixes"]
+__all__ = ["Cascade", "CascadePlan", "CostModel", "find_prefixes", "level_plan"]
 
 
 @attrs.frozen
@@ -86,3 +87,118 @@ def find_prefixes(kv_indptr: np.ndarray, kv_indices: np.ndarray, q_lens: np.ndar
     suffix_page[members] = np.repeat(shared, sizes)
     read_only(members_indptr, members, shared, group_of, suffix_page)
     return Cascade(members_indptr, members, shared, group_of, suffix_page)
+
+
+@attrs.frozen
+class CascadePlan:
+    """A step's two attention levels over its shared page list, int32 host arrays in *level order*:
+    the requests of group 0, of group 1, ..., then the requests in no group (in batch order).
+
+    prefixes: the Cascade they come from (G groups, B requests)
+    order [B]: the requests in level order;  rows [T]: the query rows in level order (a permutation of 0..T-1)
+    member_rows: the first member_rows entries of `rows` are the groups' (the shared level's queries)
+    shared_qo_indptr [G+1]: group g's queries are level rows shared_qo_indptr[g]:shared_qo_indptr[g+1]
+    shared_kv_indptr [G+1], shared_kv_indices: group g's shared run (whole pages: every key of it seen)
+    suffix_qo_indptr [B+1]: level request j's queries;  suffix_kv_indptr [B+1], suffix_kv_indices: its own pages
+    suffix_last_page_len [B], suffix_kv_lens [B]: its suffix's tokens on the last page, and in all (>= q_len)
+    """
+
+    prefixes: Cascade = attrs.field(repr=False)
+    order: np.ndarray = array_field()
+    rows: np.ndarray = array_field()
+    member_rows: int
+    shared_qo_indptr: np.ndarray = array_field()
+    shared_kv_indptr: np.ndarray = array_field()
+    shared_kv_indices: np.ndarray = array_field()
+    suffix_qo_indptr: np.ndarray = array_field()
+    suffix_kv_indptr: np.ndarray = array_field()
+    suffix_kv_indices: np.ndarray = array_field()
+    suffix_last_page_len: np.ndarray = array_field()
+    suffix_kv_lens: np.ndarray = array_field()
+
+    @property
+    def num_groups(self) -> int:
+        return self.prefixes.num_groups
+
+
+def level_plan(c: Cascade, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, kv_indptr: np.ndarray,
+               kv_indices: np.ndarray, last_page_len: np.ndarray, page_size: int) -> CascadePlan:
+    """The level arrays of Cascade `c` over a plan's shared list (qo_indptr [B+1], q_lens, kv_lens
+    [B], kv_indptr [B+1], kv_indices, last_page_len [B]). O(B + T + pages)."""
+    alone = np.flatnonzero(c.group_of < 0).astype(np.int32)
+    order = np.concatenate([c.members, alone]).astype(np.int32)
+    q = q_lens[order]
+    level_qo = np.zeros(order.shape[0] + 1, np.int32)
+    np.cumsum(q, out=level_qo[1:])
+    rows = np.repeat(qo_indptr[:-1][order] - level_qo[:-1], q).astype(np.int32)
+    rows += np.arange(level_qo[-1], dtype=np.int32)
+    shared_qo = level_qo[c.members_indptr]
+    first_member = c.members[c.members_indptr[:-1]]
+    shared_indptr, shared_idx = gather_ranges(kv_indices, kv_indptr[:-1][first_member], c.shared_pages)
+    skip = c.suffix_page[order]
+    own = (kv_indptr[1:] - kv_indptr[:-1])[order] - skip
+    suffix_indptr, suffix_idx = gather_ranges(kv_indices, kv_indptr[:-1][order] + skip, own)
+    suffix_lens = (kv_lens[order] - skip * page_size).astype(np.int32)
+    lpl = last_page_len[order]
+    read_only(order, rows, shared_qo, level_qo, suffix_lens, lpl)
+    return CascadePlan(c, order, rows, int(shared_qo[-1]), shared_qo, shared_indptr, shared_idx, level_qo,
+                       suffix_indptr, suffix_idx, lpl, suffix_lens)
+
+
+@attrs.frozen
+class CostModel:
+    """Estimated GPU time (µs) of one layer's attention, flat paged vs cascade, for a decode / verify step.
+
+    flat:    a_flat + unique KV bytes / hbm + the shared runs' re-reads / l2 (the members of a group
+             read the same pages at about the same time, so repeats mostly hit L2)
+    cascade: a_cascade + max(shared level, suffix level): the two levels run side by side (two
+             streams); the shared level is tensor-core arithmetic 4 * rows * q_heads * S * head_dim
+             over `flops`, plus its run's bytes once; the suffix level is its bytes over hbm.
+    Rates in bytes (or flops) per µs. The constants are fitted on the H100 over the crossover grid
+    (benchmarks/cascade_grid.py -> benchmarks/results/cascade_h100.md).
+    """
+
+    a_flat: float = 12.0
+    a_cascade: float = 30.0
+    hbm: float = 2.9e6
+    l2: float = 9.0e6
+    flops: float = 2.0e8
+    margin: float = 0.05  # cascade only when it is estimated this much faster
+
+    def times(self, c: Cascade, q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int, q_heads: int,
+              kv_heads: int, head_dim: int, kv_bytes: int) -> tuple[float, float]:
+        """(flat µs, cascade µs); kv_bytes: bytes of one cached token's K and V (all KV heads)."""
+        sizes = np.diff(c.members_indptr).astype(np.int64)
+        run_tokens = c.shared_pages.astype(np.int64) * page_size
+        total = int(kv_lens.sum(dtype=np.int64))
+        repeats = int(((sizes - 1) * run_tokens).sum())
+        flat = self.a_flat + (total - repeats) * kv_bytes / self.hbm + repeats * kv_bytes / self.l2
+        member_q = np.add.reduceat(q_lens[c.members].astype(np.int64), c.members_indptr[:-1]) if sizes.size else sizes
+        gqa = q_heads // kv_heads  # a group's rows of one KV head come in 64-row tensor-core tiles
+        tiles = -(-(member_q * gqa) // 64) * 64
+        shared = (4 * kv_heads * tiles * run_tokens * head_dim).sum() / self.flops + run_tokens.sum() * kv_bytes / self.hbm
+        suffix = (total - int((sizes * run_tokens).sum())) * kv_bytes / self.hbm
+        return flat, self.a_cascade + max(shared, suffix)
+
+    def wins(self, *args) -> bool:
+        flat, cascade = self.times(*args)
+        return cascade < flat * (1 - self.margin)
+
+
+COST = CostModel()
+
+
+def plan_cascade(spec, q_lens: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
+                 kv_indices: np.ndarray, last_page_len: np.ndarray, always: bool = False) -> CascadePlan | None:
+    """The cascade of one decode / verify step over its shared list, or None: no group of requests
+    shares a run of whole cached pages, or (spec.cascade "auto", not `always`) the cost model
+    estimates the flat path no slower. Pure; O(B log B + pages)."""
+    ps = spec.page_size
+    c = find_prefixes(kv_indptr, kv_indices, q_lens, kv_lens, ps)
+    if not c.num_groups:
+        return None
+    if not always and spec.cascade != "always":
+        kv_bytes = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        if not COST.wins(c, q_lens, kv_lens, ps, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, kv_bytes):
+            return None
+    return level_plan(c, qo_indptr, q_lens, kv_lens, kv_indptr, kv_indices, last_page_len, ps)

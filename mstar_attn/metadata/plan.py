@@ -14,6 +14,7 @@ import numpy as np
 from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.backends import AUTO, BACKENDS
 from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, StepRows
+from mstar_attn.metadata.cascade import CascadePlan, plan_cascade
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, cross_plan, cross_rows_plan, own_plan, window_plan
 from mstar_attn.metadata.pages import check_page_ids, gather_ranges, scan_ownership
@@ -60,6 +61,8 @@ class AttentionPlan:
                               page ids: kv_indices and slot_mapping (plan and groups) are None, and
                               GraphBufferPool.commit derives them from its table.
     groups                    one GroupPlan per spec.groups entry
+    cascade                   the step's shared-prefix levels (spec.cascade; metadata/cascade.py), run
+                              by spec.cascade_groups, or None: every group reads flat
     backend                   the backend that serves the step: spec.backend, or the choice of
                               select_backend when spec.backend is "auto"
     """
@@ -85,6 +88,7 @@ class AttentionPlan:
     # step j of a draft round (metadata/draft.py), else None: its page lists run ahead of its lengths
     # (kv_last_page_len may be <= 0); commit it with GraphBufferPool.commit_round, never alone
     draft_step: int | None = None
+    cascade: CascadePlan | None = attrs.field(default=None, repr=False)
     # True only for plans build_plan / scratch_plan made: attrs.evolve makes a new plan through
     # __init__, which leaves this False, so a hand-edited plan is never taken for a checked one
     sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
@@ -135,13 +139,15 @@ def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_owners
     return _plan(batch, spec, check_ownership, spec.num_pages)
 
 
-def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: str | None = None) -> AttentionPlan:
+def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: str | None = None,
+                 cascade: bool = False) -> AttentionPlan:
     """A plan of `batch_size` requests that read and write only the scratch page: a decode step
     (q_len 1, kv_len 1) or a verify step (q_len new tokens after one cached token). Graph capture
     warms up and records on it, so capturing never touches a request's KV. backend: the backend
-    to plan for (default: the spec's, or with "auto" the dispatcher's pick)."""
+    to plan for (default: the spec's, or with "auto" the dispatcher's pick). cascade (a spec with
+    cascade on): every request reads one whole cached scratch page first, all in one prefix group."""
     ps = spec.page_size
-    kv = 1 if q_len == 1 else q_len + 1
+    kv = (1 if q_len == 1 else q_len + 1) + (ps if cascade else 0)
     per = -(-kv // ps)
     q_lens, kv_lens = np.full(batch_size, q_len, np.int32), np.full(batch_size, kv, np.int32)
     indptr = np.arange(batch_size + 1, dtype=np.int32) * per
@@ -150,7 +156,9 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
                          *((kv_lens, None) if spec.groups[g].cross else (None, None)))
            for g in spec.own_page_groups}
     batch = StepBatch.from_csr(q_lens, kv_lens, indptr, pages, ps, own)
-    return _plan(batch, spec, False, spec.num_pages + 1, backend)
+    if cascade and (batch_size < 2 or not spec.cascade_groups):
+        raise PlanError(f"scratch_plan: a cascade step needs a spec with cascade on and 2+ requests (got {batch_size})")
+    return _plan(batch, spec, False, spec.num_pages + 1, backend, cascade)
 
 
 def check_batch(batch: StepBatch, spec: AttentionSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -228,7 +236,7 @@ def _new_tokens(q: np.ndarray, kv: np.ndarray, q_max: int) -> tuple[Mode, int, n
 
 
 def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_limit: int,
-          backend: str | None = None) -> AttentionPlan:
+          backend: str | None = None, cascade: bool | None = None) -> AttentionPlan:
     ps = spec.page_size  # the spec checked its backend's support when it was made
     q, kv, indptr = check_batch(batch, spec)
     q_max = check_lengths(q, kv, ps)
@@ -258,7 +266,7 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
                          check_ownership)
            for g, pages in _own_lists(batch, spec)}
     return _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
-                   slot_mapping, batch.block_table, None, backend, own)
+                   slot_mapping, batch.block_table, None, backend, own, cascade)
 
 
 def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPages]]:
@@ -313,9 +321,10 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
 
 
 def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
-            slot_mapping, block_table, rows, backend, own) -> AttentionPlan:
-    """The layer groups' page ranges (own: those of groups with their own lists), the backend, and
-    the sealed plan (shared by both batch forms)."""
+            slot_mapping, block_table, rows, backend, own, cascade: bool | None = None) -> AttentionPlan:
+    """The layer groups' page ranges (own: those of groups with their own lists), the backend, the
+    cascade (decode and verify steps of a spec with cascade on; `cascade` True forces it, False
+    forbids it), and the sealed plan (shared by both batch forms)."""
     read_only(qo_indptr, kv_indptr, last_page_len, positions)
     groups = tuple([
         own[i] if i in own
@@ -324,9 +333,15 @@ def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, 
         for i, g in enumerate(spec.groups)
     ])
     max_kv = int(kv.max())
+    levels = None
+    if spec.cascade_groups and kv_indices is not None and mode in (Mode.DECODE, Mode.VERIFY) and cascade is not False \
+            and (backend or spec.backend) in ("flashinfer", "reference", AUTO):
+        levels = plan_cascade(spec, q, kv, qo_indptr, kv_indptr, kv_indices, last_page_len, bool(cascade))
+    if levels is not None and (backend or spec.backend) == AUTO:
+        backend = "flashinfer"  # the GPU backend that runs cascades
     backend = resolve_backend(spec, mode, q.shape[0], T, q_max, max_kv, backend)
     plan = AttentionPlan(spec, mode, q.shape[0], T, q_max, max_kv, q, kv, qo_indptr, kv_indptr, kv_indices,
-                         last_page_len, positions, slot_mapping, groups, block_table, backend, rows)
+                         last_page_len, positions, slot_mapping, groups, block_table, backend, rows, None, levels)
     object.__setattr__(plan, "sealed", True)
     return plan
 

@@ -15,6 +15,7 @@ from mstar_attn.metadata.errors import PlanError
 
 MLA_BACKEND = "flashinfer_mla"  # what backend="auto" serves latent attention with
 XQA_PAGE_SIZES = (16, 32, 64, 128)  # the page sizes FlashInfer's XQA decode kernel compiles for (AttentionSpec.fp8_math)
+CASCADE_MODES = ("off", "auto", "always")  # AttentionSpec.cascade
 
 __all__ = ["AttentionSpec", "Kind", "LayerGroup", "PlanError"]
 
@@ -123,6 +124,14 @@ class AttentionSpec:
     soft cap; GQA ratio <= 128. Queries are rounded to e4m3 unscaled: magnitudes above 448 saturate and
     below 2^-6 lose relative precision (fine for the usual O(1) post-RoPE queries). A decode request
     must fit the pool's max_pages_per_request (XQA reads a dense page table). The reference backend computes exactly (the oracle of both).
+    cascade: "auto" or "always" makes build_plan look for requests whose page lists start with the same
+    whole cached pages (metadata/cascade.py) in decode and verify steps of StepBatch plans, and run them
+    in two levels merged by log-sum-exp (each group's shared pages once, each request's own suffix):
+    "auto" where the cost model (cascade.CostModel) estimates it faster than the flat path, "always"
+    wherever a prefix is shared. Served by the flashinfer and reference backends ("auto" backend:
+    a cascade step goes to flashinfer), in the full causal and non-causal layer groups that read the
+    shared list (`cascade_groups`); window and own-page groups read flat in the same step. BF16/FP16
+    caches, standard attention (no FP8 cache, no MLA).
     sm_scale defaults to head_dim ** -0.5;
     soft_cap = 0 disables logit soft-capping (otherwise logits become cap * tanh(logits / cap)).
     num_pages: the engine's page ids are 0 .. num_pages - 1. The cache holds one page more,
@@ -144,6 +153,7 @@ class AttentionSpec:
     kv_dtype: torch.dtype | None = None  # the KV cache's dtype: None (= dtype), or an FP8 dtype (backends.FP8)
     mla_rope_dim: int = 0  # > 0: latent attention (MLA); see the class doc
     fp8_math: bool = False  # FP8 cache: decode steps compute in FP8 (queries and probabilities in e4m3); see the class doc
+    cascade: str = "off"  # shared prefixes read once per step: "off", "auto" (where the cost model says it wins), "always"
     cache_shape: tuple[int, int, int, int] = attrs.field(init=False, eq=False, repr=False)
     """Shape of each layer's K (and V): [num_pages + 1 (the scratch page), page_size, kv_heads, head_dim]."""
     v_cache_shape: tuple[int, int, int, int] = attrs.field(init=False, eq=False, repr=False)
@@ -206,6 +216,15 @@ class AttentionSpec:
                    or self.backend not in ("flashinfer", "reference", AUTO) and f"backend flashinfer, not {self.backend!r}")
             if why:
                 raise PlanError(f"spec.fp8_math: FP8 decode math (FlashInfer XQA) needs {why}")
+        if self.cascade not in CASCADE_MODES:
+            raise PlanError(f"spec.cascade: expected one of {CASCADE_MODES}, got {self.cascade!r}")
+        if self.cascade != "off":
+            why = (self.backend not in ("flashinfer", "reference", AUTO) and f"backend flashinfer, reference or auto, not {self.backend!r}"
+                   or r and "standard (not latent) attention" or self.kv_dtype is not None and f"a {self.dtype} cache, not {self.kv_dtype}"
+                   or not any(g.kind in (Kind.CAUSAL, Kind.NONCAUSAL) and not g.own_pages for g in self.groups)
+                   and "a full causal or non-causal layer group reading the shared page list")
+            if why:
+                raise PlanError(f"spec.cascade: shared-prefix (cascade) attention needs {why}")
         name = self.backend if self.backend != AUTO else MLA_BACKEND if r else "flashinfer"  # auto's fallbacks
         if name == MLA_BACKEND:  # what FlashInfer's MLA kernels cannot express (the reference serves all of it)
             why = (self.soft_cap and "no logit soft cap" or r % 64 and f"mla_rope_dim a multiple of 64, not {r}"
@@ -236,6 +255,13 @@ class AttentionSpec:
     def fp8_kv(self) -> bool:
         """Whether the KV cache is FP8 (kv_dtype one of backends.FP8)."""
         return self.kv_cache_dtype in FP8
+
+    @property
+    def cascade_groups(self) -> tuple[int, ...]:
+        """The layer groups a cascade step runs in two levels (full causal / non-causal, shared list); none when off."""
+        if self.cascade == "off":
+            return ()
+        return tuple(i for i, g in enumerate(self.groups) if g.kind in (Kind.CAUSAL, Kind.NONCAUSAL) and not g.own_pages)
 
     @property
     def gqa_group(self) -> int:

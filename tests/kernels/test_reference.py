@@ -173,40 +173,59 @@ def test_cross_attention_matches_the_exact_attention(page_size):
 
 @pytest.mark.parametrize("kind, soft_cap", [("causal", 0.0), ("noncausal", 0.0), ("causal", 5.0)])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_cascade_levels_merged_by_lse_equal_the_flat_attention(kind, soft_cap, page_size):
-    """run_cascade (each prefix group's shared pages once, each request's suffix, merged by log-sum-exp)
-    equals run per request (float64): several prefix groups, requests in no group, decode and
-    longer queries, suffixes starting on a partly filled page."""
-    from mstar_attn.kernels.reference import run_cascade
-    from mstar_attn.metadata.cascade import find_prefixes
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_cascade_plans_equal_the_flat_attention_per_request(kind, soft_cap, page_size, q_len):
+    """A cascade plan (spec.cascade "always": each prefix group's shared pages once, each request's
+    suffix, merged by log-sum-exp, read from the plan's level arrays) equals the flat plan of the
+    same step per request (float64), decode and verify: several prefix groups, loners, prefixes
+    ending mid-page; a window group beside it reads flat in the same step."""
+    from tests.prefix_batches import prefix_batch
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    ps = page_size
-    free = list(rng.permutation(3000))
-    pages, kv, q = [], [], []
-    for n_members in (3, 2, 4, 1, 1):  # three prefix groups and two loners
-        run = [free.pop() for _ in range(int(rng.integers(1, 5)))]
-        for _ in range(n_members):
-            own = [free.pop() for _ in range(int(rng.integers(1, 4)))]
-            pages.append(run + own)
-            cut = int(rng.integers(0, ps))  # the last page partly filled
-            kv.append(len(pages[-1]) * ps - cut)
-            q.append(int(rng.integers(1, len(own) * ps - cut + 1)))  # new tokens on its own pages (shared ones are read-only)
-    order = rng.permutation(len(pages))
-    pages, kv, q = [pages[i] for i in order], np.array(kv)[order], np.array(q)[order]
-    spec = spec_for(page_size=ps, num_pages=3000, dtype=torch.float64, groups=(LayerGroup(kind),), soft_cap=soft_cap)
-    plan = build_plan(StepBatch.from_pages(q, kv, pages, ps), spec)
-    cascade = find_prefixes(plan.kv_indptr, plan.kv_indices, plan.q_lens, plan.kv_lens, ps)
-    assert cascade.num_groups >= 2 and (cascade.group_of == -1).any(), seed
+    q, kv, pages = prefix_batch(rng, page_size, q_len, 3000)
+    groups = (LayerGroup(kind), LayerGroup("window", window=int(rng.integers(1, 40))))
+    specs = [spec_for(page_size=page_size, num_pages=3000, dtype=torch.float64, groups=groups, soft_cap=soft_cap,
+                      cascade=c) for c in ("always", "off")]
+    batch = StepBatch.from_pages(q, kv, pages, page_size)
+    plan, flat = (build_plan(batch, s) for s in specs)
+    assert flat.cascade is None and plan.cascade is not None and specs[0].cascade_groups == (0,), seed
+    c = plan.cascade
+    assert c.num_groups >= 3 and (c.prefixes.group_of == -1).sum() >= 2, seed
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(*(torch.randn(specs[0].cache_shape, generator=gen, dtype=torch.float64) for _ in range(2)))
+    qt = torch.randn(plan.num_tokens, 4, 16, generator=gen, dtype=torch.float64)
+    for g in range(2):
+        got, want = reference.run(plan, qt, cache, group=g), reference.run(flat, qt, cache, group=g)
+        for i in range(plan.batch_size):
+            a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
+            err = ((got[a:b] - want[a:b]).norm() / want[a:b].norm()).item()
+            assert err < 1e-12, (f"seed {seed}", f"group {g}", f"request {i}", f"prefix group {c.prefixes.group_of[i]}", err)
+
+
+def test_cascade_without_the_merge_is_caught():
+    """The test above would catch a cascade that drops the shared level (no merge)."""
+    from mstar_attn.kernels.reference import _attend_cascade, merge_states
+    import mstar_attn.kernels.reference as ref
+    from tests.prefix_batches import prefix_batch
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    q, kv, pages = prefix_batch(rng, 4, 1, 500)
+    spec = spec_for(page_size=4, num_pages=500, dtype=torch.float64, cascade="always")
+    plan, flat = build_plan(StepBatch.from_pages(q, kv, pages, 4), spec), build_plan(
+        StepBatch.from_pages(q, kv, pages, 4), attrs.evolve(spec, cascade="off"))
     gen = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(*(torch.randn(spec.cache_shape, generator=gen, dtype=torch.float64) for _ in range(2)))
     qt = torch.randn(plan.num_tokens, 4, 16, generator=gen, dtype=torch.float64)
-    got, want = run_cascade(plan, cascade, qt, cache), reference.run(plan, qt, cache)
-    for i in range(plan.batch_size):
-        a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
-        err = ((got[a:b] - want[a:b]).norm() / want[a:b].norm()).item()
-        assert err < 1e-12, (f"seed {seed}", f"request {i}", f"group {cascade.group_of[i]}", err)
+    try:
+        ref.merge_states = lambda o1, l1, o2, l2: (o2, l2)
+        broken = _attend_cascade(plan, qt, cache, 0)
+    finally:
+        ref.merge_states = merge_states
+    errs = [(broken[i] - reference.run(flat, qt, cache)[i]).norm().item() for i in range(plan.batch_size)]
+    members = plan.cascade.prefixes.group_of >= 0
+    assert min(e for e, m in zip(errs, members) if m) > 1e-3, seed
 
 
 def test_merge_states_of_a_split_key_set_is_the_whole_attention():

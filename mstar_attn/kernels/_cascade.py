@@ -1,0 +1,218 @@
+"""Shared-prefix (cascade) steps on FlashInfer: the pool's state for them and their `run`.
+
+A cascade step (AttentionPlan.cascade, metadata/cascade.py) runs each layer of a cascade group as
+    qp = q[rows]                                  the queries in level order (groups' members first)
+    o1, lse1 = prefill(qp, shared runs)           non-causal, one request per prefix group (side stream)
+    o2, lse2 = decode(qp, suffixes)               each request's own pages (the caller's stream)
+    o2[:M] = merge(o2, lse2, o1, lse1)            masked to the M member rows (flashinfer.merge_state_in_place)
+    out = o2[inv]                                 back to batch order
+The two levels are independent, so the shared level (tensor-core arithmetic over few CTAs) runs
+on a side stream beside the suffix level (bandwidth): with its own float and int workspaces.
+Bucketed steps (decode, verify) use graph-mode wrappers with fixed buffers, so a captured graph
+replays any later cascade commit: the shared level's batch is padded to rows // 2 + 1 requests
+(a prefix group has 2+ members): the real groups, empty ones, then one "rest" request that holds
+the rows of requests in no group (and the bucket's padding rows) over the scratch page, so the
+prefill's row count is fixed too; the merge mask drops the rest. FlashInfer's LSE is base 2 in
+both levels, which is all the merge needs. Imports no GPU package at import time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from mstar_attn.capture.step import DeviceStep
+    from mstar_attn.kernels.flashinfer import Scheduler
+
+INT_WORKSPACE_BYTES = 8 << 20
+
+
+@attrs.frozen
+class Levels:
+    """One committed cascade step's device arrays (int32 views of the slot's region) and its wrappers.
+    perm [num_rows], inv [num_rows]: level order <-> batch order; mask [num_rows] bool: member rows."""
+
+    perm: torch.Tensor
+    inv: torch.Tensor
+    mask: torch.Tensor
+    shared: object
+    suffix: object
+    state: CascadeState = attrs.field(repr=False)
+
+
+class CascadeState:
+    """The FlashInfer scheduler's state for cascade steps, made when the spec has cascade on.
+
+    Per slot: a pinned int32 staging buffer and its device twin, filled at commit with the step's
+    level arrays (one host-to-device copy); per (slot, cascade group) the two levels' page-index
+    buffers (graph-mode wrappers copy their indices there at plan time) and the shared level's int
+    workspace; per pool one float workspace and one side stream for the shared level.
+    Memory: slots x (staging 2 x (3 x max_tokens + 7 x max_rows + 2 x index_capacity) x 4 bytes,
+    pinned + device) + slots x groups x (2 x (index_capacity + max_rows / 2) x 4 + 8 MiB device + 8 MiB pinned)
+    + the float workspace (the pool's float_workspace_bytes).
+    """
+
+    def __init__(self, scheduler: Scheduler):
+        pool = self.pool = scheduler.pool
+        self.scheduler, L = scheduler, pool.layout
+        self.max_groups = L.max_rows // 2 + 1
+        cap = L.index_capacity
+        self.size = 3 * L.max_tokens + 5 * self.max_groups + 4 * L.max_rows + 8 + 2 * cap
+        groups = pool.spec.cascade_groups
+        self.host = [torch.zeros(self.size, dtype=torch.int32, pin_memory=True) for _ in range(pool.num_slots)]
+        self.host_np = [h.numpy() for h in self.host]
+        self.dev = [torch.zeros(self.size, dtype=torch.int32, device=pool.device) for _ in range(pool.num_slots)]
+        self.indices = {(s, g, level): torch.zeros(cap + self.max_groups, dtype=torch.int32, device=pool.device)
+                        for s in range(pool.num_slots) for g in groups for level in (0, 1)}
+        self.int_ws = {(s, g): (torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device),
+                                torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
+                       for s in range(pool.num_slots) for g in groups}
+        self.float_ws = torch.zeros(pool.float_workspace_bytes, dtype=torch.uint8, device=pool.device)
+        self.side = torch.cuda.Stream(pool.device)
+        self.wrappers: dict[tuple, object] = {}
+
+    def memory(self) -> dict[str, tuple[int, int]]:
+        staging = sum(h.numel() * 4 for h in self.host)
+        idx = sum(t.numel() * 4 for t in self.indices.values())
+        ws = sum(d.numel() for d, _ in self.int_ws.values())
+        return {"cascade staging + indices": (staging + idx, staging), "cascade workspaces": (ws + self.float_ws.numel(), ws)}
+
+    def schedule(self, step: DeviceStep) -> dict[int, Levels]:
+        """Stage and upload the step's level arrays (padded to its bucket), plan both levels' wrappers
+        of every cascade group; one Levels per cascade group."""
+        plan, c, spec = step.plan, step.plan.cascade, step.plan.spec
+        ps, scratch, B, T = spec.page_size, spec.scratch_page, plan.batch_size, plan.num_tokens
+        rows, R = step.rows, step.num_rows
+        G = c.num_groups
+        Gf = rows // 2 + 1 if step.bucket is not None else G + 1
+        pad_pages = -(-step.q_len // ps)
+        h = self.host_np[step.slot]
+        at = 0
+
+        def put(values, n=None):  # the next n entries (default len(values)); returns their range
+            nonlocal at
+            n = len(values) if n is None else n
+            h[at : at + len(values)] = values
+            at += n
+            return at - n, at
+
+        perm = put(c.rows, R)
+        h[perm[0] + T : perm[1]] = np.arange(T, R)  # padding rows stay where they are
+        inv = put(np.zeros(0), R)
+        h[inv[0] : inv[1]][h[perm[0] : perm[1]]] = np.arange(R)
+        nmask = -(-R // 4)
+        mask = put(np.zeros(nmask, np.int32))
+        h[mask[0] : mask[1]].view(np.uint8)[: c.member_rows] = 1
+        s_qo = put(c.shared_qo_indptr, Gf + 1)
+        h[s_qo[0] + G + 1 : s_qo[1]] = c.member_rows
+        h[s_qo[1] - 1] = R
+        n_sh = int(c.shared_kv_indptr[-1])
+        s_ptr = put(c.shared_kv_indptr, Gf + 1)
+        h[s_ptr[0] + G + 1 : s_ptr[1]] = n_sh + np.arange(1, Gf - G + 1)  # one scratch page each
+        s_lpl = put(np.full(Gf, ps, np.int32))
+        s_len = put(np.diff(h[s_ptr[0] : s_ptr[1]]) * ps)
+        x_ptr = put(c.suffix_kv_indptr, rows + 1)
+        n_x = int(c.suffix_kv_indptr[-1])
+        h[x_ptr[0] + B + 1 : x_ptr[1]] = n_x + pad_pages * np.arange(1, rows - B + 1)
+        pad_lpl = step.q_len - (pad_pages - 1) * ps
+        x_lpl = put(c.suffix_last_page_len, rows)
+        h[x_lpl[0] + B : x_lpl[1]] = pad_lpl
+        x_len = put(c.suffix_kv_lens, rows)
+        h[x_len[0] + B : x_len[1]] = step.q_len
+        x_idx = put(c.suffix_kv_indices, n_x + pad_pages * (rows - B))
+        h[x_idx[0] + n_x : x_idx[1]] = scratch
+        s_idx = put(c.shared_kv_indices, n_sh + Gf - G)
+        h[s_idx[0] + n_sh : s_idx[1]] = scratch
+        host, dev = self.host[step.slot], self.dev[step.slot]
+        self.pool.upload(dev[:at], host[:at])
+
+        def view(r, on=dev):
+            return on[r[0] : r[1]]
+
+        heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
+        kw = self.scheduler.plan_kwargs
+        out = {}
+        for g in spec.cascade_groups:
+            grp = spec.groups[g]
+            shared = self._shared(step, g, Gf)
+            shared.plan(view(s_qo, host), view(s_ptr, host), view(s_idx), view(s_lpl, host), *heads, ps,
+                        causal=False, seq_lens=view(s_len, host), **kw)
+            suffix = self._suffix(step, g)
+            if step.mode.value == "decode" or step.bucket is not None:
+                suffix.plan(view(x_ptr, host), view(x_idx), view(x_lpl, host), *heads, ps, seq_lens=view(x_len, host),
+                            **({"q_len_per_req": step.q_len} if step.bucket is not None else {}), **kw)
+            else:  # an unbucketed verify step: causal prefill over the suffixes (bottom-right aligned)
+                qo = torch.from_numpy(c.suffix_qo_indptr.copy())
+                suffix.plan(qo, view(x_ptr, host), view(x_idx), view(x_lpl, host), *heads, ps, causal=grp.causal,
+                            seq_lens=view(x_len, host), **kw)
+            out[g] = Levels(view(perm), view(inv), view(mask).view(torch.uint8)[:R].view(torch.bool), shared, suffix, self)
+        return out
+
+    def _shared(self, step: DeviceStep, g: int, Gf: int):
+        import flashinfer
+
+        graph = step.bucket is not None
+        key = ("shared", step.slot, g) + ((step.rows, step.q_len) if graph else ())
+        w = self.wrappers.get(key)
+        if w is None:
+            buffers = {}
+            if graph:
+                dev = self.pool.device
+                buffers = dict(use_cuda_graph=True, qo_indptr_buf=torch.zeros(Gf + 1, dtype=torch.int32, device=dev),
+                               paged_kv_indptr_buf=torch.zeros(Gf + 1, dtype=torch.int32, device=dev),
+                               paged_kv_indices_buf=self.indices[(step.slot, g, 0)],
+                               paged_kv_last_page_len_buf=torch.zeros(Gf, dtype=torch.int32, device=dev))
+            # fa2: FlashInfer's SM90 (fa3) paged prefill splits no KV in graph mode: 2.6x slower here (H100 probe)
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.float_ws, "NHD", backend="fa2", **buffers)
+            from mstar_attn.kernels._flashinfer_fast import share_workspace
+
+            share_workspace(w, self.float_ws, *self.int_ws[(step.slot, g)])
+            self.wrappers[key] = w
+        return w
+
+    def _suffix(self, step: DeviceStep, g: int):
+        import flashinfer
+
+        sch, graph = self.scheduler, step.bucket is not None
+        key = ("suffix", step.slot, g) + ((step.rows, step.q_len) if graph else (step.mode.value,))
+        w = self.wrappers.get(key)
+        if w is None:
+            dev = self.pool.device
+            if graph:
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    sch.float_ws, "NHD", use_cuda_graph=True, use_tensor_cores=sch.tensor_cores or step.q_len > 1,
+                    paged_kv_indptr_buffer=torch.zeros(step.rows + 1, dtype=torch.int32, device=dev),
+                    paged_kv_indices_buffer=self.indices[(step.slot, g, 1)],
+                    paged_kv_last_page_len_buffer=torch.zeros(step.rows, dtype=torch.int32, device=dev))
+            elif step.mode.value == "decode":
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(sch.float_ws, "NHD", use_tensor_cores=sch.tensor_cores)
+            else:
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(sch.float_ws, "NHD")
+            self.wrappers[key] = sch._share(w, step.slot, g)  # the slot and group's int workspace: its flat wrapper is idle
+        return w
+
+
+def run(step: DeviceStep, q: torch.Tensor, cache, lv: Levels) -> torch.Tensor:
+    """One layer of a cascade group: q [rows, qo_heads, head_dim] (a bucketed step's padded rows
+    included), spec.dtype, on the cache's device; returns the same shape, in batch order."""
+    R = lv.perm.shape[0]
+    rows = q.shape[0]
+    if rows < R:  # an eager call on a bucket-padded step: padding rows read the scratch page
+        q = torch.cat([q, q[:1].expand(R - rows, -1, -1)])
+    qp = q.index_select(0, lv.perm)
+    o1 = torch.empty_like(qp)
+    lse1 = torch.empty(qp.shape[:2], dtype=torch.float32, device=q.device)
+    main, side = torch.cuda.current_stream(q.device), lv.state.side
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        lv.shared.run(qp, (cache.k, cache.v), out=o1, lse=lse1)
+    o2, lse2 = lv.suffix.run(qp, (cache.k, cache.v), return_lse=True)
+    main.wait_stream(side)
+    import flashinfer
+
+    flashinfer.merge_state_in_place(o2, lse2, o1, lse1, mask=lv.mask)
+    return o2.index_select(0, lv.inv)[:rows]
