@@ -1,0 +1,142 @@
+"""H100: shared-prefix (cascade) decode vs flat paged decode through the pool, side by side in one run.
+
+Grid: B = 8..256 requests in F prefix families (each family shares a prefix of `shared` tokens,
+whole pages listed by the same ids; each request has `suffix` tokens of its own, the last partly
+on a page of its own), GQA 4 and 8 (32/8 and 64/8 heads, d 128, page 16, bf16). For each shape one
+layer's decode step is replayed from captured graphs (DecodeGraphs) in two pools over one cache:
+spec.cascade "always" (the cascade path) and "off" (FlashInfer paged decode). The L2 is flushed
+before every replay by *reading* 256 MiB (a write-based flush leaves dirty lines whose write-back
+lands in the timed kernel), CUDA-event medians of 15 replays per round, 3 interleaved rounds,
+median of rounds; spread = (max - min) / median over the rounds. Outputs of the two paths are
+compared per request (max norm-relative difference). Host: plan + commit of one step (median of
+20), each path. Run on the GPU: python -m benchmarks.cascade_grid OUT_DIR (writes cascade_grid.json)
+then here: python -m benchmarks.cascade_report IN.json OUT_DIR (the Markdown, with the cost model's picks).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn.capture.graphs import DecodeGraphs
+from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.kernels import flashinfer as fi
+
+PS, KVH, D = 16, 8, 128
+BUCKETS = (8, 32, 64, 128, 256)
+
+
+def shapes() -> list[dict]:
+    out = []
+    for gqa in (4, 8):
+        for B in (8, 32, 64, 128, 256):
+            for shared in (512, 2048, 8192, 16384):
+                for suffix in (64, 256, 2048):
+                    out.append(dict(gqa=gqa, B=B, families=1, shared=shared, suffix=suffix))
+        for B, F, shared, suffix in ((64, 4, 8192, 256), (256, 8, 4096, 256), (32, 4, 2048, 64), (128, 16, 1024, 256),
+                                     (64, 8, 16384, 2048)):
+            out.append(dict(gqa=gqa, B=B, families=F, shared=shared, suffix=suffix))
+    return out
+
+
+def batch_of(s: dict, seed: int) -> StepBatch:
+    """The shape's decode batch: family f's members list the same shared pages, then their own."""
+    rng = np.random.default_rng(seed)
+    B, F, shared, suffix = s["B"], s["families"], s["shared"], s["suffix"]
+    sp = shared // PS
+    own_tokens = shared % PS + suffix  # the prefix's partial page (if any) belongs to each request
+    own = -(-own_tokens // PS)
+    ids = rng.permutation(F * sp + B * own).astype(np.int32)
+    lists = [np.concatenate([ids[(i % F) * sp : (i % F + 1) * sp], ids[F * sp + i * own : F * sp + (i + 1) * own]])
+             for i in range(B)]
+    kv = np.full(B, shared + suffix, np.int32)
+    return StepBatch.from_pages(np.ones(B, np.int32), kv, lists, PS), F * sp + B * own
+
+
+def timed(replay, flush, reps: int = 15) -> list[float]:
+    ts = []
+    for _ in range(reps):
+        flush.sum()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return ts
+
+
+def host_us(fn, n: int = 20) -> float:
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def main(out_dir: str) -> None:
+    flush = torch.randint(0, 255, (256 << 20,), dtype=torch.uint8, device="cuda")
+    rows = []
+    for gqa in (4, 8):
+        todo = [s for s in shapes() if s["gqa"] == gqa]
+        pages = max(batch_of(s, 0)[1] for s in todo) + 8
+        specs = {c: AttentionSpec(KVH * gqa, KVH, D, PS, pages, cascade=c) for c in ("always", "off")}
+        cache = PagedKVCache.allocate(specs["off"], "cuda")
+        gen = torch.Generator(device="cuda").manual_seed(gqa)
+        for t in (cache.k, cache.v):
+            for a in range(0, t.shape[0], 4096):
+                t[a : a + 4096].copy_(torch.randn(t[a : a + 4096].shape, generator=gen, device="cuda").bfloat16())
+        q_all = torch.randn(256, KVH * gqa, D, generator=gen, device="cuda").bfloat16()
+        pools, graphs = {}, {}
+        for c, spec in specs.items():
+            pools[c] = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=256, max_num_pages=pages + 8, buckets=BUCKETS)
+            graphs[c] = DecodeGraphs(pools[c], lambda step, x, cache=cache: fi.run(step, x["q"], cache),
+                                     {"q": torch.zeros_like(q_all)})
+            graphs[c].capture()
+        for s in todo:
+            batch, _ = batch_of(s, s["B"] * 7 + s["shared"])
+            q = q_all[: s["B"]]
+            res, outs = {}, {}
+            steps = {}
+            for c in specs:
+                plan = build_plan(batch, specs[c])
+                assert (plan.cascade is not None) == (c == "always"), s
+                step = steps[c] = pools[c].commit(plan)
+                outs[c] = graphs[c](step, q=q).clone()
+                assert graphs[c].serves(step), s
+                res[c + "_host_us"] = host_us(lambda: pools[c].commit(build_plan(batch, specs[c])))
+                steps[c] = pools[c].commit(plan)
+                graphs[c](steps[c], q=q)
+            rounds = {c: [] for c in specs}
+            for _ in range(3):
+                for c in specs:
+                    g = graphs[c].graphs[(steps[c].slot, steps[c].bucket, 1, "flashinfer", c == "always")][0]
+                    rounds[c].append(statistics.median(timed(g.replay, flush)))
+            for c, name in (("always", "cascade"), ("off", "flat")):
+                med = statistics.median(rounds[c])
+                res[name + "_us"] = med
+                res[name + "_spread"] = (max(rounds[c]) - min(rounds[c])) / med
+            a, b = outs["always"].float(), outs["off"].float()
+            res["max_rel_diff"] = ((a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1)).max().item()
+            res["speedup"] = res["flat_us"] / res["cascade_us"]
+            row = {**s, **res}
+            rows.append(row)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        del pools, graphs, cache
+        torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "page_size": PS, "kv_heads": KVH,
+            "head_dim": D, "dtype": "bfloat16"}
+    with open(f"{out_dir}/cascade_grid.json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,91 @@
+"""Shared-prefix (cascade) steps on the FlashInfer backend, eager and replayed, per request against
+the reference over the flat plan of the same step and against FlashInfer's flat path (GPU only).
+
+Bound. The flat kernels stay within 2u per request of the float32 reference (tests/helpers.py). A
+cascade request's output is w1 o1 + w2 o2 over the two levels, each level's output rounded to
+the dtype (<= u |o_l|) and the merge rounded once more (<= u |o|); the probabilities are rounded
+once per key, as in the flat kernel (<= u). The level outputs are averages over fewer keys than
+the whole, so larger: for keys of random values |o_l| ~ n_l^-1/2 while |o| ~ n^-1/2, and
+w_l ~ n_l / n, so w1 |o1| + w2 |o2| <= sqrt(2) |o|. Per request: u + sqrt(2) u + u < 3.5u in norm
+(3u used: the three roundings are independent, their RMS sum is ~1.9u), and elementwise 12u
+max(1, max |o|). A dropped key of a 1k-token request moves it by 2e-2 or more (6u = 2.3e-2 for bf16).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import AttentionSpec, LayerGroup, StepBatch, build_plan
+from mstar_attn.kernels import reference
+from tests.helpers import UNIT_ROUNDOFF, assert_close_per_request, fresh_seed, gpu_pool, random_cache, replay_or_run, request_errors
+from tests.prefix_batches import prefix_batch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("flashinfer")
+
+from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
+from mstar_attn.kernels import flashinfer as fi  # noqa: E402
+
+U = UNIT_ROUNDOFF[torch.bfloat16]
+
+
+def check_cascade(out, want, plan, context, bound=3.0):
+    T = plan.num_tokens
+    assert torch.isfinite(out[:T]).all(), (context, "non-finite output")
+    for i, (rel, abs_err, scale) in enumerate(request_errors(out[:T], want[:T], plan)):
+        assert rel <= bound * U and abs_err <= 4 * bound * U * max(1.0, scale), (
+            context, f"request {i} (q_len {plan.q_lens[i]}, kv_len {plan.kv_lens[i]}, prefix group "
+                     f"{plan.cascade.prefixes.group_of[i]}): norm-relative {rel:.2e}, max abs {abs_err:.2e}")
+
+
+@pytest.mark.parametrize("page_size, kind", [(1, "causal"), (16, "noncausal"), (64, "causal")])
+def test_cascade_steps_eager_and_replayed(page_size, kind):
+    """Random decode and verify steps of several prefix families (2-9 members, prefixes of 1 page to
+    2k tokens, some ending mid-page), loners, batches inside the captured buckets (replayed) and past
+    them (eager): the cascade group per request against the reference over the flat plan and against
+    FlashInfer's flat path; a window group beside it reads flat in the same step."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    ps, num_pages = page_size, 40000 // page_size
+    groups = (LayerGroup(kind), LayerGroup("window", window=int(rng.integers(8, 500))))
+    spec = AttentionSpec(32, 8, 128, ps, num_pages, groups=groups, layer_groups=(0, 1), cascade="always")
+    flat_spec = AttentionSpec(32, 8, 128, ps, num_pages, groups=groups, layer_groups=(0, 1))
+    cache = random_cache(spec, seed)
+    pool, flat_pool = gpu_pool(spec, buckets=(8, 32)), gpu_pool(flat_spec, buckets=(8, 32))
+    verify = all(g.causal for g in groups)
+    graphs = [DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g),
+                           {"q": torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)}) for g in range(2)]
+    for gr in graphs:
+        gr.capture(q_lens=(1, 4) if verify else (1,))
+    ran = []
+    for i in range(10):
+        q_len = 4 if i % 2 else 1
+        big = i in (4, 5)  # past the largest bucket: eager
+        families = [int(rng.integers(2, 10)) for _ in range(int(rng.integers(1, 4)) if not big else 5)]
+        loners = int(rng.integers(0, 4)) + (12 if big else 0)
+        while sum(families) + loners > 32 and not big:
+            families.pop()
+        q, kv, pages = prefix_batch(rng, ps, q_len, num_pages, families, loners, max_prefix_pages=2048 // ps,
+                                    max_own_pages=300 // ps + 1)
+        batch = StepBatch.from_pages(q, kv, pages, ps)
+        plan, flat = build_plan(batch, spec), build_plan(batch, flat_spec)
+        assert plan.cascade is not None and plan.cascade.num_groups == len(families), (seed, i)
+        step, flat_step = pool.commit(plan), flat_pool.commit(flat)
+        qt = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
+        for g in range(2):
+            ctx = (f"seed {seed}", f"step {i}", plan.mode.value, f"group {g}", f"B {plan.batch_size}")
+            out, replayed = replay_or_run(graphs[g], step, {"q": qt}, lambda st, x: fi.run(st, x["q"], cache, group=g), ctx)
+            want = reference.run(flat, qt.float(), cache, group=g)
+            flat_out = fi.run(flat_step, qt, cache, group=g)
+            assert_close_per_request(flat_out, want, plan, torch.bfloat16, ctx + ("flat",))
+            if g == 0:
+                check_cascade(out, want, plan, ctx)
+                check_cascade(out, flat_out, plan, ctx + ("vs flat",), bound=5.0)
+            else:  # the window group is not a cascade group: the flat kernel, the flat bound
+                assert_close_per_request(out, want, plan, torch.bfloat16, ctx)
+            ran.append((plan.mode.value, replayed))
+    assert ("decode", True) in ran and any(not r for _, r in ran), ran
+    if verify:
+        assert ("verify", True) in ran, ran
