@@ -88,6 +88,7 @@ def main(out_dir: str) -> None:
     for gqa in (4, 8):
         todo = [s for s in shapes() if s["gqa"] == gqa]
         pages = max(batch_of(s, 0)[1] for s in todo) + 8
+        listed = max(s["B"] * (-(-(s["shared"] + s["suffix"]) // PS) + 1) for s in todo)  # page entries one step lists
         specs = {c: AttentionSpec(KVH * gqa, KVH, D, PS, pages, cascade=c) for c in ("always", "off")}
         cache = PagedKVCache.allocate(specs["off"], "cuda")
         gen = torch.Generator(device="cuda").manual_seed(gqa)
@@ -97,7 +98,7 @@ def main(out_dir: str) -> None:
         q_all = torch.randn(256, KVH * gqa, D, generator=gen, device="cuda").bfloat16()
         pools, graphs = {}, {}
         for c, spec in specs.items():
-            pools[c] = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=256, max_num_pages=pages + 8, buckets=BUCKETS)
+            pools[c] = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=256, max_num_pages=listed, buckets=BUCKETS)
             graphs[c] = DecodeGraphs(pools[c], lambda step, x, cache=cache: fi.run(step, x["q"], cache),
                                      {"q": torch.zeros_like(q_all)})
             graphs[c].capture()

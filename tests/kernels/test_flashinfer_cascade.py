@@ -17,7 +17,7 @@ import torch
 
 from mstar_attn import AttentionSpec, LayerGroup, StepBatch, build_plan
 from mstar_attn.kernels import reference
-from tests.helpers import UNIT_ROUNDOFF, assert_close_per_request, fresh_seed, gpu_pool, random_cache, replay_or_run, request_errors
+from tests.helpers import UNIT_ROUNDOFF, assert_close_per_request, fresh_seed, random_cache, replay_or_run, request_errors
 from tests.prefix_batches import prefix_batch
 
 pytestmark = pytest.mark.gpu
@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer")
 
 from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
+from mstar_attn.capture.pool import GraphBufferPool  # noqa: E402
 from mstar_attn.kernels import flashinfer as fi  # noqa: E402
 
 U = UNIT_ROUNDOFF[torch.bfloat16]
@@ -53,7 +54,9 @@ def test_cascade_steps_eager_and_replayed(page_size, kind):
     spec = AttentionSpec(32, 8, 128, ps, num_pages, groups=groups, layer_groups=(0, 1), cascade="always")
     flat_spec = AttentionSpec(32, 8, 128, ps, num_pages, groups=groups, layer_groups=(0, 1))
     cache = random_cache(spec, seed)
-    pool, flat_pool = gpu_pool(spec, buckets=(8, 32)), gpu_pool(flat_spec, buckets=(8, 32))
+    # max_num_pages bounds the page entries one step lists (shared pages once per member)
+    pool, flat_pool = (GraphBufferPool(s, max_batch_size=64, max_num_tokens=512, max_num_pages=200_000 // ps, buckets=(8, 32))
+                       for s in (spec, flat_spec))
     verify = all(g.causal for g in groups)
     graphs = [DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g),
                            {"q": torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)}) for g in range(2)]
