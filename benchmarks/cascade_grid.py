@@ -26,7 +26,6 @@ import torch
 from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
-from mstar_attn.kernels import flashinfer as fi
 
 PS, KVH, D = 16, 8, 128
 BUCKETS = (8, 32, 64, 128, 256)
@@ -83,6 +82,8 @@ def host_us(fn, n: int = 20) -> float:
 
 
 def main(out_dir: str) -> None:
+    from mstar_attn.kernels import flashinfer as fi
+
     flush = torch.randint(0, 255, (256 << 20,), dtype=torch.uint8, device="cuda")
     rows = []
     for gqa in (4, 8):

@@ -149,21 +149,30 @@ def level_plan(c: Cascade, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: n
 class CostModel:
     """Estimated GPU time (µs) of one layer's attention, flat paged vs cascade, for a decode / verify step.
 
-    flat:    a_flat + unique KV bytes / hbm + the shared runs' re-reads / l2 (the members of a group
-             read the same pages at about the same time, so repeats mostly hit L2)
-    cascade: a_cascade + max(shared level, suffix level): the two levels run side by side (two
-             streams); the shared level is tensor-core arithmetic 4 * rows * q_heads * S * head_dim
-             over `flops`, plus its run's bytes once; the suffix level is its bytes over hbm.
-    Rates in bytes (or flops) per µs. The constants are fitted on the H100 over the crossover grid
-    (benchmarks/cascade_grid.py -> benchmarks/results/cascade_h100.md).
+    flat:    a_flat + the larger of (unique KV bytes / hbm, the shared runs' re-reads / l2) +
+             overlap x the smaller (a group's members read the same pages at about the same time,
+             so repeats mostly hit L2, partly while other requests' pages stream from HBM)
+    cascade: a_cascade + each group's shared level, the larger of its tensor-core arithmetic
+             (4 x rows x q_heads x run tokens x head_dim, rows padded to 64-row tiles per KV head)
+             over `flops` and its run's bytes over hbm_levels, + `row` per query row and head of the
+             groups (the partial outputs and LSEs written, merged), + the suffixes' bytes over hbm. (The levels
+             run on two streams, but the shared level's split-KV grid fills the GPU: they add up.)
+    Rates in bytes (or flops) per µs. Fitted on the H100 over the crossover grid of
+    benchmarks/cascade_grid.py (a coarse search over round values: fewest grid shapes where the
+    pick is > 3% slower than the faster path, then the least log error); benchmarks/results/
+    cascade_h100.md lists every shape, both times and the pick. A model of one GPU's rates: refit
+    it for another GPU.
     """
 
-    a_flat: float = 12.0
+    a_flat: float = 15.0
     a_cascade: float = 30.0
-    hbm: float = 2.9e6
-    l2: float = 9.0e6
-    flops: float = 2.0e8
-    margin: float = 0.05  # cascade only when it is estimated this much faster
+    hbm: float = 2.9e6  # the flat kernel's unique bytes
+    l2: float = 8.0e6  # the flat kernel's repeated reads of shared pages
+    overlap: float = 0.5  # the part of the shorter of those two terms that does not overlap the longer
+    hbm_levels: float = 3.2e6  # the cascade levels' bytes
+    flops: float = 5.0e8
+    row: float = 0.004  # µs per member query row x query head
+    margin: float = 0.03  # cascade only when it is estimated this much faster
 
     def times(self, c: Cascade, q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int, q_heads: int,
               kv_heads: int, head_dim: int, kv_bytes: int) -> tuple[float, float]:
@@ -172,13 +181,14 @@ class CostModel:
         run_tokens = c.shared_pages.astype(np.int64) * page_size
         total = int(kv_lens.sum(dtype=np.int64))
         repeats = int(((sizes - 1) * run_tokens).sum())
-        flat = self.a_flat + (total - repeats) * kv_bytes / self.hbm + repeats * kv_bytes / self.l2
+        unique, again = (total - repeats) * kv_bytes / self.hbm, repeats * kv_bytes / self.l2
+        flat = self.a_flat + max(unique, again) + self.overlap * min(unique, again)
         member_q = np.add.reduceat(q_lens[c.members].astype(np.int64), c.members_indptr[:-1]) if sizes.size else sizes
-        gqa = q_heads // kv_heads  # a group's rows of one KV head come in 64-row tensor-core tiles
-        tiles = -(-(member_q * gqa) // 64) * 64
-        shared = (4 * kv_heads * tiles * run_tokens * head_dim).sum() / self.flops + run_tokens.sum() * kv_bytes / self.hbm
-        suffix = (total - int((sizes * run_tokens).sum())) * kv_bytes / self.hbm
-        return flat, self.a_cascade + max(shared, suffix)
+        tiles = -(-(member_q * (q_heads // kv_heads)) // 64) * 64  # a group's query rows of one KV head
+        shared = np.maximum(4 * kv_heads * tiles * run_tokens * head_dim / self.flops, run_tokens * kv_bytes / self.hbm_levels)
+        suffix = (total - int((sizes * run_tokens).sum())) * kv_bytes / self.hbm_levels
+        rows = int(member_q.sum()) * q_heads * self.row
+        return flat, self.a_cascade + float(shared.sum()) + rows + suffix
 
     def wins(self, *args) -> bool:
         flat, cascade = self.times(*args)

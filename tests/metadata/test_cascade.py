@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,3 +78,103 @@ def test_a_prefix_ending_mid_page_leaves_that_page_to_the_suffixes():
     assert find_prefixes(b.page_indptr, b.page_indices, q, kv, ps, min_requests=4).num_groups == 0
     with pytest.raises(PlanError, match="min_pages"):
         find_prefixes(b.page_indptr, b.page_indices, q, kv, ps, min_pages=0)
+
+
+@st.composite
+def prefix_steps(draw):
+    from tests.prefix_batches import prefix_batch
+
+    ps = draw(st.sampled_from([1, 4, 16]))
+    q_len = draw(st.sampled_from([1, 3]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    families = draw(st.lists(st.integers(2, 5), min_size=0, max_size=3))
+    loners = draw(st.integers(0 if families else 1, 3))
+    q, kv, pages = prefix_batch(np.random.default_rng(seed), ps, q_len, 4000, families, loners)
+    return ps, q, kv, pages, seed
+
+
+@settings(max_examples=150, deadline=None)
+@given(prefix_steps())
+def test_level_arrays_split_each_list_into_its_shared_run_and_suffix(case):
+    """plan.cascade (spec.cascade "always"): `rows` is a permutation of the step's rows in level
+    order (groups' members first, each group's rows contiguous); each request's shared run and
+    suffix concatenate to its page list exactly; suffix lengths, last-page lengths and query
+    ranges match the flat plan; shared runs are whole cached pages."""
+    from mstar_attn import AttentionSpec, build_plan
+
+    ps, q, kv, pages, seed = case
+    spec = AttentionSpec(4, 2, 16, ps, 4000, dtype=torch.float32, backend="reference", cascade="always")
+    plan = build_plan(StepBatch.from_pages(q, kv, pages, ps), spec)
+    c = plan.cascade
+    if c is None:
+        assert find_prefixes(plan.kv_indptr, plan.kv_indices, q, kv, ps).num_groups == 0, seed
+        return
+    B, T = plan.batch_size, plan.num_tokens
+    assert sorted(c.order.tolist()) == list(range(B)) and sorted(c.rows.tolist()) == list(range(T)), seed
+    group_of = c.prefixes.group_of
+    assert list(group_of[c.order]) == sorted(group_of[c.order], key=lambda g: (g < 0, g)), seed  # groups, then loners
+    assert c.member_rows == int(q[group_of >= 0].sum()) == c.shared_qo_indptr[-1], seed
+    for j, i in enumerate(c.order):
+        a, b = c.suffix_qo_indptr[j], c.suffix_qo_indptr[j + 1]
+        assert list(c.rows[a:b]) == list(range(plan.qo_indptr[i], plan.qo_indptr[i + 1])), (seed, i)
+        suffix = list(c.suffix_kv_indices[c.suffix_kv_indptr[j] : c.suffix_kv_indptr[j + 1]])
+        g = group_of[i]
+        run = [] if g < 0 else list(c.shared_kv_indices[c.shared_kv_indptr[g] : c.shared_kv_indptr[g + 1]])
+        assert run + suffix == list(pages[i][: -(-kv[i] // ps)]), (seed, i)
+        assert c.suffix_kv_lens[j] == kv[i] - len(run) * ps >= q[i], (seed, i)
+        assert c.suffix_last_page_len[j] == plan.kv_last_page_len[i], (seed, i)
+        assert len(run) * ps <= kv[i] - q[i], (seed, i)  # only cached tokens are shared
+        if g >= 0:
+            lo, hi = c.shared_qo_indptr[g], c.shared_qo_indptr[g + 1]
+            assert lo <= a and b <= hi, (seed, i)
+
+
+def test_auto_picks_cascade_where_the_cost_model_says_it_wins():
+    """spec.cascade "auto": 64 requests over an 8k-token shared prefix with 256 tokens each run as
+    a cascade (the model estimates it ~3x faster); 8 requests over 512 shared tokens run flat; a
+    step with no shared page runs flat; with backend "auto" a cascade step goes to flashinfer;
+    "off" never cascades, and extend / prefill steps never do."""
+    import attrs
+
+    from mstar_attn import AttentionSpec, build_plan
+    from mstar_attn.metadata.cascade import COST
+
+    def family(B, shared, own, ps=16):
+        lists = [list(range(shared // ps)) + list(range(10_000 + i * 100, 10_000 + i * 100 + own // ps)) for i in range(B)]
+        return StepBatch.from_pages(np.ones(B, np.int32), np.full(B, shared + own, np.int32), lists, ps)
+
+    spec = AttentionSpec(32, 8, 128, 16, 40_000, cascade="auto")
+    big = build_plan(family(64, 8192, 256), spec)
+    assert big.cascade is not None and big.cascade.num_groups == 1 and big.backend == "flashinfer"
+    c = big.cascade.prefixes
+    flat, cascade = COST.times(c, big.q_lens, big.kv_lens, 16, 32, 8, 128, 4096)
+    assert flat > 2.5 * cascade
+    assert build_plan(family(8, 512, 64), spec).cascade is None
+    assert build_plan(family(64, 8192, 256), attrs.evolve(spec, backend="auto")).backend == "flashinfer"
+    assert build_plan(family(64, 8192, 256), attrs.evolve(spec, cascade="off")).cascade is None
+    lone = StepBatch.from_pages(np.ones(3, np.int32), np.full(3, 40, np.int32), [[1, 2, 3], [4, 5, 6], [7, 8, 9]], 16)
+    assert build_plan(lone, attrs.evolve(spec, cascade="always")).cascade is None
+    ext = StepBatch.from_pages(np.array([5, 9]), np.array([40, 44]), [[1, 2, 3], [1, 2, 4]], 16)  # shares page 1
+    assert build_plan(ext, attrs.evolve(spec, cascade="always")).cascade is None  # extend: flat by rule
+
+
+def test_cascade_spec_refusals_and_scratch_plans():
+    from mstar_attn import AttentionSpec, LayerGroup
+    from mstar_attn.metadata.plan import scratch_plan
+
+    for kw, match in [(dict(cascade="yes"), "cascade: expected one of"),
+                      (dict(cascade="auto", backend="flash_attn"), "backend flashinfer, reference or auto"),
+                      (dict(cascade="auto", kv_dtype=torch.float8_e4m3fn), "cache"),
+                      (dict(cascade="auto", groups=(LayerGroup("window", window=8),)), "full causal or non-causal")]:
+        with pytest.raises(PlanError, match=match):
+            AttentionSpec(32, 8, 128, 16, 100, **kw)
+    spec = AttentionSpec(32, 8, 128, 16, 100, cascade="always", groups=(LayerGroup(), LayerGroup("window", window=8)),
+                         layer_groups=(0, 1))
+    assert spec.cascade_groups == (0,)
+    for q_len in (1, 4):
+        p = scratch_plan(spec, 8, q_len, cascade=True)
+        assert p.cascade is not None and p.cascade.num_groups == 1 and p.cascade.member_rows == 8 * q_len
+        assert set(p.kv_indices.tolist()) == {spec.scratch_page}
+    assert scratch_plan(spec, 8).cascade is None
+    with pytest.raises(PlanError, match="2\\+ requests"):
+        scratch_plan(spec, 1, cascade=True)
