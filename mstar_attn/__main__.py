@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the transformers family (default: llama); gemma2 interleaves sliding-window layers, on "
                         "their own page lists, with full ones; bart is an encoder-decoder (cross attention)")
     d.add_argument("--window", type=int, default=8, help="gemma2's sliding window in tokens (default: 8)")
+    d.add_argument("--cascade", choices=["off", "auto", "always"], default="off",
+                   help="shared-prefix attention: requests sharing a system prompt's pages read them once per step "
+                        "(auto: where the cost model says it wins; default: off)")
     d.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="speculative decoding: draft rounds of K tokens (one graph each on CUDA), target verify steps")
     d.add_argument("--draft", choices=["small", "self"], default="small",
@@ -43,8 +46,10 @@ def demo(args: argparse.Namespace) -> int:
 
     cfg = DemoConfig(backend=args.backend, graphs=args.graphs, device=args.device, dtype=args.dtype, layers=args.layers,
                      hidden=args.hidden, requests=args.requests, page_size=args.page_size, seed=args.seed,
-                     model=args.model, window=args.window)
+                     model=args.model, window=args.window, cascade=args.cascade)
     try:
+        if args.speculate and args.cascade != "off":
+            raise DemoError("--cascade serves plain decoding; --speculate plans draft rounds, which read flat")
         if args.speculate:
             from mstar_attn.demo.report import write
             from mstar_attn.demo.speculate import run_speculative, summary

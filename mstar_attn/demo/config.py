@@ -34,6 +34,7 @@ class DemoConfig:
     page_size: int = 4
     model: str = "llama"  # the transformers family: "llama", or "gemma2" (sliding-window layers on their own pages)
     window: int = 8  # gemma2: the sliding window, in tokens (small, so requests outgrow it)
+    cascade: str = "off"  # AttentionSpec.cascade: shared system prompts read once per step ("auto", "always")
 
     @property
     def gpu(self) -> bool:

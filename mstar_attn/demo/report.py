@@ -64,6 +64,7 @@ class DemoResult:
     pages_held: PagesHeld | None = None  # with window layers on their own page lists (gemma2)
     encoder_tokens: int = 0  # an encoder-decoder's encoder inputs, all requests (bart)
     cross_rows: bool = False  # its cross page lists came from the pool's cross table (CrossRows)
+    cascade_steps: int = 0  # steps that read shared prompts once per prefix group (AttentionSpec.cascade)
 
     @property
     def modes(self) -> Counter:
@@ -172,6 +173,9 @@ def summary(res: DemoResult) -> str:
             f"(bound (window - 1) / page size + 1 = {p.bound}); peak held: full layers {p.peak_shared}, window layers "
             f"{p.peak_own} (without per-group lists: {p.peak_shared})")
     graphs = f"; CUDA graphs replayed {res.replayed} of {res.modes[Mode.DECODE.value]} decode steps" if c.graphs else ""
+    if c.cascade != "off":
+        graphs += (f"; shared prompts read once per prefix group (cascade {c.cascade}) in {res.cascade_steps} "
+                   f"of {res.steps} steps")
     lines += [
         f"served    {served}{graphs}",
         f"oracle    max |logit diff| {res.max_logit_err:.2e}; closest to its tolerance: request {worst.rid}, "

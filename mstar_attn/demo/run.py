@@ -53,7 +53,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         model = family.build_model(cfg, dtype, device)
         fields = family.spec_fields(model)
         spec = AttentionSpec(cfg.heads, fields.pop("num_kv_heads", cfg.kv_heads), cfg.hidden // cfg.heads, ps, num_pages,
-                             dtype=dtype, backend=attn.name, **fields)
+                             dtype=dtype, backend=attn.name, cascade=cfg.cascade, **fields)
         xg = next((g for g, group in enumerate(spec.groups) if group.cross), None)  # the cross-attention group
         own_groups = [g for g in spec.own_page_groups if g != xg]  # each on the one own list the engine keeps
         windows = [spec.groups[g].window for g in own_groups]
@@ -76,7 +76,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         table = attn.cross_table  # None: steps list the cross pages; else they name the table's rows
         free_rows = [] if table is None else list(range(table.max_requests))
         served: dict[str, Counter] = {}
-        plan_us, step_us = [], []
+        plan_us, step_us, cascades = [], [], 0
         waiting, running, finished = deque(reqs), [], []
         step = 0
         while waiting or running:
@@ -133,6 +133,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
             if own is not None:
                 held.after_step(running, pages, own)
             served.setdefault(plan.backend, Counter())[plan.mode.value] += 1
+            cascades += plan.cascade is not None
             plan_us.append((t2 - t1) / 1e3)
             step_us.append((time.perf_counter_ns() - t0) / 1e3 - engine.aside_us)
             step += 1
@@ -145,7 +146,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         sum(r.shared > 0 for r in reqs), sum(r.max_new for r in reqs), served, pages.reused, plan_us, step_us, checks,
         engine.commit_us, engine.graph_us, engine.eager_us, engine.num_graphs, engine.capture_s,
         {r.rid: r.tokens for r in reqs}, held if own is not None else None, sum(len(r.encoder) for r in reqs),
-        table is not None,
+        table is not None, cascades,
     )
     if out is not None:
         write(out, summary(result))

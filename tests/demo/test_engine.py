@@ -63,3 +63,14 @@ def test_graph_path_replays_decode_steps_and_times_both_ways(served):
     text = summary(res)
     assert "decode step: graphs" in text and "vs eager" in text and "host clock" in text
     assert f"CUDA graphs replayed {res.replayed} of {res.replayed} decode steps" in text
+
+
+def test_shared_system_prompts_go_through_cascade_and_match_transformers():
+    """--cascade always: the trace's shared system prompts (whole pages another request holds) are
+    read once per prefix group in its decode and verify steps; every logit still matches
+    transformers (the check run_demo makes), and the summary says how many steps ran as cascades."""
+    res = run_demo(attrs.evolve(SMALL, cascade="always", requests=8, seed=1))
+    assert res.matched, [(c.err, c.tol) for c in res.checks]
+    assert res.prefix_hits >= 2 and 1 <= res.cascade_steps <= res.modes[Mode.DECODE.value] + res.modes[Mode.VERIFY.value]
+    assert "cascade always" in summary(res)
+    assert run_demo(attrs.evolve(SMALL, cascade="off", requests=8, seed=1)).cascade_steps == 0

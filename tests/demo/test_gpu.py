@@ -70,3 +70,17 @@ def test_speculative_demo_replays_each_draft_round_as_one_graph(backend):
         assert res.replayed_rounds == res.rounds > 0 and res.round_graphs > 0
         if draft == "self":
             assert res.accepted == res.proposed and res.verify_steps < res.plain_steps
+
+
+@pytest.mark.gpu
+@gpu
+def test_shared_system_prompts_through_cascade_with_graphs():
+    """demo --cascade always on FlashInfer with graphs (bf16): the shared system prompts are read once
+    per prefix group in some steps; every logit within the oracle's bound, every decode step replayed
+    (cascade steps through their own graphs, captured next to the flat ones)."""
+    pytest.importorskip("flashinfer")
+    res = run_demo(attrs.evolve(GPU, graphs=True, cascade="always", seed=1))
+    print(summary(res))
+    assert res.matched, [(c.err, c.tol) for c in res.checks]
+    assert res.cascade_steps >= 1 and res.replayed == res.modes[Mode.DECODE.value] > 0
+    assert res.num_graphs == 2 * 4 + 2 * 3  # 2 slots x buckets 1, 2, 4, 8 flat; buckets 2, 4, 8 cascade
