@@ -92,8 +92,8 @@ class GraphBufferPool:
         self.max_draft_steps = rounds.check_steps(max_draft_steps)
         # room for padding requests' scratch entries, and for a whole scratch plan or round (capture: one
         # cached token and q_len new ones per request, or a round's tokens) besides max_num_pages real pages
-        self.layout = Layout(max_batch, max(self.max_num_tokens, top * max_q),
-                             max_num_pages + top * -(-max(max_q + 1, self.max_draft_steps) // ps), len(spec.groups),
+        room = -(-max(max_q + 1, self.max_draft_steps) // ps) + bool(spec.cascade_groups)  # (cascade: a shared page more)
+        self.layout = Layout(max_batch, max(self.max_num_tokens, top * max_q), max_num_pages + top * room, len(spec.groups),
                              tuple(self.max_encoder_tokens if g.cross else -int(g.own_pages) for g in spec.groups),
                              self.max_draft_steps)
         cuda = self.device.type == "cuda"

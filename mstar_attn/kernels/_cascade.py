@@ -31,6 +31,33 @@ if TYPE_CHECKING:
 INT_WORKSPACE_BYTES = 8 << 20
 
 
+def staging_entries(layout) -> int:
+    """int32 entries of a slot's staging buffer: what `stage` writes for the largest step the pool's
+    layout admits (3 x token rows, 3 x (rows / 2 + 2) + 3 x rows + 2 arrays, two index lists)."""
+    groups = layout.max_rows // 2 + 1
+    return 3 * layout.max_tokens + 5 * groups + 4 * layout.max_rows + 8 + 2 * layout.index_capacity
+
+
+def shared_batch(step: DeviceStep) -> int:
+    """The shared level's request count: a bucketed step's fixed rows // 2 + 1 (a prefix group has 2+
+    members, and one "rest" request), else its groups + 1."""
+    return step.rows // 2 + 1 if step.bucket is not None else step.plan.cascade.num_groups + 1
+
+
+def shared_workspace_bytes(pool) -> int:
+    """A bound on the float workspace the shared level's prefill plan takes: in graph mode FlashInfer
+    always splits KV and keeps partial outputs (float32, head_dim wide) and LSEs for every query-tile
+    row of its padded work list, about (R x gqa + (groups + 1) x 128) packed rows of at most R =
+    max_rows x MAX_VERIFY_Q_LEN query rows (bounded by the pool's token rows), twice for slack."""
+    from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
+
+    spec, L = pool.spec, pool.layout
+    R = min(L.max_tokens, L.max_rows * MAX_VERIFY_Q_LEN)
+    packed = R * spec.gqa_group + (L.max_rows // 2 + 2) * 128
+    rows = -(-packed // spec.gqa_group)
+    return 2 * spec.num_qo_heads * rows * (spec.head_dim + 1) * 4 + (16 << 20)
+
+
 @attrs.frozen
 class Levels:
     """One committed cascade step's device arrays (int32 views of the slot's region) and its wrappers.
@@ -53,7 +80,7 @@ class CascadeState:
     workspace; per pool one float workspace and one side stream for the shared level.
     Memory: slots x (staging 2 x (3 x max_tokens + 7 x max_rows + 2 x index_capacity) x 4 bytes,
     pinned + device) + slots x groups x (2 x (index_capacity + max_rows / 2) x 4 + 8 MiB device + 8 MiB pinned)
-    + the float workspace (the pool's float_workspace_bytes).
+    + the float workspace (the pool's float_workspace_bytes, or shared_workspace_bytes if larger).
     """
 
     def __init__(self, scheduler: Scheduler):
@@ -61,7 +88,7 @@ class CascadeState:
         self.scheduler, L = scheduler, pool.layout
         self.max_groups = L.max_rows // 2 + 1
         cap = L.index_capacity
-        self.size = 3 * L.max_tokens + 5 * self.max_groups + 4 * L.max_rows + 8 + 2 * cap
+        self.size = staging_entries(L)
         groups = pool.spec.cascade_groups
         self.host = [torch.zeros(self.size, dtype=torch.int32, pin_memory=True) for _ in range(pool.num_slots)]
         self.host_np = [h.numpy() for h in self.host]
@@ -71,7 +98,8 @@ class CascadeState:
         self.int_ws = {(s, g): (torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device),
                                 torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
                        for s in range(pool.num_slots) for g in groups}
-        self.float_ws = torch.zeros(pool.float_workspace_bytes, dtype=torch.uint8, device=pool.device)
+        self.float_ws = torch.zeros(max(pool.float_workspace_bytes, shared_workspace_bytes(pool)), dtype=torch.uint8,
+                                    device=pool.device)
         self.side = torch.cuda.Stream(pool.device)
         self.wrappers: dict[tuple, object] = {}
 
@@ -84,49 +112,14 @@ class CascadeState:
     def schedule(self, step: DeviceStep) -> dict[int, Levels]:
         """Stage and upload the step's level arrays (padded to its bucket), plan both levels' wrappers
         of every cascade group; one Levels per cascade group."""
-        plan, c, spec = step.plan, step.plan.cascade, step.plan.spec
-        ps, scratch, B, T = spec.page_size, spec.scratch_page, plan.batch_size, plan.num_tokens
-        rows, R = step.rows, step.num_rows
-        G = c.num_groups
-        Gf = rows // 2 + 1 if step.bucket is not None else G + 1
-        pad_pages = -(-step.q_len // ps)
-        h = self.host_np[step.slot]
-        at = 0
-
-        def put(values, n=None):  # the next n entries (default len(values)); returns their range
-            nonlocal at
-            n = len(values) if n is None else n
-            h[at : at + len(values)] = values
-            at += n
-            return at - n, at
-
-        perm = put(c.rows, R)
-        h[perm[0] + T : perm[1]] = np.arange(T, R)  # padding rows stay where they are
-        inv = put(np.zeros(0), R)
-        h[inv[0] : inv[1]][h[perm[0] : perm[1]]] = np.arange(R)
-        nmask = -(-R // 4)
-        mask = put(np.zeros(nmask, np.int32))
-        h[mask[0] : mask[1]].view(np.uint8)[: c.member_rows] = 1
-        s_qo = put(c.shared_qo_indptr, Gf + 1)
-        h[s_qo[0] + G + 1 : s_qo[1]] = c.member_rows
-        h[s_qo[1] - 1] = R
-        n_sh = int(c.shared_kv_indptr[-1])
-        s_ptr = put(c.shared_kv_indptr, Gf + 1)
-        h[s_ptr[0] + G + 1 : s_ptr[1]] = n_sh + np.arange(1, Gf - G + 1)  # one scratch page each
-        s_lpl = put(np.full(Gf, ps, np.int32))
-        s_len = put(np.diff(h[s_ptr[0] : s_ptr[1]]) * ps)
-        x_ptr = put(c.suffix_kv_indptr, rows + 1)
-        n_x = int(c.suffix_kv_indptr[-1])
-        h[x_ptr[0] + B + 1 : x_ptr[1]] = n_x + pad_pages * np.arange(1, rows - B + 1)
-        pad_lpl = step.q_len - (pad_pages - 1) * ps
-        x_lpl = put(c.suffix_last_page_len, rows)
-        h[x_lpl[0] + B : x_lpl[1]] = pad_lpl
-        x_len = put(c.suffix_kv_lens, rows)
-        h[x_len[0] + B : x_len[1]] = step.q_len
-        x_idx = put(c.suffix_kv_indices, n_x + pad_pages * (rows - B))
-        h[x_idx[0] + n_x : x_idx[1]] = scratch
-        s_idx = put(c.shared_kv_indices, n_sh + Gf - G)
-        h[s_idx[0] + n_sh : s_idx[1]] = scratch
+        plan, spec = step.plan, step.plan.spec
+        ps = spec.page_size
+        Gf = shared_batch(step)
+        r = stage(self.host_np[step.slot], plan.cascade, plan.batch_size, step.rows, step.num_rows, step.q_len, Gf, ps,
+                  spec.scratch_page)
+        at = r["shared_kv_indices"][1]
+        perm, inv, mask, s_qo, s_ptr, s_lpl, s_len, x_ptr, x_lpl, x_len, x_idx, s_idx = r.values()
+        R = step.num_rows
         host, dev = self.host[step.slot], self.dev[step.slot]
         self.pool.upload(dev[:at], host[:at])
 
@@ -136,6 +129,7 @@ class CascadeState:
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         kw = self.scheduler.plan_kwargs
         out = {}
+        c = plan.cascade
         for g in spec.cascade_groups:
             grp = spec.groups[g]
             shared = self._shared(step, g, Gf)
@@ -194,6 +188,50 @@ class CascadeState:
                 w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(sch.float_ws, "NHD")
             self.wrappers[key] = sch._share(w, step.slot, g)  # the slot and group's int workspace: its flat wrapper is idle
         return w
+
+
+def stage(h: np.ndarray, c, B: int, rows: int, R: int, q_len: int, Gf: int, page_size: int,
+          scratch: int) -> dict[str, tuple[int, int]]:
+    """Write a step's level arrays (CascadePlan c of B requests, padded to `rows` requests and R
+    query rows; q_len: a padding request's tokens) into the int32 buffer h from 0 on; returns each
+    array's [start, end) in h, in this order:
+      perm [R], inv [R]            level row j is batch row perm[j]; inv inverts it (padding rows stay put)
+      mask [ceil(R / 4)]           bytes: 1 for the M = c.member_rows rows of groups
+      shared_qo_indptr [Gf+1]      the G groups, then empty ones, then the "rest" request: rows M..R
+      shared_kv_indptr [Gf+1], shared_last_page_len [Gf], shared_kv_lens [Gf]
+      suffix_kv_indptr [rows+1], suffix_last_page_len [rows], suffix_kv_lens [rows]
+      suffix_kv_indices, shared_kv_indices   (padding requests, empty groups, rest: the scratch page)
+    Pure numpy; Gf >= G + 1."""
+    G, T, ps = c.num_groups, int(c.rows.shape[0]), page_size
+    pad_pages = -(-q_len // ps)  # a padding request reads q_len tokens of the scratch page
+    out, at = {}, 0
+
+    def put(name, values, n=None):  # the next n entries (default len(values))
+        nonlocal at
+        n = len(values) if n is None else n
+        h[at : at + len(values)] = values
+        out[name] = (at, at + n)
+        at += n
+        return h[at - n : at]
+
+    perm = put("perm", c.rows, R)
+    perm[T:] = np.arange(T, R)
+    put("inv", (), R)[perm] = np.arange(R)
+    put("mask", np.zeros(-(-R // 4), np.int32)).view(np.uint8)[: c.member_rows] = 1
+    qo = put("shared_qo_indptr", c.shared_qo_indptr, Gf + 1)
+    qo[G + 1 :] = c.member_rows
+    qo[-1] = R
+    n_sh, n_x = int(c.shared_kv_indptr[-1]), int(c.suffix_kv_indptr[-1])
+    ptr = put("shared_kv_indptr", c.shared_kv_indptr, Gf + 1)
+    ptr[G + 1 :] = n_sh + np.arange(1, Gf - G + 1)  # one scratch page each
+    put("shared_last_page_len", np.full(Gf, ps, np.int32))
+    put("shared_kv_lens", np.diff(ptr) * ps)
+    put("suffix_kv_indptr", c.suffix_kv_indptr, rows + 1)[B + 1 :] = n_x + pad_pages * np.arange(1, rows - B + 1)
+    put("suffix_last_page_len", c.suffix_last_page_len, rows)[B:] = q_len - (pad_pages - 1) * ps
+    put("suffix_kv_lens", c.suffix_kv_lens, rows)[B:] = q_len
+    put("suffix_kv_indices", c.suffix_kv_indices, n_x + pad_pages * (rows - B))[n_x:] = scratch
+    put("shared_kv_indices", c.shared_kv_indices, n_sh + Gf - G)[n_sh:] = scratch
+    return out
 
 
 def run(step: DeviceStep, q: torch.Tensor, cache, lv: Levels) -> torch.Tensor:

@@ -171,7 +171,7 @@ class Scheduler:
         shared = {t.untyped_storage().data_ptr() for t in
                   (self.float_ws, *sum(self.int_ws, []), *sum(self.pinned_ws, []), *self.pool.dev, *self.pool.host, *private)}
         own = [0, 0]
-        for w in self.wrappers.values():
+        for w in (*self.wrappers.values(), *(self.cascade.wrappers.values() if self.cascade is not None else ())):
             for t in vars(w).values():
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
                     shared.add(t.untyped_storage().data_ptr())
@@ -180,7 +180,7 @@ class Scheduler:
         return {**(self.xqa.memory() if self.xqa is not None else {}),
                 **(self.cascade.memory() if self.cascade is not None else {}), "flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
                 f"flashinfer fixed-schedule int workspaces ({len(self.private)})": (m, m),
-                f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
+                f"flashinfer wrappers' own buffers ({len(self.wrappers)} + cascade)": tuple(own)}
 
     def schedule(self, step: DeviceStep, tables: tuple | None = None) -> tuple:
         """One entry per layer group: its planned wrapper, an XqaDecode (fp8_math decode), or the

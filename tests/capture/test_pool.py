@@ -273,3 +273,16 @@ def test_an_own_pages_group_gets_its_own_slots_on_the_device(q, kv):
         assert got.shape == (step.num_rows,) and np.array_equal(got[:T], plan.slots_of(g)), f"seed {seed}"
         assert (got[T:] // 4 == spec.scratch_page).all(), f"seed {seed}"
     assert not np.array_equal(plan.slots_of(0), plan.slots_of(1))
+
+
+def test_cascade_capture_plans_fit_a_pool_of_few_pages():
+    """Graph capture commits a cascade scratch step (one more shared page per request) per bucket and
+    q_len: the layout has room for it even when max_num_pages is smaller than a bucket."""
+    from mstar_attn.metadata.plan import scratch_plan
+
+    spec = spec_for(page_size=16, num_pages=32, cascade="always")
+    pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=64, max_num_pages=4, device="cpu", buckets=(2, 8, 64))
+    for bucket in pool.buckets:
+        for q_len in (1, 16):
+            step = pool.commit(scratch_plan(spec, bucket, q_len, cascade=True))
+            assert step.plan.cascade.member_rows == bucket * q_len and step.rows == bucket

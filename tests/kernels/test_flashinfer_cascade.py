@@ -92,3 +92,28 @@ def test_cascade_steps_eager_and_replayed(page_size, kind):
     assert ("decode", True) in ran and any(not r for _, r in ran), ran
     if verify:
         assert ("verify", True) in ran, ran
+
+
+def test_the_largest_verify_bucket_captures_and_replays():
+    """Bucket 256 at q_len 16 (4,096 query rows): the shared level's graph-mode plan fits its float
+    workspace (kernels/_cascade.shared_workspace_bytes), and a replayed step of 8 prefix families
+    and loners matches the reference over the flat plan per request."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(32, 8, 128, 16, 20000, cascade="always")
+    flat_spec = AttentionSpec(32, 8, 128, 16, 20000)
+    cache = random_cache(spec, seed)
+    pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=20000, buckets=(256,))
+    graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache),
+                          {"q": torch.zeros(256 * 16, 32, 128, device="cuda", dtype=torch.bfloat16)})
+    graphs.capture(q_lens=(16,))
+    q, kv, pages = prefix_batch(rng, 16, 16, 20000, [int(rng.integers(20, 30)) for _ in range(8)], 10,
+                                max_prefix_pages=32, max_own_pages=4)
+    batch = StepBatch.from_pages(q, kv, pages, 16)
+    plan, flat = build_plan(batch, spec), build_plan(batch, flat_spec)
+    step = pool.commit(plan)
+    assert graphs.serves(step) and step.rows == 256 and plan.cascade.num_groups == 8, seed
+    qt = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out, replayed = replay_or_run(graphs, step, {"q": qt}, lambda st, x: fi.run(st, x["q"], cache), (f"seed {seed}",))
+    assert replayed
+    check_cascade(out, reference.run(flat, qt.float(), cache), plan, (f"seed {seed}",))
