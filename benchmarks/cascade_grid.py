@@ -44,8 +44,9 @@ def shapes() -> list[dict]:
     return out
 
 
-def batch_of(s: dict, seed: int) -> StepBatch:
-    """The shape's decode batch: family f's members list the same shared pages, then their own."""
+def batch_of(s: dict, seed: int) -> tuple[StepBatch, int]:
+    """The shape's decode batch (family f's members list the same shared pages, then their own) and
+    the pages it uses."""
     rng = np.random.default_rng(seed)
     B, F, shared, suffix = s["B"], s["families"], s["shared"], s["suffix"]
     sp = shared // PS

@@ -37,7 +37,8 @@ def _key(step: DeviceStep) -> tuple[int, int, int, str, bool]:
 
 
 class DecodeGraphs:
-    """fn(step, inputs) -> Tensor [num_rows, ...], captured once per (pool slot, bucket, q_len, backend).
+    """fn(step, inputs) -> Tensor [num_rows, ...], captured once per (pool slot, bucket, q_len, backend,
+    whether a cascade step: plan.cascade).
 
     inputs: static device buffers, each [max bucket * max q_len, ...]; a call copies the live
     inputs into their first rows and replays. q_len 1 is decode; q_len > 1 serves verify steps

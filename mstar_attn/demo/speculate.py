@@ -135,6 +135,8 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small") -> SpecResult
         raise DemoError(f"--draft {draft!r}: 'small' or 'self'")
     if cfg.model != "llama":
         raise DemoError("--speculate serves the llama family")
+    if cfg.cascade != "off":
+        raise DemoError("--cascade serves plain decoding; --speculate plans draft rounds, which read flat")
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     reqs = make_trace(cfg, np.random.default_rng(cfg.seed))
     ps = cfg.page_size

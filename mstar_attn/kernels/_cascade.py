@@ -103,6 +103,10 @@ class CascadeState:
         self.side = torch.cuda.Stream(pool.device)
         self.wrappers: dict[tuple, object] = {}
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer this state allocated (its wrappers share them): for the memory report."""
+        return [*self.host, *self.dev, *self.indices.values(), *(t for pair in self.int_ws.values() for t in pair), self.float_ws]
+
     def memory(self) -> dict[str, tuple[int, int]]:
         staging = sum(h.numel() * 4 for h in self.host)
         idx = sum(t.numel() * 4 for t in self.indices.values())

@@ -169,7 +169,8 @@ class Scheduler:
         n = sum(len(x) for x in self.int_ws) * INT_WORKSPACE_BYTES
         private = [t for pair in self.private for t in pair]
         shared = {t.untyped_storage().data_ptr() for t in
-                  (self.float_ws, *sum(self.int_ws, []), *sum(self.pinned_ws, []), *self.pool.dev, *self.pool.host, *private)}
+                  (self.float_ws, *sum(self.int_ws, []), *sum(self.pinned_ws, []), *self.pool.dev, *self.pool.host, *private,
+                   *(self.cascade.tensors() if self.cascade is not None else ()))}  # (counted by their owners)
         own = [0, 0]
         for w in (*self.wrappers.values(), *(self.cascade.wrappers.values() if self.cascade is not None else ())):
             for t in vars(w).values():
@@ -180,7 +181,7 @@ class Scheduler:
         return {**(self.xqa.memory() if self.xqa is not None else {}),
                 **(self.cascade.memory() if self.cascade is not None else {}), "flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
                 f"flashinfer fixed-schedule int workspaces ({len(self.private)})": (m, m),
-                f"flashinfer wrappers' own buffers ({len(self.wrappers)} + cascade)": tuple(own)}
+                f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
 
     def schedule(self, step: DeviceStep, tables: tuple | None = None) -> tuple:
         """One entry per layer group: its planned wrapper, an XqaDecode (fp8_math decode), or the

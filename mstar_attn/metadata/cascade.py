@@ -123,8 +123,8 @@ class CascadePlan:
 
 def level_plan(c: Cascade, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, kv_indptr: np.ndarray,
                kv_indices: np.ndarray, last_page_len: np.ndarray, page_size: int) -> CascadePlan:
-    """The level arrays of Cascade `c` over a plan's shared list (qo_indptr [B+1], q_lens, kv_lens
-    [B], kv_indptr [B+1], kv_indices, last_page_len [B]). O(B + T + pages)."""
+    """The level arrays of Cascade `c` over a plan's shared list (int32 host arrays: qo_indptr [B+1],
+    q_lens, kv_lens [B], kv_indptr [B+1], kv_indices, last_page_len [B]). O(B + T + pages)."""
     alone = np.flatnonzero(c.group_of < 0).astype(np.int32)
     order = np.concatenate([c.members, alone]).astype(np.int32)
     q = q_lens[order]
@@ -147,7 +147,7 @@ def level_plan(c: Cascade, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: n
 
 @attrs.frozen
 class CostModel:
-    """Estimated GPU time (µs) of one layer's attention, flat paged vs cascade, for a decode / verify step.
+    """Estimated GPU time (µs) of one layer's attention, flat paged vs cascade, for a decode step.
 
     flat:    a_flat + the larger of (unique KV bytes / hbm, the shared runs' re-reads / l2) +
              overlap x the smaller (a group's members read the same pages at about the same time,
@@ -155,13 +155,15 @@ class CostModel:
     cascade: a_cascade + each group's shared level, the larger of its tensor-core arithmetic
              (4 x rows x q_heads x run tokens x head_dim, rows padded to 64-row tiles per KV head)
              over `flops` and its run's bytes over hbm_levels, + `row` per query row and head of the
-             groups (the partial outputs and LSEs written, merged), + the suffixes' bytes over hbm. (The levels
+             groups (the partial outputs and LSEs written, merged), + the suffixes' bytes over
+             hbm_levels. (The levels
              run on two streams, but the shared level's split-KV grid fills the GPU: they add up.)
     Rates in bytes (or flops) per µs. Fitted on the H100 over the crossover grid of
-    benchmarks/cascade_grid.py (a coarse search over round values: fewest grid shapes where the
-    pick is > 3% slower than the faster path, then the least log error); benchmarks/results/
-    cascade_h100.md lists every shape, both times and the pick. A model of one GPU's rates: refit
-    it for another GPU.
+    benchmarks/cascade_grid.py by benchmarks/cascade_fit.py (a coarse search over round values:
+    fewest grid shapes where the pick is > 3% slower than the faster path, then the least log
+    error); benchmarks/results/cascade_h100.md lists every shape, both times and the pick (in
+    sample: the same shapes). Decode only: verify steps were not measured, so "auto" leaves them
+    flat. A model of one GPU's rates: refit it for another GPU.
     """
 
     a_flat: float = 15.0
@@ -176,7 +178,8 @@ class CostModel:
 
     def times(self, c: Cascade, q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int, q_heads: int,
               kv_heads: int, head_dim: int, kv_bytes: int) -> tuple[float, float]:
-        """(flat µs, cascade µs); kv_bytes: bytes of one cached token's K and V (all KV heads)."""
+        """(flat µs, cascade µs) of a step of B requests: q_lens, kv_lens [B] int32 host arrays, c its
+        Cascade; kv_bytes: bytes of one cached token's K and V (all KV heads)."""
         sizes = np.diff(c.members_indptr).astype(np.int64)
         run_tokens = c.shared_pages.astype(np.int64) * page_size
         total = int(kv_lens.sum(dtype=np.int64))
@@ -200,10 +203,13 @@ COST = CostModel()
 
 def plan_cascade(spec, q_lens: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
                  kv_indices: np.ndarray, last_page_len: np.ndarray, always: bool = False) -> CascadePlan | None:
-    """The cascade of one decode / verify step over its shared list, or None: no group of requests
-    shares a run of whole cached pages, or (spec.cascade "auto", not `always`) the cost model
-    estimates the flat path no slower. Pure; O(B log B + pages)."""
+    """The cascade of one decode / verify step over its shared list (the plan's int32 host arrays:
+    q_lens, kv_lens, last_page_len [B], qo_indptr, kv_indptr [B+1], kv_indices), or None: no group
+    of requests shares a run of whole cached pages, or (spec.cascade "auto", not `always`) the step
+    is not a decode step or the cost model estimates the flat path no slower. Pure; O(B log B + pages)."""
     ps = spec.page_size
+    if not always and spec.cascade != "always" and q_lens.max() > 1:
+        return None  # "auto": the model is measured on decode steps only
     c = find_prefixes(kv_indptr, kv_indices, q_lens, kv_lens, ps)
     if not c.num_groups:
         return None

@@ -156,8 +156,11 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
                          *((kv_lens, None) if spec.groups[g].cross else (None, None)))
            for g in spec.own_page_groups}
     batch = StepBatch.from_csr(q_lens, kv_lens, indptr, pages, ps, own)
-    if cascade and (batch_size < 2 or not spec.cascade_groups):
-        raise PlanError(f"scratch_plan: a cascade step needs a spec with cascade on and 2+ requests (got {batch_size})")
+    if cascade and not spec.cascade_groups:
+        raise PlanError("scratch_plan: cascade=True needs a spec with cascade on (AttentionSpec.cascade)")
+    if cascade and (batch_size < 2 or (backend or spec.backend) not in ("flashinfer", "reference", AUTO)):
+        raise PlanError(f"scratch_plan: a cascade step has 2+ requests (got {batch_size}) and runs on flashinfer or "
+                        f"reference (got {backend or spec.backend!r})")
     return _plan(batch, spec, False, spec.num_pages + 1, backend, cascade)
 
 

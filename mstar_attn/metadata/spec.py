@@ -127,8 +127,8 @@ class AttentionSpec:
     cascade: "auto" or "always" makes build_plan look for requests whose page lists start with the same
     whole cached pages (metadata/cascade.py) in decode and verify steps of StepBatch plans, and run them
     in two levels merged by log-sum-exp (each group's shared pages once, each request's own suffix):
-    "auto" where the cost model (cascade.CostModel) estimates it faster than the flat path, "always"
-    wherever a prefix is shared. Served by the flashinfer and reference backends ("auto" backend:
+    "auto" in decode steps where the cost model (cascade.CostModel) estimates it faster than the flat
+    path, "always" wherever a prefix is shared (decode and verify). Served by the flashinfer and reference backends ("auto" backend:
     a cascade step goes to flashinfer), in the full causal and non-causal layer groups that read the
     shared list (`cascade_groups`); window and own-page groups read flat in the same step. BF16/FP16
     caches, standard attention (no FP8 cache, no MLA).

@@ -286,3 +286,30 @@ def test_cascade_capture_plans_fit_a_pool_of_few_pages():
         for q_len in (1, 16):
             step = pool.commit(scratch_plan(spec, bucket, q_len, cascade=True))
             assert step.plan.cascade.member_rows == bucket * q_len and step.rows == bucket
+
+
+def test_a_flat_graph_never_replays_a_cascade_step():
+    """Graphs are keyed by whether the step is a cascade (plan.cascade): a graph captured for a flat
+    step of the same slot, bucket, q_len and backend does not serve a cascade step (its kernels read
+    other arrays); the cascade step runs eagerly until a cascade graph is captured. Stand-in graphs."""
+    from mstar_attn import StepBatch
+    from mstar_attn.capture.graphs import DecodeGraphs
+
+    spec = spec_for(page_size=4, num_pages=64, cascade="always")
+    pool = pool_for(spec)
+    eager = []
+    graphs = DecodeGraphs(pool, lambda step, x: eager.append(step) or x["q"], {"q": torch.zeros(16, 4, 16)})
+    batch = StepBatch.from_pages(np.ones(3, np.int32), np.array([9, 10, 11], np.int32), [[1, 2, 3], [1, 2, 4], [1, 2, 5]], 4)
+    step = pool.commit(build_plan(batch, spec))
+    assert step.plan.cascade is not None and step.bucket is not None
+
+    class Graph:
+        def replay(self):
+            raise AssertionError("a flat graph replayed a cascade step")
+
+    graphs.graphs[(step.slot, step.bucket, 1, "reference", False)] = (Graph(), torch.zeros(16, 4, 16))
+    assert not graphs.serves(step)
+    graphs(step, q=torch.randn(3, 4, 16))
+    assert eager == [step]
+    graphs.graphs[(step.slot, step.bucket, 1, "reference", True)] = (Graph(), torch.zeros(16, 4, 16))
+    assert graphs.serves(step)

@@ -60,3 +60,10 @@ def _prompts(page_size):
 
     cfg = attrs.evolve(CPU, page_size=page_size).resolve()
     return [r.prompt for r in make_trace(cfg, np.random.default_rng(cfg.seed))]
+
+
+def test_cascade_is_refused_with_draft_rounds():
+    import attrs
+
+    with pytest.raises(DemoError, match="--cascade serves plain decoding"):
+        run_speculative(attrs.evolve(CPU, cascade="always"), 4)

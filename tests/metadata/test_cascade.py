@@ -154,11 +154,17 @@ def test_auto_picks_cascade_where_the_cost_model_says_it_wins():
     assert build_plan(family(64, 8192, 256), attrs.evolve(spec, cascade="off")).cascade is None
     lone = StepBatch.from_pages(np.ones(3, np.int32), np.full(3, 40, np.int32), [[1, 2, 3], [4, 5, 6], [7, 8, 9]], 16)
     assert build_plan(lone, attrs.evolve(spec, cascade="always")).cascade is None
+    verify = StepBatch.from_pages(np.full(64, 4, np.int32), np.full(64, 8192 + 256, np.int32),
+                                  [list(range(512)) + list(range(10_000 + i * 100, 10_000 + i * 100 + 16)) for i in range(64)], 16)
+    assert build_plan(verify, spec).cascade is None  # "auto": decode only (the model is measured on decode)
+    assert build_plan(verify, attrs.evolve(spec, cascade="always")).cascade.num_groups == 1
     ext = StepBatch.from_pages(np.array([5, 9]), np.array([40, 44]), [[1, 2, 3], [1, 2, 4]], 16)  # shares page 1
     assert build_plan(ext, attrs.evolve(spec, cascade="always")).cascade is None  # extend: flat by rule
 
 
 def test_cascade_spec_refusals_and_scratch_plans():
+    import attrs
+
     from mstar_attn import AttentionSpec, LayerGroup
     from mstar_attn.metadata.plan import scratch_plan
 
@@ -178,3 +184,7 @@ def test_cascade_spec_refusals_and_scratch_plans():
     assert scratch_plan(spec, 8).cascade is None
     with pytest.raises(PlanError, match="2\\+ requests"):
         scratch_plan(spec, 1, cascade=True)
+    with pytest.raises(PlanError, match="runs on flashinfer or reference"):
+        scratch_plan(attrs.evolve(spec, backend="auto"), 8, cascade=True, backend="flash_attn")
+    with pytest.raises(PlanError, match="needs a spec with cascade on"):
+        scratch_plan(attrs.evolve(spec, cascade="off"), 8, cascade=True)

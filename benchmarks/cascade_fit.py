@@ -1,0 +1,75 @@
+"""Fit metadata/cascade.CostModel to a cascade_grid run (CPU): a coarse search over round values of
+its rates. Candidates are ranked by the number of grid shapes where the model's pick is more than 3%
+slower than the faster path, then by the worst such loss; ties by the models' log error. The flat
+terms are searched first (least log error), the cascade terms over the 40 best flat fits. Prints the
+best candidates. In sample: the picks are judged on the shapes the model is fitted to.
+Run: python -m benchmarks.cascade_fit benchmarks/results/cascade_h100.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import numpy as np
+
+from benchmarks.cascade_grid import KVH, PS, batch_of
+from mstar_attn import AttentionSpec, build_plan
+from mstar_attn.metadata.cascade import find_prefixes
+
+
+def features(rows: list[dict]) -> dict[str, list]:
+    """Per shape: unique and repeated flat bytes, per-group shared flops and run bytes, member
+    query-row heads, suffix bytes (what CostModel.times computes from)."""
+    out = {k: [] for k in ("unique", "repeats", "flops", "run", "rows", "suffix")}
+    kv_bytes = 2 * KVH * 128 * 2
+    for r in rows:
+        batch, pages = batch_of(r, r["B"] * 7 + r["shared"])
+        p = build_plan(batch, AttentionSpec(KVH * r["gqa"], KVH, 128, PS, pages))
+        c = find_prefixes(p.kv_indptr, p.kv_indices, p.q_lens, p.kv_lens, PS)
+        sizes, run = np.diff(c.members_indptr), c.shared_pages.astype(np.int64) * PS
+        total, rep = int(p.kv_lens.sum()), int(((sizes - 1) * run).sum())
+        member_q = np.add.reduceat(p.q_lens[c.members], c.members_indptr[:-1])
+        tiles = -(-(member_q * r["gqa"]) // 64) * 64
+        out["unique"].append((total - rep) * kv_bytes)
+        out["repeats"].append(rep * kv_bytes)
+        out["flops"].append(4 * KVH * tiles * run * 128)
+        out["run"].append(run * kv_bytes)
+        out["rows"].append(int(member_q.sum()) * KVH * r["gqa"])
+        out["suffix"].append((total - int((sizes * run).sum())) * kv_bytes)
+    return out
+
+
+def main(path: str) -> None:
+    rows = json.load(open(path))["rows"]
+    f = features(rows)
+    U, Rp, ROWS, SUF = (np.array(f[k], np.float64) for k in ("unique", "repeats", "rows", "suffix"))
+    tf, tc = np.array([r["flat_us"] for r in rows]), np.array([r["cascade_us"] for r in rows])
+    best = np.minimum(tf, tc)
+    flats = []
+    for a_f, hbm, l2, ov in itertools.product([4, 6, 8, 10, 12, 15], [2.6e6, 2.9e6, 3.2e6, 3.5e6], [8e6, 1e7, 1.3e7, 1.6e7, 2e7],
+                                              [0, 0.5, 1]):
+        un, ag = U / hbm, Rp / l2
+        flat = a_f + np.maximum(un, ag) + ov * np.minimum(un, ag)
+        flats.append(((np.log(flat / tf) ** 2).sum(), (a_f, hbm, l2, ov), flat))
+    flats.sort(key=lambda x: x[0])
+    out = []
+    for lf, fp, flat in flats[:40]:
+        for a_c, fl, rw, hb2 in itertools.product([15, 20, 25, 30, 35], [2.5e8, 3e8, 4e8, 5e8], [0, 2e-3, 4e-3, 5e-3, 6e-3],
+                                                  [2.6e6, 2.9e6, 3.2e6]):
+            shared = np.array([np.maximum(x / fl, y / hb2).sum() for x, y in zip(f["flops"], f["run"])])
+            casc = a_c + shared + ROWS * rw + SUF / hb2
+            lc = (np.log(casc / tc) ** 2).sum()
+            for margin in (0.03, 0.05, 0.08):
+                lost = np.where(casc < flat * (1 - margin), tc, tf) / best - 1
+                out.append((int((lost > 0.03).sum()), float(lost.max()), float(lf + lc),
+                            dict(a_flat=fp[0], hbm=fp[1], l2=fp[2], overlap=fp[3], a_cascade=a_c, flops=fl, row=rw,
+                                 hbm_levels=hb2, margin=margin)))
+    out.sort(key=lambda x: (x[0], x[1], x[2]))
+    for misses, worst, err, params in out[:5]:
+        print(f"misses > 3%: {misses}, worst +{100 * worst:.1f}%, log error {err:.2f}: {params}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
