@@ -3,7 +3,7 @@
 Requests whose page lists start with the same run of whole pages (a system prompt, few-shot
 examples, parallel samples of one prompt) can read that run once per group instead of once per
 request: attention over the shared run for all the group's queries, attention over each request's
-own suffix, merged by log-sum-exp (see kernels/reference.py `run_cascade`). A shared page holds
+own suffix, merged by log-sum-exp (kernels/reference.py `_attend_cascade`, kernels/_cascade.py). A shared page holds
 only cached tokens of every member (it ends at or before each member's first new token), so every
 query of the group sees all of it (causal masks do not cut it) and no member writes it this step
 (the ownership rule forbids writing a page two requests list anyway). A prefix that ends mid-page
