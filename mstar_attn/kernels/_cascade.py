@@ -24,6 +24,9 @@ import attrs
 import numpy as np
 import torch
 
+from mstar_attn.kernels._flashinfer_fast import share_workspace
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
+
 if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
     from mstar_attn.kernels.flashinfer import Scheduler
@@ -49,8 +52,6 @@ def shared_workspace_bytes(pool) -> int:
     always splits KV and keeps partial outputs (float32, head_dim wide) and LSEs for every query-tile
     row of its padded work list, about (R x gqa + (groups + 1) x 128) packed rows of at most R =
     max_rows x MAX_VERIFY_Q_LEN query rows (bounded by the pool's token rows), twice for slack."""
-    from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
-
     spec, L = pool.spec, pool.layout
     R = min(L.max_tokens, L.max_rows * MAX_VERIFY_Q_LEN)
     packed = R * spec.gqa_group + (L.max_rows // 2 + 2) * 128
@@ -75,11 +76,13 @@ class CascadeState:
     """The FlashInfer scheduler's state for cascade steps, made when the spec has cascade on.
 
     Per slot: a pinned int32 staging buffer and its device twin, filled at commit with the step's
-    level arrays (one host-to-device copy); per (slot, cascade group) the two levels' page-index
-    buffers (graph-mode wrappers copy their indices there at plan time) and the shared level's int
-    workspace; per pool one float workspace and one side stream for the shared level.
+    level arrays (one host-to-device copy); per (slot, kind) the two levels' page-index buffers
+    (graph-mode wrappers copy their indices there at plan time) and the shared level's int workspace;
+    per pool one float workspace and one side stream for the shared level. Cascade groups of one kind
+    (causal or not) read the same levels with the same kernels, so a step plans once per kind, through
+    the wrappers of its first group (`rep`), and its groups share one Levels.
     Memory: slots x (staging 2 x (3 x max_tokens + 7 x max_rows + 2 x index_capacity) x 4 bytes,
-    pinned + device) + slots x groups x (2 x (index_capacity + max_rows / 2) x 4 + 8 MiB device + 8 MiB pinned)
+    pinned + device) + slots x kinds x (2 x (index_capacity + max_rows / 2) x 4 + 8 MiB device + 8 MiB pinned)
     + the float workspace (the pool's float_workspace_bytes, or shared_workspace_bytes if larger).
     """
 
@@ -88,8 +91,14 @@ class CascadeState:
         self.scheduler, L = scheduler, pool.layout
         self.max_groups = L.max_rows // 2 + 1
         cap = L.index_capacity
+        import flashinfer
+
+        self.fi = flashinfer
         self.size = staging_entries(L)
-        groups = pool.spec.cascade_groups
+        spec = pool.spec
+        firsts = {}  # kind (causal) -> its first cascade group
+        self.rep = {g: firsts.setdefault(spec.groups[g].causal, g) for g in spec.cascade_groups}
+        groups = sorted(firsts.values())
         self.host = [torch.zeros(self.size, dtype=torch.int32, pin_memory=True) for _ in range(pool.num_slots)]
         self.host_np = [h.numpy() for h in self.host]
         self.dev = [torch.zeros(self.size, dtype=torch.int32, device=pool.device) for _ in range(pool.num_slots)]
@@ -115,7 +124,7 @@ class CascadeState:
 
     def schedule(self, step: DeviceStep) -> dict[int, Levels]:
         """Stage and upload the step's level arrays (padded to its bucket), plan both levels' wrappers
-        of every cascade group; one Levels per cascade group."""
+        once per kind of cascade group; one Levels per cascade group (shared within a kind)."""
         plan, spec = step.plan, step.plan.spec
         ps = spec.page_size
         Gf = shared_batch(step)
@@ -134,7 +143,7 @@ class CascadeState:
         kw = self.scheduler.plan_kwargs
         out = {}
         c = plan.cascade
-        for g in spec.cascade_groups:
+        for g in sorted(set(self.rep.values())):
             grp = spec.groups[g]
             shared = self._shared(step, g, Gf)
             shared.plan(view(s_qo, host), view(s_ptr, host), view(s_idx), view(s_lpl, host), *heads, ps,
@@ -148,11 +157,9 @@ class CascadeState:
                 suffix.plan(qo, view(x_ptr, host), view(x_idx), view(x_lpl, host), *heads, ps, causal=grp.causal,
                             seq_lens=view(x_len, host), **kw)
             out[g] = Levels(view(perm), view(inv), view(mask).view(torch.uint8)[:R].view(torch.bool), shared, suffix, self)
-        return out
+        return {g: out[rep] for g, rep in self.rep.items()}
 
     def _shared(self, step: DeviceStep, g: int, Gf: int):
-        import flashinfer
-
         graph = step.bucket is not None
         key = ("shared", step.slot, g) + ((step.rows, step.q_len) if graph else ())
         w = self.wrappers.get(key)
@@ -165,17 +172,13 @@ class CascadeState:
                                paged_kv_indices_buf=self.indices[(step.slot, g, 0)],
                                paged_kv_last_page_len_buf=torch.zeros(Gf, dtype=torch.int32, device=dev))
             # fa2: FlashInfer's SM90 (fa3) paged prefill splits no KV in graph mode: 2.6x slower here (H100 probe)
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.float_ws, "NHD", backend="fa2", **buffers)
-            from mstar_attn.kernels._flashinfer_fast import share_workspace
-
+            w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.float_ws, "NHD", backend="fa2", **buffers)
             share_workspace(w, self.float_ws, *self.int_ws[(step.slot, g)])
             self.wrappers[key] = w
         return w
 
     def _suffix(self, step: DeviceStep, g: int):
-        import flashinfer
-
-        sch, graph = self.scheduler, step.bucket is not None
+        sch, graph, flashinfer = self.scheduler, step.bucket is not None, self.fi
         key = ("suffix", step.slot, g) + ((step.rows, step.q_len) if graph else (step.mode.value,))
         w = self.wrappers.get(key)
         if w is None:
@@ -254,7 +257,5 @@ def run(step: DeviceStep, q: torch.Tensor, cache, lv: Levels) -> torch.Tensor:
         lv.shared.run(qp, (cache.k, cache.v), out=o1, lse=lse1)
     o2, lse2 = lv.suffix.run(qp, (cache.k, cache.v), return_lse=True)
     main.wait_stream(side)
-    import flashinfer
-
-    flashinfer.merge_state_in_place(o2, lse2, o1, lse1, mask=lv.mask)
+    lv.state.fi.merge_state_in_place(o2, lse2, o1, lse1, mask=lv.mask)
     return o2.index_select(0, lv.inv)[:rows]
