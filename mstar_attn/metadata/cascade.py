@@ -96,7 +96,7 @@ class CascadePlan:
 
     prefixes: the Cascade they come from (G groups, B requests)
     order [B]: the requests in level order;  rows [T]: the query rows in level order (a permutation of 0..T-1)
-    member_rows: the first member_rows entries of `rows` are the groups' (the shared level's queries)
+    member_rows (property): the first member_rows entries of `rows` are the groups' (the shared level's queries)
     shared_qo_indptr [G+1]: group g's queries are level rows shared_qo_indptr[g]:shared_qo_indptr[g+1]
     shared_kv_indptr [G+1], shared_kv_indices: group g's shared run (whole pages: every key of it seen)
     suffix_qo_indptr [B+1]: level request j's queries;  suffix_kv_indptr [B+1], suffix_kv_indices: its own pages
@@ -106,7 +106,6 @@ class CascadePlan:
     prefixes: Cascade = attrs.field(repr=False)
     order: np.ndarray = array_field()
     rows: np.ndarray = array_field()
-    member_rows: int
     shared_qo_indptr: np.ndarray = array_field()
     shared_kv_indptr: np.ndarray = array_field()
     shared_kv_indices: np.ndarray = array_field()
@@ -119,6 +118,10 @@ class CascadePlan:
     @property
     def num_groups(self) -> int:
         return self.prefixes.num_groups
+
+    @property
+    def member_rows(self) -> int:
+        return int(self.shared_qo_indptr[-1])
 
 
 def level_plan(c: Cascade, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, kv_indptr: np.ndarray,
@@ -141,7 +144,7 @@ def level_plan(c: Cascade, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: n
     suffix_lens = (kv_lens[order] - skip * page_size).astype(np.int32)
     lpl = last_page_len[order]
     read_only(order, rows, shared_qo, level_qo, suffix_lens, lpl)
-    return CascadePlan(c, order, rows, int(shared_qo[-1]), shared_qo, shared_indptr, shared_idx, level_qo,
+    return CascadePlan(c, order, rows, shared_qo, shared_indptr, shared_idx, level_qo,
                        suffix_indptr, suffix_idx, lpl, suffix_lens)
 
 
