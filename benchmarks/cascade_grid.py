@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ import torch
 from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.tuning import event_median_us, host_median_us
 
 PS, KVH, D = 16, 8, 128
 BUCKETS = (8, 32, 64, 128, 256)
@@ -57,29 +57,6 @@ def batch_of(s: dict, seed: int) -> tuple[StepBatch, int]:
              for i in range(B)]
     kv = np.full(B, shared + suffix, np.int32)
     return StepBatch.from_pages(np.ones(B, np.int32), kv, lists, PS), F * sp + B * own
-
-
-def timed(replay, flush, reps: int = 15) -> list[float]:
-    ts = []
-    for _ in range(reps):
-        flush.sum()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return ts
-
-
-def host_us(fn, n: int = 20) -> float:
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(ts)
 
 
 def main(out_dir: str) -> None:
@@ -115,14 +92,15 @@ def main(out_dir: str) -> None:
                 step = steps[c] = pools[c].commit(plan)
                 outs[c] = graphs[c](step, q=q).clone()
                 assert graphs[c].serves(step), s
-                res[c + "_host_us"] = host_us(lambda: pools[c].commit(build_plan(batch, specs[c])))
+                res[c + "_host_us"] = host_median_us(lambda: pools[c].commit(build_plan(batch, specs[c])), 20, warmup=0)
+                torch.cuda.synchronize()
                 steps[c] = pools[c].commit(plan)
                 graphs[c](steps[c], q=q)
             rounds = {c: [] for c in specs}
             for _ in range(3):
                 for c in specs:
                     g = graphs[c].graphs[(steps[c].slot, steps[c].bucket, 1, "flashinfer", c == "always")][0]
-                    rounds[c].append(statistics.median(timed(g.replay, flush)))
+                    rounds[c].append(event_median_us(g.replay, 15, before=flush.sum))  # (a read: no dirty lines)
             for c, name in (("always", "cascade"), ("off", "flat")):
                 med = statistics.median(rounds[c])
                 res[name + "_us"] = med

@@ -6,14 +6,17 @@ from __future__ import annotations
 import statistics
 import time
 
-def event_median_us(fn, n: int = 10) -> float:
-    """Median µs of n CUDA-event-timed calls of fn after one warm-up call."""
+def event_median_us(fn, n: int = 10, before=None) -> float:
+    """Median µs of n CUDA-event-timed calls of fn after one warm-up call; before(), if given, runs
+    ahead of each timed call, outside the events (an L2 flush)."""
     import torch
 
     fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(n):
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
