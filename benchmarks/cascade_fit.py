@@ -2,7 +2,8 @@
 its rates. Candidates are ranked by the number of grid shapes where the model's pick is more than 3%
 slower than the faster path, then by the worst such loss; ties by the models' log error. The flat
 terms are searched first (least log error), the cascade terms over the 40 best flat fits. Prints the
-best candidates. In sample: the picks are judged on the shapes the model is fitted to.
+best candidates, after checking the search's vectorised terms against CostModel.times on every
+shape. In sample: the picks are judged on the shapes the model is fitted to.
 Run: python -m benchmarks.cascade_fit benchmarks/results/cascade_h100.json
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from benchmarks.cascade_grid import KVH, PS, batch_of
 from mstar_attn import AttentionSpec, build_plan
-from mstar_attn.metadata.cascade import find_prefixes
+from mstar_attn.metadata.cascade import CostModel, find_prefixes
 
 
 def features(rows: list[dict]) -> dict[str, list]:
@@ -41,32 +42,48 @@ def features(rows: list[dict]) -> dict[str, list]:
     return out
 
 
+def vector_times(f: dict, p: dict) -> tuple[np.ndarray, np.ndarray]:
+    """CostModel.times over every shape at once (f: `features`, p: CostModel's fields): flat, cascade µs."""
+    un, ag = np.array(f["unique"]) / p["hbm"], np.array(f["repeats"]) / p["l2"]
+    flat = p["a_flat"] + np.maximum(un, ag) + p["overlap"] * np.minimum(un, ag)
+    shared = np.array([np.maximum(x / p["flops"], y / p["hbm_levels"]).sum() for x, y in zip(f["flops"], f["run"])])
+    return flat, p["a_cascade"] + shared + np.array(f["rows"]) * p["row"] + np.array(f["suffix"]) / p["hbm_levels"]
+
+
+def check(rows: list[dict], f: dict, params: dict) -> None:
+    """The search's vectorised terms are CostModel.times: both agree on every shape (AssertionError otherwise)."""
+    model, (flat, casc) = CostModel(**params), vector_times(f, params)
+    for r, a, b in zip(rows, flat, casc):
+        batch, pages = batch_of(r, r["B"] * 7 + r["shared"])
+        p = build_plan(batch, AttentionSpec(KVH * r["gqa"], KVH, 128, PS, pages))
+        c = find_prefixes(p.kv_indptr, p.kv_indices, p.q_lens, p.kv_lens, PS)
+        assert np.allclose(model.times(c, p.q_lens, p.kv_lens, PS, KVH * r["gqa"], KVH, 128, 2 * KVH * 128 * 2), (a, b)), r
+
+
 def main(path: str) -> None:
     rows = json.load(open(path))["rows"]
     f = features(rows)
-    U, Rp, ROWS, SUF = (np.array(f[k], np.float64) for k in ("unique", "repeats", "rows", "suffix"))
     tf, tc = np.array([r["flat_us"] for r in rows]), np.array([r["cascade_us"] for r in rows])
     best = np.minimum(tf, tc)
     flats = []
     for a_f, hbm, l2, ov in itertools.product([4, 6, 8, 10, 12, 15], [2.6e6, 2.9e6, 3.2e6, 3.5e6], [8e6, 1e7, 1.3e7, 1.6e7, 2e7],
                                               [0, 0.5, 1]):
-        un, ag = U / hbm, Rp / l2
-        flat = a_f + np.maximum(un, ag) + ov * np.minimum(un, ag)
-        flats.append(((np.log(flat / tf) ** 2).sum(), (a_f, hbm, l2, ov), flat))
+        fp = dict(a_flat=a_f, hbm=hbm, l2=l2, overlap=ov)
+        flat = vector_times(f, {**fp, "a_cascade": 0, "flops": 1, "row": 0, "hbm_levels": 1})[0]
+        flats.append(((np.log(flat / tf) ** 2).sum(), fp, flat))
     flats.sort(key=lambda x: x[0])
     out = []
     for lf, fp, flat in flats[:40]:
         for a_c, fl, rw, hb2 in itertools.product([15, 20, 25, 30, 35], [2.5e8, 3e8, 4e8, 5e8], [0, 2e-3, 4e-3, 5e-3, 6e-3],
                                                   [2.6e6, 2.9e6, 3.2e6]):
-            shared = np.array([np.maximum(x / fl, y / hb2).sum() for x, y in zip(f["flops"], f["run"])])
-            casc = a_c + shared + ROWS * rw + SUF / hb2
+            params = {**fp, "a_cascade": a_c, "flops": fl, "row": rw, "hbm_levels": hb2}
+            casc = vector_times(f, params)[1]
             lc = (np.log(casc / tc) ** 2).sum()
             for margin in (0.03, 0.05, 0.08):
                 lost = np.where(casc < flat * (1 - margin), tc, tf) / best - 1
-                out.append((int((lost > 0.03).sum()), float(lost.max()), float(lf + lc),
-                            dict(a_flat=fp[0], hbm=fp[1], l2=fp[2], overlap=fp[3], a_cascade=a_c, flops=fl, row=rw,
-                                 hbm_levels=hb2, margin=margin)))
+                out.append((int((lost > 0.03).sum()), float(lost.max()), float(lf + lc), {**params, "margin": margin}))
     out.sort(key=lambda x: (x[0], x[1], x[2]))
+    check(rows, f, out[0][3])
     for misses, worst, err, params in out[:5]:
         print(f"misses > 3%: {misses}, worst +{100 * worst:.1f}%, log error {err:.2f}: {params}")
 
