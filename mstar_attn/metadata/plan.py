@@ -19,7 +19,7 @@ from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, cross_plan, cross_rows_plan, own_plan, window_plan
 from mstar_attn.metadata.pages import check_page_ids, gather_ranges, scan_ownership
 from mstar_attn.metadata.select import select_backend
-from mstar_attn.metadata.spec import AttentionSpec, Kind
+from mstar_attn.metadata.spec import CASCADE_BACKENDS, AttentionSpec, Kind
 
 __all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "scratch_plan"]
 
@@ -158,7 +158,7 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
     batch = StepBatch.from_csr(q_lens, kv_lens, indptr, pages, ps, own)
     if cascade and not spec.cascade_groups:
         raise PlanError("scratch_plan: cascade=True needs a spec with cascade on (AttentionSpec.cascade)")
-    if cascade and (batch_size < 2 or (backend or spec.backend) not in ("flashinfer", "reference", AUTO)):
+    if cascade and (batch_size < 2 or (backend or spec.backend) not in (*CASCADE_BACKENDS, AUTO)):
         raise PlanError(f"scratch_plan: a cascade step has 2+ requests (got {batch_size}) and runs on flashinfer or "
                         f"reference (got {backend or spec.backend!r})")
     return _plan(batch, spec, False, spec.num_pages + 1, backend, cascade)
@@ -336,12 +336,12 @@ def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, 
         for i, g in enumerate(spec.groups)
     ])
     max_kv = int(kv.max())
-    levels = None
+    levels, name = None, backend or spec.backend
     if spec.cascade_groups and kv_indices is not None and mode in (Mode.DECODE, Mode.VERIFY) and cascade is not False \
-            and (backend or spec.backend) in ("flashinfer", "reference", AUTO):
+            and name in (*CASCADE_BACKENDS, AUTO):
         levels = plan_cascade(spec, q, kv, qo_indptr, kv_indptr, kv_indices, last_page_len, bool(cascade))
-    if levels is not None and (backend or spec.backend) == AUTO:
-        backend = "flashinfer"  # the GPU backend that runs cascades
+        if levels is not None and name == AUTO:
+            backend = CASCADE_BACKENDS[0]  # the GPU backend that runs cascades
     backend = resolve_backend(spec, mode, q.shape[0], T, q_max, max_kv, backend)
     plan = AttentionPlan(spec, mode, q.shape[0], T, q_max, max_kv, q, kv, qo_indptr, kv_indptr, kv_indices,
                          last_page_len, positions, slot_mapping, groups, block_table, backend, rows, None, levels)

@@ -16,6 +16,7 @@ from mstar_attn.metadata.errors import PlanError
 MLA_BACKEND = "flashinfer_mla"  # what backend="auto" serves latent attention with
 XQA_PAGE_SIZES = (16, 32, 64, 128)  # the page sizes FlashInfer's XQA decode kernel compiles for (AttentionSpec.fp8_math)
 CASCADE_MODES = ("off", "auto", "always")  # AttentionSpec.cascade
+CASCADE_BACKENDS = ("flashinfer", "reference")  # the backends that run cascade steps (and "auto", which picks flashinfer)
 
 __all__ = ["AttentionSpec", "Kind", "LayerGroup", "PlanError"]
 
@@ -219,7 +220,7 @@ class AttentionSpec:
         if self.cascade not in CASCADE_MODES:
             raise PlanError(f"spec.cascade: expected one of {CASCADE_MODES}, got {self.cascade!r}")
         if self.cascade != "off":
-            why = (self.backend not in ("flashinfer", "reference", AUTO) and f"backend flashinfer, reference or auto, not {self.backend!r}"
+            why = (self.backend not in (*CASCADE_BACKENDS, AUTO) and f"backend flashinfer, reference or auto, not {self.backend!r}"
                    or r and "standard (not latent) attention" or self.kv_dtype is not None and f"a {self.dtype} cache, not {self.kv_dtype}"
                    or not any(g.kind in (Kind.CAUSAL, Kind.NONCAUSAL) and not g.own_pages for g in self.groups)
                    and "a full causal or non-causal layer group reading the shared page list")
