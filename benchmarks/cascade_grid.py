@@ -9,7 +9,8 @@ before every replay by *reading* 256 MiB (a write-based flush leaves dirty lines
 lands in the timed kernel), CUDA-event medians of 15 replays per round, 3 interleaved rounds,
 median of rounds; spread = (max - min) / median over the rounds. Outputs of the two paths are
 compared per request (max norm-relative difference). Host: plan + commit of one step (median of
-20), each path. Run on the GPU: python -m benchmarks.cascade_grid OUT_DIR (writes cascade_grid.json)
+20), each path. Run on the GPU: python -m benchmarks.cascade_grid OUT_DIR [--heldout] (writes
+cascade_grid.json, or cascade_grid_heldout.json over heldout_shapes())
 then here: python -m benchmarks.cascade_report IN.json OUT_DIR (the Markdown, with the cost model's picks).
 """
 
@@ -44,30 +45,46 @@ def shapes() -> list[dict]:
     return out
 
 
+def heldout_shapes() -> list[dict]:
+    """Shapes off the fitted grid (other batch sizes, prefix and suffix lengths, families), and with
+    `jitter` each request's own tokens drawn from [suffix / 2, 3 suffix / 2]: the cost model's
+    out-of-sample check (written to cascade_grid_heldout.json)."""
+    out = []
+    for gqa in (4, 8):
+        for B in (16, 48, 96, 192):
+            for shared in (1024, 4096, 12288):
+                for suffix in (128, 1024):
+                    out.append(dict(gqa=gqa, B=B, families=1, shared=shared, suffix=suffix, jitter=True))
+        for B, F, shared, suffix in ((96, 3, 6144, 512), (192, 6, 3072, 128), (48, 2, 12288, 1024), (16, 2, 4096, 128),
+                                     (24, 1, 6144, 384)):
+            out.append(dict(gqa=gqa, B=B, families=F, shared=shared, suffix=suffix, jitter=True))
+    return out
+
+
 def batch_of(s: dict, seed: int) -> tuple[StepBatch, int]:
     """The shape's decode batch (family f's members list the same shared pages, then their own) and
     the pages it uses."""
     rng = np.random.default_rng(seed)
     B, F, shared, suffix = s["B"], s["families"], s["shared"], s["suffix"]
     sp = shared // PS
-    own_tokens = shared % PS + suffix  # the prefix's partial page (if any) belongs to each request
-    own = -(-own_tokens // PS)
-    ids = rng.permutation(F * sp + B * own).astype(np.int32)
-    lists = [np.concatenate([ids[(i % F) * sp : (i % F + 1) * sp], ids[F * sp + i * own : F * sp + (i + 1) * own]])
-             for i in range(B)]
-    kv = np.full(B, shared + suffix, np.int32)
-    return StepBatch.from_pages(np.ones(B, np.int32), kv, lists, PS), F * sp + B * own
+    suffixes = rng.integers(suffix // 2, suffix * 3 // 2 + 1, B) if s.get("jitter") else np.full(B, suffix)
+    own = -(-(shared % PS + suffixes) // PS)  # the prefix's partial page (if any) belongs to each request
+    ends = F * sp + np.concatenate([[0], np.cumsum(own)])
+    ids = rng.permutation(int(ends[-1])).astype(np.int32)
+    lists = [np.concatenate([ids[(i % F) * sp : (i % F + 1) * sp], ids[ends[i] : ends[i + 1]]]) for i in range(B)]
+    kv = (shared + suffixes).astype(np.int32)
+    return StepBatch.from_pages(np.ones(B, np.int32), kv, lists, PS), int(ends[-1])
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, heldout: bool = False) -> None:
     from mstar_attn.kernels import flashinfer as fi
 
     flush = torch.randint(0, 255, (256 << 20,), dtype=torch.uint8, device="cuda")
     rows = []
     for gqa in (4, 8):
-        todo = [s for s in shapes() if s["gqa"] == gqa]
+        todo = [s for s in (heldout_shapes() if heldout else shapes()) if s["gqa"] == gqa]
         pages = max(batch_of(s, 0)[1] for s in todo) + 8
-        listed = max(s["B"] * (-(-(s["shared"] + s["suffix"]) // PS) + 1) for s in todo)  # page entries one step lists
+        listed = max(s["B"] * (-(-(s["shared"] + s["suffix"] * 3 // 2) // PS) + 1) for s in todo)  # page entries one step lists
         specs = {c: AttentionSpec(KVH * gqa, KVH, D, PS, pages, cascade=c) for c in ("always", "off")}
         cache = PagedKVCache.allocate(specs["off"], "cuda")
         gen = torch.Generator(device="cuda").manual_seed(gqa)
@@ -115,9 +132,9 @@ def main(out_dir: str) -> None:
         torch.cuda.empty_cache()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "page_size": PS, "kv_heads": KVH,
             "head_dim": D, "dtype": "bfloat16"}
-    with open(f"{out_dir}/cascade_grid.json", "w") as f:
+    with open(f"{out_dir}/cascade_grid{'_heldout' if heldout else ''}.json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--heldout" in sys.argv[2:])
