@@ -30,12 +30,12 @@ from mstar_attn.capture.step import DeviceGroup, DeviceStep, HostEvent, MemoryRe
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import AUTO, BACKENDS, load
+from mstar_attn.metadata.batch import DEFAULT_BUCKETS
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, AttentionPlan, Mode
 from mstar_attn.metadata.select import table_backends
 from mstar_attn.metadata.spec import AttentionSpec
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_MAX_PAGES_PER_REQUEST = 2048
 FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch, shared by every wrapper of a pool
 

@@ -248,7 +248,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache, lv: Levels) -> torch.Tensor:
     rows = q.shape[0]
     if rows < R:  # an eager call on a bucket-padded step: padding rows read the scratch page
         q = torch.cat([q, q[:1].expand(R - rows, -1, -1)])
-    qp = q.index_select(0, lv.perm)
+    qp = q[lv.perm]  # not index_select: its kernel for <= 16 indices takes 3-5x as long (perm_probe_h100.md)
     o1 = torch.empty_like(qp)
     lse1 = torch.empty(qp.shape[:2], dtype=torch.float32, device=q.device)
     main, side = torch.cuda.current_stream(q.device), lv.state.side
@@ -258,4 +258,4 @@ def run(step: DeviceStep, q: torch.Tensor, cache, lv: Levels) -> torch.Tensor:
     o2, lse2 = lv.suffix.run(qp, (cache.k, cache.v), return_lse=True)
     main.wait_stream(side)
     lv.state.fi.merge_state_in_place(o2, lse2, o1, lse1, mask=lv.mask)
-    return o2.index_select(0, lv.inv)[:rows]
+    return o2[lv.inv][:rows]

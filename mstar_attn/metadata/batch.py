@@ -10,6 +10,8 @@ import numpy as np
 from mstar_attn.metadata._arrays import array_field, int_array, optional_array_field, positive_int
 from mstar_attn.metadata.errors import PlanError
 
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the batch sizes a pool pads decode / verify steps to by default
+
 
 def _vector(name: str):
     return array_field(converter=lambda x: int_array(name, x, 1))

@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 
 from mstar_attn.metadata._arrays import array_field, read_only
+from mstar_attn.metadata.batch import DEFAULT_BUCKETS
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.pages import gather_ranges
 
@@ -152,32 +153,50 @@ def level_plan(c: Cascade, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: n
 class CostModel:
     """Estimated GPU time (µs) of one layer's attention, flat paged vs cascade, for a decode step.
 
-    flat:    a_flat + the larger of (unique KV bytes / hbm, the shared runs' re-reads / l2) +
-             overlap x the smaller (a group's members read the same pages at about the same time,
-             so repeats mostly hit L2, partly while other requests' pages stream from HBM)
+    flat:    a_flat + the larger of (unique KV bytes / hbm, w x the shared runs' re-reads / l2) + ov x
+             the smaller (a group's members read the same pages at about the same time, so repeats
+             mostly hit L2, at a rate bound by how many CTAs stream them). w, ov from FlashInfer's
+             decode grid (`partition`): its planner gives each request n KV chunks; w >= 1 is the
+             wave quantization of its CTAs (a padded bucket or a last partial wave costs as much as
+             a full one), ov is `overlap` when n = 1 and `ov_split` when the KV is split (the unique
+             and repeated reads then stream side by side in one wave).
     cascade: a_cascade + each group's shared level, the larger of its tensor-core arithmetic
              (4 x rows x q_heads x run tokens x head_dim, rows padded to 64-row tiles per KV head)
              over `flops` and its run's bytes over hbm_levels, + `row` per query row and head of the
              groups (the partial outputs and LSEs written, merged), + the suffixes' bytes over
-             hbm_levels. (The levels
-             run on two streams, but the shared level's split-KV grid fills the GPU: they add up.)
+             hbm_levels. (The levels run on two streams, but the shared level's split-KV grid fills
+             the GPU: they add up.)
     Rates in bytes (or flops) per µs. Fitted on the H100 over the crossover grid of
     benchmarks/cascade_grid.py by benchmarks/cascade_fit.py (a coarse search over round values:
     fewest grid shapes where the pick is > 3% slower than the faster path, then the least log
-    error); benchmarks/results/cascade_h100.md lists every shape, both times and the pick (in
-    sample: the same shapes). Decode only: verify steps were not measured, so "auto" leaves them
-    flat. A model of one GPU's rates: refit it for another GPU.
+    error); benchmarks/results/cascade_h100.md lists every shape, both times and the pick, and
+    cascade_heldout_h100.md the same on shapes off the grid (held out of the fit). Decode only:
+    verify steps were not measured, so "auto" leaves them flat. A model of one GPU: refit it for another.
     """
 
     a_flat: float = 15.0
     a_cascade: float = 30.0
-    hbm: float = 2.9e6  # the flat kernel's unique bytes
-    l2: float = 8.0e6  # the flat kernel's repeated reads of shared pages
-    overlap: float = 0.5  # the part of the shorter of those two terms that does not overlap the longer
+    hbm: float = 3.2e6  # the flat kernel's unique bytes
+    l2: float = 1.0e7  # the flat kernel's repeated reads of shared pages
+    overlap: float = 1.0  # the part of the shorter of those two terms that does not overlap the longer
+    ov_split: float = 0.5  # the same when FlashInfer splits every request's KV (small batches)
+    slots: int = 264  # the CTAs FlashInfer's planner sizes its grid for: 2 per SM, 132 SMs
     hbm_levels: float = 3.2e6  # the cascade levels' bytes
-    flops: float = 5.0e8
+    flops: float = 3.0e8
     row: float = 0.004  # µs per member query row x query head
     margin: float = 0.03  # cascade only when it is estimated this much faster
+
+    def partition(self, batch_size: int, kv_heads: int) -> tuple[int, float]:
+        """FlashInfer's flat decode grid for a step of B requests: (n, w). Its planner (in graph mode
+        over the step padded to the pool's default bucket, DEFAULT_BUCKETS; eager past the largest)
+        cuts each request's KV into the most chunks that fit slots / kv_heads CTAs per KV head with
+        the padding requests: n = max(1, (slots / kv_heads - padding) // B). Its B x n x kv_heads
+        CTAs run in waves of `slots`, so the step takes as long as waves x slots / (kv_heads x n)
+        requests would: w is that over B (>= 1)."""
+        padded = next((b for b in DEFAULT_BUCKETS if b >= batch_size), batch_size)
+        n = max(1, (self.slots // kv_heads - (padded - batch_size)) // batch_size)
+        waves = -(-(batch_size * n * kv_heads) // self.slots)
+        return n, waves * self.slots / (kv_heads * n * batch_size)
 
     def times(self, c: Cascade, q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int, q_heads: int,
               kv_heads: int, head_dim: int, kv_bytes: int) -> tuple[float, float]:
@@ -187,8 +206,10 @@ class CostModel:
         run_tokens = c.shared_pages.astype(np.int64) * page_size
         total = int(kv_lens.sum(dtype=np.int64))
         repeats = int(((sizes - 1) * run_tokens).sum())
-        unique, again = (total - repeats) * kv_bytes / self.hbm, repeats * kv_bytes / self.l2
-        flat = self.a_flat + max(unique, again) + self.overlap * min(unique, again)
+        n, w = self.partition(len(kv_lens), kv_heads)
+        unique, again = (total - repeats) * kv_bytes / self.hbm, w * repeats * kv_bytes / self.l2
+        ov = self.ov_split if n > 1 else self.overlap
+        flat = self.a_flat + max(unique, again) + ov * min(unique, again)
         member_q = np.add.reduceat(q_lens[c.members].astype(np.int64), c.members_indptr[:-1]) if sizes.size else sizes
         tiles = -(-(member_q * (q_heads // kv_heads)) // 64) * 64  # a group's query rows of one KV head
         shared = np.maximum(4 * kv_heads * tiles * run_tokens * head_dim / self.flops, run_tokens * kv_bytes / self.hbm_levels)
