@@ -188,3 +188,50 @@ def test_cascade_spec_refusals_and_scratch_plans():
         scratch_plan(attrs.evolve(spec, backend="auto"), 8, cascade=True, backend="flash_attn")
     with pytest.raises(PlanError, match="needs a spec with cascade on"):
         scratch_plan(attrs.evolve(spec, cascade="off"), 8, cascade=True)
+
+
+def _flashinfer_chunk(pages: list[int], cap: int, min_chunk: int) -> int:
+    """FlashInfer 0.7.2's KV chunk search (PrefillBinarySearchKVChunkSize, one query tile per request),
+    written out from its scheduler.cuh: the smallest chunk >= min_chunk with sum(ceil(pages / chunk)) <= cap."""
+    lo, hi = min_chunk, max(max(pages), 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(-(-max(p, 1) // mid) for p in pages) > cap:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
+def test_cost_model_partition_is_flashinfers_decode_grid(kv_heads):
+    """CostModel.partition: the KV chunks per request are what FlashInfer's planner picks for a step of
+    equal lists padded to the default bucket (padding requests over one page), and the wave factor
+    is the CTA waves' capacity over the real requests."""
+    from mstar_attn.metadata.batch import DEFAULT_BUCKETS
+    from mstar_attn.metadata.cascade import COST
+
+    cap = COST.slots // kv_heads
+    for B in range(1, 300):
+        padded = next((b for b in DEFAULT_BUCKETS if b >= B), B)
+        pages = 64 * cap  # long lists: FlashInfer's 8-page minimum chunk never binds
+        chunk = _flashinfer_chunk([pages] * B + [1] * (padded - B), cap, 8)
+        n, w = COST.partition(B, kv_heads)
+        assert n == -(-pages // chunk), (B, kv_heads)
+        waves = -(-(B * n * kv_heads) // COST.slots)
+        assert w == pytest.approx(waves * COST.slots / (kv_heads * n * B)) and w >= 1 - 1e-9, (B, kv_heads)
+
+
+def test_auto_picks_within_3_percent_on_the_committed_h100_grid():
+    """The acceptance on the committed measurements: on every shape of the crossover grid
+    (benchmarks/results/cascade_h100.json, H100), build_plan with cascade "auto" picks a path no more
+    than 3% slower than the faster one. A model change that breaks it fails here, not on the GPU."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.cascade_report import picks
+
+    rows = json.loads((Path(__file__).parents[2] / "benchmarks/results/cascade_h100.json").read_text())["rows"]
+    assert len(rows) == 130
+    worst = max(picks(rows), key=lambda r: r["pick_over_best"])
+    assert worst["pick_over_best"] <= 0.03, worst
