@@ -40,7 +40,7 @@ def features(rows: list[dict]) -> dict[str, list]:
         out["run"].append(run * kv_bytes)
         out["rows"].append(int(member_q.sum()) * KVH * r["gqa"])
         out["suffix"].append((total - int((sizes * run).sum())) * kv_bytes)
-        n, w = CostModel().partition(len(p.kv_lens), KVH)
+        n, w = CostModel().partition(len(p.kv_lens), KVH, -(-int(p.kv_lens.max()) // PS), PS)
         out["chunks"].append(n)
         out["waves"].append(w)
     return out
@@ -79,8 +79,8 @@ def main(path: str, heldout: str | None = None) -> None:
     tf, tc = np.array([r["flat_us"] for r in rows]), np.array([r["cascade_us"] for r in rows])
     best = np.minimum(tf, tc)
     flats = []
-    for a_f, hbm, l2, ov, ovs in itertools.product([4, 6, 8, 10, 12, 15], [2.6e6, 2.9e6, 3.2e6, 3.5e6],
-                                                   [8e6, 1e7, 1.3e7, 1.6e7, 2e7], [0, 0.5, 1], [0, 0.5, 1]):
+    for a_f, hbm, l2, ov, ovs in itertools.product([4, 6, 8, 10, 12, 15, 18, 21], [2.6e6, 2.9e6, 3.2e6, 3.5e6],
+                                                   [8e6, 1e7, 1.3e7, 1.6e7, 2e7], [0, 0.5, 1, 1.5], [0, 0.5, 1]):
         fp = dict(a_flat=a_f, hbm=hbm, l2=l2, overlap=ov, ov_split=ovs)
         flat = vector_times(f, {**fp, "a_cascade": 0, "flops": 1, "row": 0, "hbm_levels": 1})[0]
         flats.append(((np.log(flat / tf) ** 2).sum(), fp, flat))

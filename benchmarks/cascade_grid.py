@@ -95,7 +95,7 @@ def main(out_dir: str, heldout: bool = False, only: tuple[int, ...] = ()) -> Non
     rows = []
     for gqa in (4, 8):
         todo = [s for s in (heldout_shapes(only) if heldout else shapes()) if s["gqa"] == gqa]
-        pages = max(batch_of(s, 0)[1] for s in todo) + 8
+        pages = max(batch_of(s, s["B"] * 7 + s["shared"])[1] for s in todo) + 8  # the seeds timed below
         listed = max(s["B"] * (-(-(s["shared"] + s["suffix"] * 3 // 2) // PS) + 1) for s in todo)  # page entries one step lists
         specs = {c: AttentionSpec(KVH * gqa, KVH, D, PS, pages, cascade=c) for c in ("always", "off")}
         cache = PagedKVCache.allocate(specs["off"], "cuda")

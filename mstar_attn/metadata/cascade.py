@@ -155,11 +155,14 @@ class CostModel:
 
     flat:    a_flat + the larger of (unique KV bytes / hbm, w x the shared runs' re-reads / l2) + ov x
              the smaller (a group's members read the same pages at about the same time, so repeats
-             mostly hit L2, at a rate bound by how many CTAs stream them). w, ov from FlashInfer's
-             decode grid (`partition`): its planner gives each request n KV chunks; w >= 1 is the
-             wave quantization of its CTAs (a padded bucket or a last partial wave costs as much as
-             a full one), ov is `overlap` when n = 1 and `ov_split` when the KV is split (the unique
-             and repeated reads then stream side by side in one wave).
+             mostly hit L2). w, ov from FlashInfer's decode grid (`partition`): its planner gives each
+             request n KV chunks. The re-reads from L2 are bound by each CTA's stream rate (about
+             37-40 GB/s on the H100, notes/library_apis.md §11), so w, the wave quantization of the
+             CTAs (a padded bucket or a last partial wave takes as long as a full one), scales that
+             term; the unique bytes are bound by HBM and do not scale. ov is `overlap` when n = 1 and
+             `ov_split` when the KV is split (the unique and repeated reads then stream side by side).
+             Fitted at 8 KV heads, GQA 4 and 8, page 16, head_dim 128 (FlashInfer's tensor-core
+             decode); other shapes extrapolate.
     cascade: a_cascade + each group's shared level, the larger of its tensor-core arithmetic
              (4 x rows x q_heads x run tokens x head_dim, rows padded to 64-row tiles per KV head)
              over `flops` and its run's bytes over hbm_levels, + `row` per query row and head of the
@@ -186,15 +189,19 @@ class CostModel:
     row: float = 0.004  # µs per member query row x query head
     margin: float = 0.03  # cascade only when it is estimated this much faster
 
-    def partition(self, batch_size: int, kv_heads: int) -> tuple[int, float]:
-        """FlashInfer's flat decode grid for a step of B requests: (n, w). Its planner (in graph mode
-        over the step padded to the pool's default bucket, DEFAULT_BUCKETS; eager past the largest)
-        cuts each request's KV into the most chunks that fit slots / kv_heads CTAs per KV head with
-        the padding requests: n = max(1, (slots / kv_heads - padding) // B). Its B x n x kv_heads
-        CTAs run in waves of `slots`, so the step takes as long as waves x slots / (kv_heads x n)
-        requests would: w is that over B (>= 1)."""
+    def partition(self, batch_size: int, kv_heads: int, pages: int, page_size: int) -> tuple[int, float]:
+        """FlashInfer's flat decode grid for a step of B requests whose longest reads `pages` pages:
+        (n, w). Its planner (in graph mode over the step padded to the pool's default bucket,
+        DEFAULT_BUCKETS; eager past the largest) cuts each request's KV into the most chunks that fit
+        slots / kv_heads CTAs per KV head beside the padding requests (room: r per request), in
+        chunks of at least m = 128 / page_size pages: chunk = max(m, ceil(pages / r)), n = ceil(pages
+        / chunk) (exact for lists of one length, the longest's otherwise; tests/metadata/test_cascade.py
+        writes FlashInfer's search out). Its B x n x kv_heads CTAs run in waves of `slots`: w = waves x
+        slots / (kv_heads x n) / B, the requests one full wave would hold over those there are."""
         padded = next((b for b in DEFAULT_BUCKETS if b >= batch_size), batch_size)
-        n = max(1, (self.slots // kv_heads - (padded - batch_size)) // batch_size)
+        room = (self.slots // kv_heads - (padded - batch_size)) // batch_size
+        chunk = max(max(128 // page_size, 1), -(-pages // room)) if room >= 1 else pages
+        n = -(-pages // max(chunk, 1))
         waves = -(-(batch_size * n * kv_heads) // self.slots)
         return n, waves * self.slots / (kv_heads * n * batch_size)
 
@@ -206,7 +213,7 @@ class CostModel:
         run_tokens = c.shared_pages.astype(np.int64) * page_size
         total = int(kv_lens.sum(dtype=np.int64))
         repeats = int(((sizes - 1) * run_tokens).sum())
-        n, w = self.partition(len(kv_lens), kv_heads)
+        n, w = self.partition(len(kv_lens), kv_heads, -(-int(kv_lens.max()) // page_size), page_size)
         unique, again = (total - repeats) * kv_bytes / self.hbm, w * repeats * kv_bytes / self.l2
         ov = self.ov_split if n > 1 else self.overlap
         flat = self.a_flat + max(unique, again) + ov * min(unique, again)

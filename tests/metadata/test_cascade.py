@@ -206,20 +206,21 @@ def _flashinfer_chunk(pages: list[int], cap: int, min_chunk: int) -> int:
 @pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
 def test_cost_model_partition_is_flashinfers_decode_grid(kv_heads):
     """CostModel.partition: the KV chunks per request are what FlashInfer's planner picks for a step of
-    equal lists padded to the default bucket (padding requests over one page), and the wave factor
-    is the CTA waves' capacity over the real requests."""
+    equal lists (short and long, page sizes 1 / 16 / 64) padded to the default bucket (padding
+    requests over one page), and the wave factor follows from that grid's CTAs."""
     from mstar_attn.metadata.batch import DEFAULT_BUCKETS
     from mstar_attn.metadata.cascade import COST
 
     cap = COST.slots // kv_heads
-    for B in range(1, 300):
-        padded = next((b for b in DEFAULT_BUCKETS if b >= B), B)
-        pages = 64 * cap  # long lists: FlashInfer's 8-page minimum chunk never binds
-        chunk = _flashinfer_chunk([pages] * B + [1] * (padded - B), cap, 8)
-        n, w = COST.partition(B, kv_heads)
-        assert n == -(-pages // chunk), (B, kv_heads)
-        waves = -(-(B * n * kv_heads) // COST.slots)
-        assert w == pytest.approx(waves * COST.slots / (kv_heads * n * B)) and w >= 1 - 1e-9, (B, kv_heads)
+    for ps in (1, 16, 64):
+        for pages in (1, 3, 9, 40, 64 * cap):
+            for B in range(1, 300):
+                padded = next((b for b in DEFAULT_BUCKETS if b >= B), B)
+                chunk = _flashinfer_chunk([pages] * B + [1] * (padded - B), cap, max(128 // ps, 1))
+                n_fi = -(-pages // chunk)
+                waves = -(-(B * n_fi * kv_heads) // COST.slots)
+                n, w = COST.partition(B, kv_heads, pages, ps)
+                assert (n, w) == (n_fi, pytest.approx(waves * COST.slots / (kv_heads * n_fi * B))), (ps, pages, B)
 
 
 def test_auto_picks_within_3_percent_on_the_committed_h100_grid():
