@@ -30,7 +30,7 @@ from mstar_attn.capture.step import DeviceGroup, DeviceStep, HostEvent, MemoryRe
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import AUTO, BACKENDS, load
-from mstar_attn.metadata.batch import DEFAULT_BUCKETS
+from mstar_attn.metadata.batch import DEFAULT_BUCKETS, bucket_of
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, AttentionPlan, Mode
 from mstar_attn.metadata.select import table_backends
@@ -147,7 +147,7 @@ class GraphBufferPool:
         """The captured batch size serving `plan`, or None when it runs unpadded (see DeviceStep)."""
         if plan.mode is not Mode.DECODE and not (plan.mode is Mode.VERIFY and self.verify_buckets):
             return None
-        return next((b for b in self.buckets if b >= plan.batch_size), None)
+        return bucket_of(plan.batch_size, self.buckets)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst.copy_(src) without blocking, counted in bytes_to_device (schedulers use it too)."""

@@ -13,6 +13,11 @@ from mstar_attn.metadata.errors import PlanError
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the batch sizes a pool pads decode / verify steps to by default
 
 
+def bucket_of(batch_size: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int | None:
+    """The smallest of the ascending `buckets` that holds batch_size requests, or None past the largest."""
+    return next((b for b in buckets if b >= batch_size), None)
+
+
 def _vector(name: str):
     return array_field(converter=lambda x: int_array(name, x, 1))
 

@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from mstar_attn.metadata._arrays import array_field, read_only
-from mstar_attn.metadata.batch import DEFAULT_BUCKETS
+from mstar_attn.metadata.batch import bucket_of
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.pages import gather_ranges
 
@@ -198,7 +198,7 @@ class CostModel:
         / chunk) (exact for lists of one length, the longest's otherwise; tests/metadata/test_cascade.py
         writes FlashInfer's search out). Its B x n x kv_heads CTAs run in waves of `slots`: w = waves x
         slots / (kv_heads x n) / B, the requests one full wave would hold over those there are."""
-        padded = next((b for b in DEFAULT_BUCKETS if b >= batch_size), batch_size)
+        padded = bucket_of(batch_size) or batch_size  # eager past the largest bucket: unpadded
         room = (self.slots // kv_heads - (padded - batch_size)) // batch_size
         chunk = max(max(128 // page_size, 1), -(-pages // room)) if room >= 1 else pages
         n = -(-pages // max(chunk, 1))
