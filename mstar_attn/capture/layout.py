@@ -4,15 +4,17 @@ For a step of R request rows and N token rows (a bucketed step: R = bucket, N = 
 other step: R = B, N = T) the arrays sit back to back, so a commit copies one contiguous range
 per layer group and nothing the step does not use:
 
-    rows [R] | first_page [G * R] | table updates: positions [U], values [U] | (pad to 8 bytes)
+    rows [R] | first_page [G * R] | kv_lens [R] | table updates: positions [U], values [U] | (pad to 8 bytes)
     draft steps D-1 .. 1, each: slot_mapping int64 [R], per group last_page_len [R], kv_lens [R] |
     qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad)
     slot_mapping int64 [N] | one more slot_mapping int64 [N] per own_pages group (not cross) |
     group 0 indices [P + 1] | group 1 indices [P + 1] | ... | (pad) per cross group: its slots int64 [E]
 
 The first region serves StepRows plans and CrossRows groups (the table rows, the first table column
-each window group reads, the table entries assigned since the last commit, U = R // 2 + 16 per
-copy): such a commit copies from 0, and the device fills the index regions. A cross group's slots
+each window group reads, the requests' KV lengths, the table entries assigned since the last commit,
+U = R // 2 + 16 per copy): such a commit copies from 0, and the device fills the index regions (a
+bucketed StepRows step copies only this region, up to `draft`, and the device derives the rest:
+capture/derive.py). A cross group's slots
 (E: the most encoder tokens a step stores) sit past the index regions, copied only as far as a
 step stores encoder tokens (decode steps: not at all).
 A StepBatch commit copies from qo_indptr through group 0's used indices, then each other group's
@@ -29,6 +31,7 @@ Offsets depend on (R, N), so a graph captured for a bucket reads its own fixed a
 from __future__ import annotations
 
 import attrs
+import torch
 
 
 @attrs.frozen
@@ -38,6 +41,7 @@ class Offsets:
     rows: int
     num_rows: int
     table_rows: int  # the request rows' page-table rows [R] (0)
+    kv_lens: int  # the requests' KV lengths [R] (a bucketed StepRows step's one length array)
     updates: int  # the table updates: positions [U] then values [U]
     update_capacity: int  # U
     qo: int  # qo_indptr [R+1]: a StepBatch commit copies from here
@@ -67,7 +71,7 @@ class Layout:
 
     def at(self, rows: int, num_rows: int) -> Offsets:
         G, cap = self.num_groups, rows // 2 + 16
-        updates = rows * (1 + G)
+        updates = rows * (2 + G)
         draft = updates + 2 * cap
         draft += draft & 1
         block = 2 * rows * (1 + G)  # one draft step: 2R (int64 slots, 8-byte aligned) + 2GR
@@ -91,11 +95,29 @@ class Layout:
         for g, n in enumerate(rows_of):  # cross groups: past the index regions
             if n > 0:
                 group_slots[g], tail = tail, tail + 2 * n
-        return Offsets(rows, num_rows, 0, updates, cap, qo, slots,
-                       tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), end,
-                       tuple(group_slots), tail, draft, tuple(steps))
+        return Offsets(rows=rows, num_rows=num_rows, table_rows=0, kv_lens=rows * (1 + G), updates=updates,
+                       update_capacity=cap, qo=qo, slots=slots,
+                       groups=tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), head_end=end,
+                       group_slots=tuple(group_slots), end=tail, draft=draft, draft_steps=tuple(steps))
 
     @property
     def size(self) -> int:
         """int32 elements of one slot: the layout at the largest (R, N)."""
         return self.at(self.max_rows, self.max_tokens).end
+
+
+def slot_views(layout: Layout, dev: torch.Tensor, host: torch.Tensor, rows: int, num_rows: int) -> tuple:
+    """A pool slot's fixed views for `rows` requests and `num_rows` token rows: (offsets, qo_indptr
+    [rows+1] device, the same pinned, slot_mapping [num_rows] int64 device, table rows [rows] device,
+    per group (kv_indptr, last_page_len, kv_lens, first_page device, kv_indptr, last_page_len,
+    kv_lens pinned, the group's slot_mapping device)). dev, host: the slot's int32 buffers."""
+    offsets = layout.at(rows, num_rows)
+    slots = dev[offsets.slots : offsets.slots + 2 * num_rows].view(torch.int64)
+    groups = tuple((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
+                    dev[o_first : o_first + rows],
+                    host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows],
+                    slots if at == offsets.slots else dev[at : at + 2 * (n if n > 0 else num_rows)].view(torch.int64))
+                   for (o_ptr, o_lpl, o_len, o_first, _), at, n in zip(offsets.groups, offsets.group_slots, layout.slot_rows))
+    table_rows = dev[offsets.table_rows : offsets.table_rows + rows]
+    qo = offsets.qo
+    return offsets, dev[qo : qo + rows + 1], host[qo : qo + rows + 1], slots, table_rows, groups

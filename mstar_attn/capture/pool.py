@@ -22,10 +22,11 @@ import contextlib
 import numpy as np
 import torch
 
-from mstar_attn.capture import cross, rounds
-from mstar_attn.capture.layout import Layout
+from mstar_attn.capture import cross, derive, rounds
+from mstar_attn.capture.layout import Layout, slot_views
 from mstar_attn.capture.expand import gather_csr
-from mstar_attn.capture.stage import stage_pages, stage_rows
+from mstar_attn.capture.graph_cache import CommitGraphs
+from mstar_attn.capture.stage import stage_derived, stage_pages, stage_requests, stage_rows
 from mstar_attn.capture.step import DeviceGroup, DeviceStep, HostEvent, MemoryReport
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
@@ -121,8 +122,10 @@ class GraphBufferPool:
             spec, max_requests, self.max_pages_per_request, self.device)
         self.cross_table = None if max_requests is None or not spec.has_cross else PageTable(
             spec, max_requests, self.max_pages_per_request, self.device, "cross table")
-        self._device_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._graph_memory = None
+        self.device_work = CommitGraphs(self.device)  # the commits' device work, one graph per bucketed key
+        self._windows = derive.window_sizes(spec.groups)  # a bucketed StepRows step's derivation (capture/derive.py)
+        self._windows_dev = torch.tensor(self._windows, dtype=torch.int32, device=self.device)
+        self._kernels = derive.triton_kernels() if cuda and derive.USE_TRITON else None
         self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
         # every backend a plan for this spec may name, made now: their memory is in the report from
         # the start, and nothing compiles or allocates mid-serving
@@ -220,7 +223,9 @@ class GraphBufferPool:
         scheduler = self.scheduler_for(plan.backend)
         if scheduler is not None:
             scheduler.check(plan, bucket)
-        slots = None if plan.rows is None else self.table.check_step(plan)  # the last check: O(B + T)
+        derived = plan.rows is not None and bucket is not None  # the device derives the step's arrays (derive.py)
+        # the last check, O(B + T); host slots only for a StepRows step the device does not derive
+        slots = None if plan.rows is None else self.table.check_step(plan, slots=not derived)
         xg = cross.rows_group(plan)
         x_slots = None if xg is None else cross.check(self.cross_table, plan, xg)
         s = self._free_slot(slot)
@@ -234,9 +239,14 @@ class GraphBufferPool:
         side = stream if stream is not None and cuda and stream != here else None
         self.last_commit_bytes = 0
         table = self.table if xg is None else self.cross_table
-        updates = None if slots is None and xg is None else table.take_updates()  # (put back if the commit fails)
+        updates = None if plan.rows is None and xg is None else table.take_updates()  # (put back if the commit fails)
         h, offsets = self.host_np[s], views[0]
-        if slots is None:
+        if derived:  # the rows and lengths alone; the pinned O(rows) arrays only if a scheduler asks (stage_host)
+            left = stage_derived(h, plan, offsets, rows, q_len, updates, self.table)
+            if not getattr(scheduler, "lazy_host_arrays", False):
+                stage_requests(h, plan, offsets, rows, q_len)
+            ranges = [(o[4], o[4] + self.layout.index_capacity) for o in offsets.groups]
+        elif plan.rows is None:
             ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self._scratch_slots)
             left = 0 if xg is None else cross.stage(h, plan, xg, offsets, rows, x_slots, updates, table)
         else:
@@ -257,20 +267,20 @@ class GraphBufferPool:
                 fields = (plan, s, rows, num_rows, bucket, q_len, qo, h_qo, slot_view, table_rows, groups,
                           self.generations[s], self, side)
                 step = DeviceStep(*fields)
-                if slots is None:
+                if plan.rows is None:
                     for a, b in self._copy_ranges(offsets, ranges, plan):
                         self.upload(dev[a:b], host[a:b])
                     if xg is not None:  # the table updates past the step's region, then one graph per bucket
                         self.last_commit_bytes += table.send(updates) if left else 0
-                        self._graphed(("cross", s, rows, num_rows), bucket is not None, lambda: cross.device_work(
+                        self.device_work.run(("cross", s, rows, num_rows), bucket is not None, lambda: cross.device_work(
                             table, dev, offsets, xg, table_rows, self.layout.index_capacity))
                         cross.record(table, plan, xg)
                 else:
                     if left:  # more table updates than the step's region holds (admissions): sent first
                         self.last_commit_bytes += table.send(updates)
-                    self._rows_device_work(step, scheduler, offsets)
-                if scheduler is not None:  # (a second constructor call is cheaper than attrs.evolve)
-                    step = DeviceStep(*fields, scheduler.schedule(step))
+                    self._rows_device_work(step, scheduler, offsets, derived)
+                if scheduler is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
+                    object.__setattr__(step, "scheduled", scheduler.schedule(step))
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
                 if side is None and here is not None:
@@ -290,39 +300,38 @@ class GraphBufferPool:
         until the slot is committed again. See capture/rounds.py."""
         return rounds.commit(self, draft, slot)
 
-    def _rows_device_work(self, step: DeviceStep, scheduler, offsets) -> None:
-        """A StepRows commit's device work: copy the staged head, apply the table updates, gather each
-        backend's page arrays from the table. A bucketed CUDA step replays it as one graph (captured
-        at the first commit of its slot, rows, token rows and backend), so its host cost is one launch."""
+    def _rows_device_work(self, step: DeviceStep, scheduler, offsets, derived: bool) -> None:
+        """A StepRows commit's device work: copy the staged head, apply the table updates, derive the
+        step's arrays (a bucketed step: capture/derive.py; else they were staged) and gather the CSR
+        page lists, then each backend's own arrays (`expand`). A bucketed CUDA step replays it as one
+        graph (captured at the first commit of its slot, rows, token rows and backend), so its host
+        cost is one launch."""
         dev, host, table, U = self.dev[step.slot], self.host[step.slot], self.table, offsets.update_capacity
+        end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)
 
         def work():
-            dev[: offsets.head_end].copy_(host[: offsets.head_end], non_blocking=True)
-            at = offsets.updates
-            table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
-            expand = getattr(scheduler, "expand", None)  # a backend's own arrays; True: it reads the CSR lists too
-            if expand is None or expand(step):  # the CSR page lists (FlashInfer, the reference)
+            dev[:end].copy_(host[:end], non_blocking=True)
+            if derived:
+                derive.apply_updates(table.dev, dev, offsets, self._kernels)
+                derive.derive_rows(dev, offsets, table.dev, table.width, self._windows, self._windows_dev, step.q_len,
+                                   self.spec.page_size, self.layout.index_capacity, self._kernels)
+            else:
+                at = offsets.updates
+                table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
                 gather_csr(table.dev, table.width, step.table_rows, dev, offsets.groups, self.layout.index_capacity)
+            expand = getattr(scheduler, "expand", None)  # a backend's own arrays (dense page tables)
+            if expand is not None:
+                expand(step)
 
-        self._graphed((step.slot, step.rows, step.num_rows, step.plan.backend), step.bucket is not None, work)
-        self.last_commit_bytes += offsets.head_end * 4
+        self.device_work.run((step.slot, step.rows, step.num_rows, step.plan.backend), derived, work)
+        self.last_commit_bytes += end * 4
 
-    def _graphed(self, key: tuple, bucketed: bool, work) -> None:
-        """Run a commit's device work: replay its graph if one was captured under `key`, else run it
-        and, for a bucketed step on CUDA, capture it (one graph per key; keys are slot x bucket shape
-        x kind, so bounded), sharing one memory pool with the pool's other device-work graphs."""
-        graph = self._device_graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return
-        work()
-        if bucketed and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            if self._graph_memory is None:
-                self._graph_memory = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_memory):
-                work()
-            self._device_graphs[key] = graph
+    def stage_host(self, step: DeviceStep) -> None:
+        """Write a derived step's O(rows) arrays (qo_indptr; per group kv_indptr, last_page_len, kv_lens,
+        padding included) into its slot's pinned staging, for a scheduler that plans from them on the
+        host (a scheduler with lazy_host_arrays calls this only when it does). Host only: the device
+        arrays were derived already."""
+        stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.rows, step.num_rows), step.rows, step.q_len)
 
     def _after_consumer(self, s: int, on) -> None:
         """If slot s's last step runs on another stream than this commit's `on` (it was committed
@@ -358,24 +367,10 @@ class GraphBufferPool:
         """Slot s's fixed views for `rows` requests and `num_rows` token rows (kept for bucketed shapes)."""
         views = self._views.get((s, rows, num_rows))
         if views is None:
-            views = self._make_views(s, rows, num_rows)
+            views = slot_views(self.layout, self.dev[s], self.host[s], rows, num_rows)
             if keep:
                 self._views[(s, rows, num_rows)] = views
         return views
-
-    def _make_views(self, s: int, rows: int, num_rows: int) -> tuple:
-        offsets = self.layout.at(rows, num_rows)
-        dev, host = self.dev[s], self.host[s]
-        slots = dev[offsets.slots : offsets.slots + 2 * num_rows].view(torch.int64)
-        groups = tuple((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
-                        dev[o_first : o_first + rows],
-                        host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows],
-                        slots if at == offsets.slots else dev[at : at + 2 * (n if n > 0 else num_rows)].view(torch.int64))
-                       for (o_ptr, o_lpl, o_len, o_first, _), at, n
-                       in zip(offsets.groups, offsets.group_slots, self.layout.slot_rows))
-        table_rows = dev[offsets.table_rows : offsets.table_rows + rows]
-        qo = offsets.qo
-        return offsets, dev[qo : qo + rows + 1], host[qo : qo + rows + 1], slots, table_rows, groups
 
     def index_buffer(self, step: DeviceStep, group: int) -> torch.Tensor:
         """The whole index region [index_capacity] of `group` for the step's slot and shape: what a

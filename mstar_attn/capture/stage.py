@@ -2,7 +2,8 @@
 
 `stage_pages` writes a StepBatch step (its page lists included); `stage_rows` a StepRows step (the
 page-table rows instead, and the table entries changed since the last commit); both share the
-O(rows) arrays (`stage_requests`) and slot_mapping (`stage_slots`).
+O(rows) arrays (`stage_requests`) and slot_mapping (`stage_slots`). `stage_derived` writes a
+bucketed StepRows step: its rows, lengths and table updates only (the device derives the rest).
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, 
             np.floor_divide(gp.kv_start, ps, out=h[o_first : o_first + B])
             h[o_first + B : o_first + rows] = 0
     stage_slots(h, offsets, slots, plan.num_tokens, num_rows, scratch_slots)
+    return stage_table(h, offsets, plan.rows, rows, updates, table)
+
+
+def stage_derived(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, updates: np.ndarray,
+                  table: PageTable) -> int:
+    """Write a bucketed StepRows step into a slot's staging h: the table rows and KV lengths (padding
+    requests: the scratch row and q_len tokens) and the table updates, all the device derives the
+    step from (capture/derive.py). Returns how many updates did not fit (see stage_table)."""
+    B, at = plan.batch_size, offsets.kv_lens
+    h[at : at + B] = plan.kv_lens
+    h[at + B : at + rows] = q_len
     return stage_table(h, offsets, plan.rows, rows, updates, table)
 
 

@@ -56,7 +56,7 @@ class PageTable:
         self.stored = np.zeros(self.max_requests + 1, np.int32)  # a cross table's rows: encoder tokens stored (0: none)
         self.owner = np.full(spec.num_pages + 1, FREE, np.int32)
         self._pending: list[np.ndarray] = []  # flat positions changed since the last take_updates
-        self._stamp = np.zeros(self.max_requests + 1, np.int32)  # check_step's distinct-rows check
+        self._stamp = np.zeros(self.max_requests, np.int32)  # check_step's distinct-rows check (a row past it: IndexError)
         self._arange = np.arange(self.max_requests + 1, dtype=np.int32)
 
     @property
@@ -177,39 +177,39 @@ class PageTable:
         """Put back positions take_updates returned (a commit that failed before sending them)."""
         self._pending.insert(0, positions)
 
-    def check_step(self, plan: AttentionPlan) -> np.ndarray:
+    def check_step(self, plan: AttentionPlan, slots: bool = True) -> np.ndarray | None:
         """PlanError unless `plan`'s rows are distinct table rows, each holding the pages its kv_len
-        needs and holding alone each page the step writes; returns the step's slot_mapping [T] int64.
-        O(B + T): the mirror's unassigned entries are the scratch page, which no row holds, so the
-        written page's owner check also proves the row holds enough pages."""
+        needs and holding alone each page the step writes; returns the step's slot_mapping [T] int64
+        (None with slots=False: the device derives it, capture/derive.py). O(B + T): the mirror's
+        unassigned entries are the scratch page, which no row holds, so the written page's owner
+        check also proves the row holds enough pages."""
         rows, ps, B = plan.rows, self.spec.page_size, plan.batch_size
-        if rows.max() >= self.max_requests:
-            i = int(np.flatnonzero(rows >= self.max_requests)[0])
-            raise PlanError(f"rows[{i}]: row {rows[i]} is not a table row (0..{self.max_requests - 1}) (request {i})")
         stamp, ar = self._stamp, self._arange[:B]
-        stamp[rows] = ar
-        if (stamp[rows] != ar).any():
+        try:  # (build_plan refused negative rows)
+            stamp[rows] = ar
+        except IndexError:
+            i = int(np.flatnonzero(rows >= self.max_requests)[0])
+            raise PlanError(f"rows[{i}]: row {rows[i]} is not a table row (0..{self.max_requests - 1}) (request {i})") from None
+        if not np.array_equal(stamp[rows], ar):
             i = int(np.flatnonzero(stamp[rows] != ar)[0])
             raise PlanError(f"rows[{i}]: row {rows[i]} is listed twice in the step (request {i})")
+        if plan.max_kv_len > self.width * ps:  # (the last token of the longest request sits past the width)
+            i = int(np.argmax(plan.kv_lens))
+            raise PlanError(f"kv_lens: request {i} needs more than max_pages_per_request {self.width} pages")
         if plan.mode is Mode.DECODE:
             row_t, pos = rows, plan.positions
         else:
             row_t, pos = np.repeat(rows, plan.q_lens), plan.positions
-        col = pos // ps
-        if col.max(initial=0) >= self.width:
-            t = int(np.flatnonzero(col >= self.width)[0])
-            raise PlanError(f"kv_lens: request {int(np.searchsorted(plan.qo_indptr, t, 'right') - 1)} needs more than "
-                            f"max_pages_per_request {self.width} pages")
         page, bad = self.written(row_t, pos)
         if bad.any():
             t = int(np.flatnonzero(bad)[0])
             i = int(np.searchsorted(plan.qo_indptr, t, "right") - 1)
-            r, c, own = int(row_t[t]), int(col[t]), int(self.owner[page[t]])
+            r, c, own = int(row_t[t]), int(pos[t]) // ps, int(self.owner[page[t]])
             why = (f"holds {self.counts[r]} pages, fewer than kv_len {plan.kv_lens[i]} needs" if c >= self.counts[r] else
                    f"writes page {page[t]}, which it shares read-only" if own < FREE else
                    f"writes page {page[t]}, held by row {own}")
             raise PlanError(f"rows[{i}]: row {r} {why} (request {i})")
-        return self.slots(page, pos)
+        return self.slots(page, pos) if slots else None
 
     def written(self, row_t: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For tokens at positions pos [n] of rows row_t [n] (columns within the width): the page

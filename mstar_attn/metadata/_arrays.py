@@ -19,6 +19,10 @@ def int_array(name: str, value, ndim: int, request: int | None = None) -> np.nda
     """A read-only int32 copy of `value` (a list or numpy array of integers of rank `ndim`), or PlanError.
     request: the request the whole array belongs to (one request's page list), named in errors;
     None: a 1-D array is indexed by request."""
+    if type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == ndim:  # (the common case, per step)
+        out = value.copy()
+        out.flags.writeable = False
+        return out
     try:
         a = np.asarray(value)
     except (ValueError, TypeError) as e:  # ragged nested lists, objects numpy cannot hold

@@ -18,6 +18,15 @@ def bucket_of(batch_size: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> in
     return next((b for b in buckets if b >= batch_size), None)
 
 
+_ONES = np.ones(1 << 16, np.int32)
+_ONES.flags.writeable = False
+
+
+def _ones(n: int) -> np.ndarray:
+    """[n] int32 ones, read-only (a view for up to 65536)."""
+    return _ONES[:n] if n <= _ONES.shape[0] else np.ones(n, np.int32)
+
+
 def _vector(name: str):
     return array_field(converter=lambda x: int_array(name, x, 1))
 
@@ -215,12 +224,17 @@ class StepRows:
     rows: np.ndarray = _vector("rows")
     q_lens: np.ndarray = _vector("q_lens")
     kv_lens: np.ndarray = _vector("kv_lens")
+    # True only for steps `decode` made (q_lens all 1 by construction, so build_plan need not scan them);
+    # attrs.evolve and the constructor leave it False
+    decode_step: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
     @classmethod
     def decode(cls, rows, kv_lens) -> StepRows:
         """A decode step: one new token per request."""
         kv = int_array("kv_lens", kv_lens, 1)
-        return cls(rows, np.ones(kv.shape[0], np.int32), kv)
+        step = cls(rows, _ones(kv.shape[0]), kv)
+        object.__setattr__(step, "decode_step", True)
+        return step
 
     @property
     def batch_size(self) -> int:

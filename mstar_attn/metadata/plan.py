@@ -300,6 +300,9 @@ def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPa
     return list(batch.group_pages)
 
 
+_ARANGE = np.arange(1 << 16, dtype=np.int32)  # qo_indptr of decode steps up to 65535 requests: read-only views
+read_only(_ARANGE)
+
 def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     """The plan of a step over the pool's page table: O(B + T), no page ids (see build_plan)."""
     rows, q, kv, ps = batch.rows, batch.q_lens, batch.kv_lens, spec.page_size
@@ -308,6 +311,8 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
                         "the pool's page table does not hold; describe such steps with a StepBatch")
     if rows.shape != q.shape:
         raise PlanError(f"shapes: rows {rows.shape} and q_lens {q.shape} must both be [B]")
+    if batch.decode_step and 0 < kv.shape[0] < _ARANGE.shape[0] and kv.shape == q.shape:
+        return _plan_rows_decode(batch, spec)
     q_max = check_lengths(q, kv, ps)
     if rows.min() < 0:
         fail_at("rows", rows < 0, "a page-table row is negative")
@@ -323,8 +328,33 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
                    None, None, rows, None, {})
 
 
+def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
+    """_plan_rows for a StepRows.decode step (q_lens all 1 by construction): the same checks and
+    arrays in the fewest numpy calls (the per-step host path of a decoding engine)."""
+    rows, q, kv, ps = batch.rows, batch.q_lens, batch.kv_lens, spec.page_size
+    B, lo, hi = kv.shape[0], int(kv.min()), int(kv.max())
+    if lo < 1:
+        fail_at("kv_lens", kv < 1, "kv_len (after the step) is smaller than q_len")
+    if hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:
+        check_lengths(q, kv, ps)  # (raises past the int32 range, naming the request)
+        raise PlanError(f"kv_lens: more pages in all than int32 page offsets hold (longest {hi}, {B} requests)")
+    if rows.min() < 0:
+        fail_at("rows", rows < 0, "a page-table row is negative")
+    need = kv + (ps - 1)
+    need //= ps
+    kv_indptr = np.empty(B + 1, np.int32)
+    kv_indptr[0] = 0
+    np.cumsum(need, out=kv_indptr[1:])
+    positions = np.subtract(kv, 1, dtype=np.int64)
+    last_page_len = kv - 1
+    last_page_len %= ps
+    last_page_len += 1
+    return _finish(spec, Mode.DECODE, q, kv, B, 1, _ARANGE[: B + 1], positions, need, kv_indptr, None, last_page_len,
+                   None, None, rows, None, {}, hi)
+
+
 def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
-            slot_mapping, block_table, rows, backend, own, cascade: bool | None = None) -> AttentionPlan:
+            slot_mapping, block_table, rows, backend, own, cascade: bool | None = None, max_kv: int | None = None) -> AttentionPlan:
     """The layer groups' page ranges (own: those of groups with their own lists), the backend, the
     cascade (decode and verify steps of a spec with cascade on; `cascade` True forces it, False
     forbids it), and the sealed plan (shared by both batch forms)."""
@@ -335,7 +365,7 @@ def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, 
         else window_plan(g, kv_indptr, kv_indices, last_page_len, q, kv, need, spec.page_size)
         for i, g in enumerate(spec.groups)
     ])
-    max_kv = int(kv.max())
+    max_kv = int(kv.max()) if max_kv is None else max_kv
     levels, name = None, backend or spec.backend
     if spec.cascade_groups and kv_indices is not None and mode in (Mode.DECODE, Mode.VERIFY) and cascade is not False \
             and name in (*CASCADE_BACKENDS, AUTO):

@@ -1,0 +1,116 @@
+"""capture/derive.py on the CPU: a bucketed StepRows step's arrays derived on the device equal what
+the host computes for the same step given by pages, padding requests included (their rows too);
+and the Triton kernels (under Triton's interpreter, where Triton is installed) equal the torch ops."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import LayerGroup, StepBatch, build_plan
+from mstar_attn.capture import derive
+from mstar_attn.capture.layout import slot_views
+from mstar_attn.metadata.batch import StepRows
+from tests.capture.test_table import admit, table_pool
+from tests.helpers import fresh_seed, spec_for
+
+GROUPS = (LayerGroup(), LayerGroup("window", window=9), LayerGroup("window", window=40))
+
+
+def _random_step(seed: int, ps: int, q_len: int):
+    """A pool with a page table, and a bucketed decode (q_len 1) or verify step over random rows."""
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=ps, num_pages=3000, groups=GROUPS)
+    pool = table_pool(spec, width=160)
+    B = int(rng.integers(1, 17))
+    kv = rng.integers(q_len + 1, min(300, 140 * ps), B)
+    rows, lists = admit(pool, rng, kv, int(rng.integers(0, 3)) if kv.min() - q_len >= 3 * ps else 0)
+    q = np.full(B, q_len, np.int32)
+    plan = build_plan(StepRows(rows, q, kv) if q_len > 1 else StepRows.decode(rows, kv), spec)
+    csr = build_plan(StepBatch.from_pages(q, kv, lists, ps), spec)
+    return spec, pool, plan, csr
+
+
+def _arrays(step):
+    """Every array of a committed step, padding rows included: (qo_indptr, per group (kv_indptr,
+    last_page_len, kv_lens, first_page, used indices))."""
+    out = [step.qo_indptr.numpy().copy()]
+    for dg in step.groups:
+        n = int(dg.kv_indptr[-1])
+        out.append((dg.kv_indptr.numpy().copy(), dg.kv_last_page_len.numpy().copy(), dg.kv_lens.numpy().copy(),
+                    dg.first_page.numpy().copy(), dg.kv_indices[:n].numpy().copy()))
+    return out
+
+
+@pytest.mark.parametrize("ps,q_len", [(1, 1), (4, 1), (16, 1), (4, 3), (16, 16)])
+def test_derived_arrays_equal_the_host_staged_ones_for_the_same_step(ps, q_len):
+    for _ in range(6):
+        seed = fresh_seed()
+        spec, pool, plan, csr = _random_step(seed, ps, q_len)
+        step = pool.commit(plan)
+        want = table_pool(spec, width=160).commit(csr)  # the same step by pages: staged on the host, padded
+        assert step.bucket is not None and step.rows == want.rows, f"seed {seed}"
+        got, ref = _arrays(step), _arrays(want)
+        assert np.array_equal(got[0], ref[0]), f"seed {seed}: qo_indptr"
+        for g, (a, b) in enumerate(zip(got[1:], ref[1:])):
+            for name, x, y in zip(("kv_indptr", "last_page_len", "kv_lens", "", "indices"), a, b):
+                if name:  # (first_page is a StepRows-only array: checked below)
+                    assert np.array_equal(x, y), f"seed {seed}, group {g}: {name}\n{x}\n{y}"
+            kv_start = csr.groups[g].kv_start
+            first = np.zeros(plan.batch_size, np.int32) if kv_start is None else kv_start // ps
+            assert np.array_equal(a[3][: plan.batch_size], first), f"seed {seed}, group {g}: first_page"
+            assert not a[3][plan.batch_size :].any(), f"seed {seed}, group {g}: padding first_page"
+        T, N = plan.num_tokens, step.num_rows
+        slots = step.slot_mapping.numpy()
+        assert np.array_equal(slots[:T], csr.slot_mapping), f"seed {seed}: slot_mapping"
+        assert (slots[T:N] // ps == spec.scratch_page).all(), f"seed {seed}: padding rows write the scratch page"
+
+
+def test_a_negative_control_a_wrong_window_is_caught(monkeypatch):
+    """The comparison above sees a derivation that reads one window group as a full one."""
+    monkeypatch.setattr(derive, "window_sizes", lambda groups: (0, 9, 0))  # (read when the pool is made)
+    seed = fresh_seed()
+    spec, pool, plan, csr = _random_step(seed, 4, 1)
+    while plan.max_kv_len <= 48:
+        seed = fresh_seed()
+        spec, pool, plan, csr = _random_step(seed, 4, 1)
+    got = _arrays(pool.commit(plan))[3]
+    B = plan.batch_size
+    assert not np.array_equal(got[2][:B], csr.groups[2].kv_lens), f"seed {seed}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real (tests/capture/test_derive_gpu.py)")
+def test_the_triton_kernels_equal_the_torch_ops_under_the_interpreter():
+    pytest.importorskip("triton")
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py picks the interpreter before Triton is imported"
+    from mstar_attn.capture import _derive_triton as module
+
+    kernels = module.scatter, module.derive
+    for ps, q_len in ((1, 1), (4, 1), (16, 1), (4, 5), (16, 16)):
+        seed = fresh_seed()
+        spec, pool, plan, _ = _random_step(seed, ps, q_len)
+        step = pool.commit(plan)  # the torch ops (CPU)
+        s, R, N = step.slot, step.rows, step.num_rows
+        offsets = slot_views(pool.layout, pool.dev[s], pool.host[s], R, N)[0]
+        buf = pool.dev[s].clone()
+        for o_ptr, o_lpl, o_len, o_first, o_idx in offsets.groups:  # forget what the torch ops derived
+            for a, n in ((o_ptr, R + 1), (o_lpl, R), (o_len, R), (o_first, R), (o_idx, pool.layout.index_capacity)):
+                buf[a : a + n] = -7
+        buf[offsets.qo : offsets.qo + R + 1] = -7
+        buf[offsets.slots : offsets.slots + 2 * N] = -7
+        derive.derive_rows(buf, offsets, pool.table.dev, pool.table.width, pool._windows, pool._windows_dev, q_len, ps,
+                           pool.layout.index_capacity, kernels)
+        assert torch.equal(buf[: offsets.head_end], pool.dev[s][: offsets.head_end]), f"seed {seed}"
+        for dg, (*_, o_idx) in zip(step.groups, offsets.groups):
+            n = int(dg.kv_indptr[-1])
+            assert torch.equal(buf[o_idx : o_idx + n], dg.kv_indices[:n]), f"seed {seed}"
+        table = pool.table.dev.clone()
+        at, U = offsets.updates, offsets.update_capacity
+        buf[at : at + 3] = torch.tensor([5, 9, 11], dtype=torch.int32)
+        buf[at + 3 : at + U] = table.shape[0] - 1
+        buf[at + U : at + 2 * U] = torch.arange(U, dtype=torch.int32) + 1000
+        want = table.clone()
+        derive.apply_updates(want, buf, offsets)
+        derive.apply_updates(table, buf, offsets, kernels)
+        assert torch.equal(table[:-1], want[:-1]), f"seed {seed}"
