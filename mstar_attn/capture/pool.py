@@ -107,6 +107,7 @@ class GraphBufferPool:
         # recorded after each slot's commit: once it has run, the slot's staging may be rewritten
         self.ready = [torch.cuda.Event() if cuda else HostEvent() for _ in range(slots)]
         self.generations = [0] * slots  # commits per slot: a DeviceStep is live while its count is current
+        self.unstaged = [-1] * slots  # the generation of a derived step whose pinned O(rows) arrays are not written yet
         self.consumers: list = [None] * slots  # the stream that waited for the slot's step (side-stream commits)
         self._reuse = [torch.cuda.Event() if cuda else HostEvent() for _ in range(slots)]
         self._views: dict[tuple, tuple] = {}  # (["draft",] slot, rows, num_rows) of bucketed steps only
@@ -241,9 +242,10 @@ class GraphBufferPool:
         table = self.table if xg is None else self.cross_table
         updates = None if plan.rows is None and xg is None else table.take_updates()  # (put back if the commit fails)
         h, offsets = self.host_np[s], views[0]
+        lazy = derived and getattr(scheduler, "lazy_host_arrays", False)
         if derived:  # the rows and lengths alone; the pinned O(rows) arrays only if a scheduler asks (stage_host)
             left = stage_derived(h, plan, offsets, rows, q_len, updates, self.table)
-            if not getattr(scheduler, "lazy_host_arrays", False):
+            if not lazy:
                 stage_requests(h, plan, offsets, rows, q_len)
             ranges = [(o[4], o[4] + self.layout.index_capacity) for o in offsets.groups]
         elif plan.rows is None:
@@ -254,6 +256,7 @@ class GraphBufferPool:
             ps, pad = self.spec.page_size, rows - B
             ranges = [(o[4], o[4] + gp.kv_indptr[-1] + -(-q_len // ps) * pad) for gp, o in zip(plan.groups, offsets.groups)]
         self.generations[s] += 1  # from here on the slot's previous step is stale
+        self.unstaged[s] = self.generations[s] if lazy else -1
         self.next_slot = (s + 1) % self.num_slots
         host, dev = self.host[s], self.dev[s]
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -330,8 +333,10 @@ class GraphBufferPool:
         """Write a derived step's O(rows) arrays (qo_indptr; per group kv_indptr, last_page_len, kv_lens,
         padding included) into its slot's pinned staging, for a scheduler that plans from them on the
         host (a scheduler with lazy_host_arrays calls this only when it does). Host only: the device
-        arrays were derived already."""
-        stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.rows, step.num_rows), step.rows, step.q_len)
+        arrays were derived already. A no-op for a step whose arrays were staged at commit, or a stale step."""
+        if self.unstaged[step.slot] == step.generation == self.generations[step.slot]:
+            stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.rows, step.num_rows), step.rows, step.q_len)
+            self.unstaged[step.slot] = -1
 
     def _after_consumer(self, s: int, on) -> None:
         """If slot s's last step runs on another stream than this commit's `on` (it was committed

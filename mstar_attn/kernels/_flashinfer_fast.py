@@ -25,6 +25,7 @@ internals move.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 VERSIONS = ("0.7.2", "0.7.2.post1")  # the FlashInfer releases whose internals this module reads
@@ -82,6 +83,10 @@ class FastDecodePlan:
         self.wrapper, self.module, self.q_len = w, w._cached_module, q_len
         self.tensor_cores = w.use_tensor_cores
         self.head = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+        self.page_size, self.window_left = page_size, window_left
+        self.counts: np.ndarray | None = None  # KV chunks per request of the last plan (see holds)
+        self.chunk_pages, self.cap = 1, None
+        self.remember()
         if self.tensor_cores:  # the prefill planner, as _plan_impl calls it
             self.tail = (num_qo_heads, num_kv_heads, page_size, True, head_dim, head_dim, q_len > 1, window_left)
             if backend == "fa2":  # fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
@@ -98,3 +103,39 @@ class FastDecodePlan:
         else:
             info = self.module.plan(*self.head, kv_indptr, rows, *self.tail)
         self.wrapper._plan_info = info
+        self.remember()
+
+    def remember(self) -> None:
+        """Read the chunk size of the wrapper's plan from the pinned int workspace the planner wrote:
+        the kv_chunk_size_ptr entry of DecodePlanInfo (index 7) / PrefillPlanInfo (index 9), int32
+        tokens; the tensor-core planner also caps a windowed request's pages at
+        ceil((window_left + cta_tile_q) / page_size) (cta_tile_q: PrefillPlanInfo index 3)."""
+        info = self.wrapper._plan_info
+        at = int(info[9] if self.tensor_cores else info[7])
+        tokens = int(self.head[2][at : at + 4].numpy().view(np.int32)[0])  # (pinned host memory: no sync)
+        self.chunk_pages = max(tokens // self.page_size, 1)
+        wl = self.window_left
+        self.cap = -(-(wl + int(info[3])) // self.page_size) if self.tensor_cores and wl >= 0 else None
+        self.counts = None  # set by `plans`, from the pages of the step just planned
+
+    def chunks(self, pages: np.ndarray) -> np.ndarray:
+        """KV chunks per request [B] of a step whose requests read `pages` [B] pages, under this plan's
+        chunk size: FlashInfer's planners count ceil(max(pages, 1) / chunk_pages) (the tensor-core one
+        after the window cap). A plan made for other lengths holds for this step iff every count is the
+        same: the work lists, merge offsets and padded grid depend on the counts alone, and the kernels
+        read each request's length from the device and clip its last chunk to it."""
+        p = pages if self.cap is None else np.minimum(pages, self.cap)
+        out = np.maximum(p, 1)
+        out += self.chunk_pages - 1
+        out //= self.chunk_pages
+        return out
+
+    def plans(self, pages: np.ndarray) -> None:
+        """Record the step just planned: its requests' pages [B] (the padding requests' are fixed by B)."""
+        self.counts = self.chunks(pages)
+
+    def holds(self, pages: np.ndarray) -> bool:
+        """Whether the current plan serves a step of the same rows whose B requests read `pages` [B]
+        (int32 host) without planning again."""
+        c = self.counts
+        return c is not None and c.shape == pages.shape and np.array_equal(self.chunks(pages), c)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 import flashinfer
+import numpy as np
 import torch
 
 from mstar_attn.cache import PagedKVCache
@@ -33,7 +34,7 @@ FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without sp
 # A bucket whose rows x KV heads reach this many CTAs per SM of the GPU is planned once, without
 # split-KV, and never re-planned (see Scheduler); below it split-KV pays for small batches over
 # long contexts, and the schedule is re-planned per step. Measured: benchmarks/results/fixed_schedule_h100.md
-FIXED_CTAS_PER_SM = None  # off by default until the H100 runs of the fixed path are clean (see the README)
+FIXED_CTAS_PER_SM = 2
 
 
 def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
@@ -118,6 +119,8 @@ class Scheduler:
     step's wrapper is first planned: set it before the pool's first round).
     """
 
+    lazy_host_arrays = True  # a derived StepRows step's pinned arrays are staged only when a planner reads them
+
     def __init__(self, pool: GraphBufferPool):
         if pool.device.type != "cuda":
             raise PlanError(f"GraphBufferPool(device={pool.device}): the FlashInfer backend runs on CUDA")
@@ -153,12 +156,10 @@ class Scheduler:
         if self._on_xqa(plan):
             self.xqa.tables.check(plan)
 
-    def expand(self, step: DeviceStep) -> bool:
-        """A StepRows step's XQA page tables, on the device (fp8_math decode); True: the pool also
-        gathers the CSR page lists (the wrappers' and the reference's)."""
+    def expand(self, step: DeviceStep) -> None:
+        """A StepRows step's XQA page tables, on the device (fp8_math decode), after the pool's CSR page lists."""
         if self._on_xqa(step.plan):
             self.xqa.tables.expand(step)
-        return True
 
     def _on_xqa(self, plan: AttentionPlan) -> bool:
         """fp8_math decode steps (one query token per request, draft steps included) run on XQA."""
@@ -211,9 +212,14 @@ class Scheduler:
             if w is not None:
                 return w
             fast = self.fast.get(key)
+            pages = np.diff(step.plan.groups[g].kv_indptr)  # (the requests' pages: a plan holds while their chunk counts do)
             if fast is not None:
-                fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
+                if not fast.holds(pages):
+                    self.pool.stage_host(step)
+                    fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
+                    fast.plans(pages)
                 return fast.wrapper
+            self.pool.stage_host(step)
             fix = self.use_fast and (step.rows * spec.num_kv_heads >= self.fixed_min_ctas
                                      or (draft is not None and self.draft_fixed))
             w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
@@ -231,6 +237,7 @@ class Scheduler:
                                                     head_dim=spec.head_dim, page_size=spec.page_size, q_len=step.q_len,
                                                     window_left=group.window_left, soft_cap=float(spec.soft_cap), dtype=spec.dtype,
                                                     kv_dtype=spec.kv_cache_dtype)
+                    self.fast[key].plans(pages)
                 except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
                     pass
             return w

@@ -1,0 +1,75 @@
+"""FlashInfer split-KV plans kept while every request's KV chunk count holds (FastDecodePlan.holds), on
+the H100: decode steps walking lengths across chunk and page boundaries, replayed, per request
+against the reference; some steps reuse the plan, some plan again; a plan reused past a changed
+count (the negative control) is caught (GPU only)."""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import AttentionSpec, build_plan
+from mstar_attn.kernels import reference
+from mstar_attn.metadata.batch import StepRows
+from tests.helpers import GPU_GROUPS, assert_close_per_request, fresh_seed, random_cache
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("flashinfer")
+
+from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
+from mstar_attn.capture.pool import GraphBufferPool  # noqa: E402
+from mstar_attn.kernels import _flashinfer_fast  # noqa: E402
+from mstar_attn.kernels import flashinfer as fi  # noqa: E402
+
+
+def _walk(seed: int, steps: int, tensor_cores: bool):
+    """Decode `steps` steps of 3 requests (bucket 4: split-KV) from random lengths, one token a step.
+    Yields (plan, the replayed output, the reference's)."""
+    rng = np.random.default_rng(seed)
+    heads = (32, 8) if tensor_cores else (8, 8)  # GQA 4: tensor cores; MHA: FlashInfer's CUDA-core decode
+    spec = AttentionSpec(heads[0], heads[1], 128, 16, 600, groups=GPU_GROUPS[:2])
+    cache = random_cache(spec, seed)
+    pool = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=64, max_num_pages=600, buckets=(4,),
+                           max_requests=8, max_pages_per_request=128)
+    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(4, heads[0], 128, device="cuda",
+                                                                                         dtype=torch.bfloat16)})
+    graphs.capture()
+    kv = rng.integers(100, 1500, 3).astype(np.int32)
+    free = list(rng.permutation(600).astype(np.int32))
+    for r, k in enumerate(kv):
+        pool.table.assign(r, [free.pop() for _ in range(127)])  # (room for the walk: at most 127 pages)
+    q = torch.randn(3, heads[0], 128, device="cuda", dtype=torch.bfloat16)
+    for _ in range(steps):
+        kv += rng.integers(1, 40, 3).astype(np.int32)  # (several tokens a step: chunk boundaries come sooner)
+        kv = np.minimum(kv, 127 * 16)
+        plan = build_plan(StepRows.decode(np.arange(3, dtype=np.int32), kv), spec)
+        step = pool.commit(plan)
+        out = graphs(step, q=q)[:3].clone()
+        yield plan, out, reference.run(step, q.float(), cache)
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_a_split_plan_is_reused_while_the_chunk_counts_hold(tensor_cores, monkeypatch):
+    seed = fresh_seed()
+    planned = []
+    replan = _flashinfer_fast.FastDecodePlan.replan
+    monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "replan", lambda self, *a: (planned.append(1), replan(self, *a)))
+    n = 0
+    for plan, out, want in _walk(seed, 40, tensor_cores):
+        assert_close_per_request(out, want, plan, torch.bfloat16, f"seed {seed}, step {n}")
+        n += 1
+    assert 0 < len(planned) < n, (f"seed {seed}", len(planned), n)  # both paths ran
+
+
+def test_a_plan_reused_past_a_changed_chunk_count_is_caught(monkeypatch):
+    """The negative control: with the check forced to say yes, some step's output is wrong."""
+    seed = fresh_seed()
+    monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "holds", lambda self, pages: self.counts is not None)
+    wrong = 0
+    for plan, out, want in _walk(seed, 40, True):
+        try:
+            assert_close_per_request(out, want, plan, torch.bfloat16, f"seed {seed}")
+        except AssertionError:
+            wrong += 1
+    assert wrong > 0, f"seed {seed}"
