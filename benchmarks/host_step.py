@@ -1,14 +1,17 @@
-"""H100: host work per decode step through the page table, side by side with FlashInfer plan(), one process.
+"""H100: host work per decode step, side by side with FlashInfer plan(), one process.
 
-(a) host µs per decode step at B = 1, 8, 64, 256 (~2k tokens, page 16, 32/8 heads, d 128): all
-    the engine calls per step on the StepRows path (table.append for requests starting a page,
-    StepRows, build_plan, commit: FlashInfer's planner included where it still runs), the StepBatch
-    path, and FlashInfer's own plan() on the same lengths, interleaved; host-to-device bytes per step.
+(a) host µs per decode step at B = 1, 8, 64, 256 (~2k tokens, page 16, 32/8 heads, d 128), interleaved
+    rounds on the same lengths: FlashInfer's own plan(); the StepRows path (StepRows.decode +
+    build_plan + commit, the pages already in the table: `rows_step`), the same with the engine's
+    table.append for the requests starting a page (`rows_step_append`), the StepBatch path; host-to-device
+    bytes per step.
 (b) kernel time of a replayed decode with a per-step split-KV plan vs the fixed schedule (planned
     once, split-KV off) on decode shapes B x context, interleaved rounds.
 (c) exposed host time: a 32-layer decode-attention graph (write_kv + run per layer) replayed back to
-    back, vs the same with the per-step table update + plan + commit before each replay.
-Run on the GPU: python -m benchmarks.host_step OUT_DIR   (writes host_step_h100.json / .md)
+    back ("replay only", committed once at the rounds' middle length) vs the same with the per-step
+    StepRows plan + commit before each replay, walking the same lengths (equal KV read on both arms);
+    GPU idle µs and GPU items per step from a profiler trace of each arm.
+Run on the GPU: python -m benchmarks.host_step OUT_DIR [a,b,c]   (writes host_step_h100_<parts>.json)
 """
 
 from __future__ import annotations
@@ -38,15 +41,22 @@ class Engine:
     """A decode batch of B requests on a table pool: each step every request gains a token, and the
     ones starting a page get one (table.append). step() is all the host work of one step."""
 
-    def __init__(self, pool, B: int, context: int, seed: int = 0):
+    def __init__(self, pool, B: int, context: int, seed: int = 0, room: int = 0):
+        """room: tokens of pages given to each request up front beyond its context (then step_only needs no append)."""
         rng = np.random.default_rng(seed)
         self.pool, self.table = pool, pool.table
         self.rows = rng.permutation(pool.table.max_requests)[:B].astype(np.int32)
         self.kv = rng.integers(context - 256, context + 256, B).astype(np.int32)
         self.free = list(rng.permutation(pool.spec.num_pages).astype(np.int32))
         for r, k in zip(self.rows, self.kv):
-            self.table.assign(int(r), [self.free.pop() for _ in range(-(-int(k) // PS))])
+            self.table.assign(int(r), [self.free.pop() for _ in range(-(-(int(k) + room) // PS))])
         self.kv -= 1  # the first step writes the last token of the context
+        self.start = self.kv.copy()
+
+    def step_only(self):
+        """A step whose pages are in the table already (room): StepRows.decode + build_plan + commit."""
+        self.kv += 1
+        return self.pool.commit(build_plan(StepRows.decode(self.rows, self.kv), self.pool.spec))
 
     def step(self):
         self.kv += 1
@@ -84,10 +94,14 @@ def part_a(spec, ws) -> list[dict]:
     rows = []
     for B in (1, 8, 64, 256):
         pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
-                               max_requests=1024, max_pages_per_request=256)
+                               max_requests=1024, max_pages_per_request=512)
         eng = Engine(pool, B, 2048, seed=B)
+        lean_pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
+                                    max_requests=1024, max_pages_per_request=512)
+        lean = Engine(lean_pool, B, 2048, seed=B, room=1500)  # (the rounds below decode 1,360 tokens)
         for _ in range(3):  # each slot's first commit of the bucket captures its device graph
             eng.step()
+            lean.step_only()
         batch = eng.csr()
         plan = build_plan(batch, spec)
         args = (torch.from_numpy(plan.kv_indptr.copy()), torch.from_numpy(plan.kv_indices.copy()).to("cuda"),
@@ -97,21 +111,25 @@ def part_a(spec, ws) -> list[dict]:
         raw_plan = lambda: raw.plan(*args, 32, 8, 128, PS, **kw)  # noqa: E731
         old_pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages)
         old = lambda: old_pool.commit(build_plan(batch, spec))  # noqa: E731
-        t = {"flashinfer_plan": [], "rows_step": [], "batch_step": []}
+        t = {"flashinfer_plan": [], "rows_step": [], "rows_step_append": [], "batch_step": []}
         for _ in range(3):  # interleaved rounds: the host's noise hits every side
             t["flashinfer_plan"] += host_us(raw_plan)
-            t["rows_step"] += host_us(eng.step)
+            t["rows_step"] += host_us(lean.step_only)
+            t["rows_step_append"] += host_us(eng.step)
             t["batch_step"] += host_us(old)
-        eng.step()
-        rows_bytes = pool.last_commit_bytes
+        lean.step_only()
+        rows_bytes = lean_pool.last_commit_bytes
         old()
         med = {k: statistics.median(v) for k, v in t.items()}
+        sched = lean_pool.scheduler_for("flashinfer")
         rows.append(dict(batch=B, **{f"{k}_us": v for k, v in med.items()}, **{f"{k}_iqr_us": spread(v) for k, v in t.items()},
+                         **{f"{k}_mean_us": float(np.mean(v)) for k, v in t.items()},
                          ratio=med["rows_step"] / med["flashinfer_plan"], batch_ratio=med["batch_step"] / med["flashinfer_plan"],
+                         append_ratio=med["rows_step_append"] / med["flashinfer_plan"],
                          rows_h2d_bytes=rows_bytes, batch_h2d_bytes=old_pool.last_commit_bytes,
-                         planner_skipped=bool(pool.scheduler_for("flashinfer").fixed)))
+                         fixed_schedule=bool(sched.fixed), split_kv_plans=len(sched.fast)))
         print(rows[-1], flush=True)
-        del pool, old_pool
+        del pool, old_pool, lean_pool
     return rows
 
 
@@ -154,9 +172,29 @@ def part_b(spec_for) -> list[dict]:
     return out
 
 
+def gpu_trace(fn, n: int) -> dict:
+    """GPU idle µs and GPU items (kernels, copies) per call of fn, from a profiler trace of n calls
+    started with an idle GPU: idle = the span from the first item's start to the last one's end,
+    less the union of the items' intervals."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, -1e30
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return dict(gpu_idle_us=(spans[-1][1] - spans[0][0] - busy) / n, gpu_items=len(spans) / n)
+
+
 def part_c(spec_for) -> list[dict]:
     out = []
-    layers = 32
+    layers, n, rounds = 32, 200, 5
     for B, ctx in ((1, 512), (8, 512), (64, 2048), (256, 2048)):
         spec = spec_for((32, 8), B * (ctx // PS + 120) + 64)
         cache = PagedKVCache.allocate(spec, "cuda")
@@ -164,7 +202,7 @@ def part_c(spec_for) -> list[dict]:
             t.normal_()
         pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=256, max_num_pages=spec.num_pages,
                                max_requests=max(B, 8), max_pages_per_request=ctx // PS + 120)
-        eng = Engine(pool, B, ctx)
+        eng = Engine(pool, B, ctx, room=n + 16)  # pages for the walk up front: both arms decode the same lengths
 
         def model(step, x):
             h = x["q"]
@@ -173,30 +211,45 @@ def part_c(spec_for) -> list[dict]:
                 h = fi.run(step, h, cache)
             return h
 
-        static = {n: torch.zeros(256, hh, 128, device="cuda", dtype=torch.bfloat16) for n, hh in (("q", 32), ("k", 8), ("v", 8))}
+        static = {name: torch.zeros(256, hh, 128, device="cuda", dtype=torch.bfloat16) for name, hh in (("q", 32), ("k", 8), ("v", 8))}
         graphs = DecodeGraphs(pool, model, static)
         graphs.capture(buckets=(pool.bucket_for(build_plan(StepRows.decode(eng.rows, eng.kv + 1), spec)),))
-        x = {n: torch.randn(B, t.shape[1], 128, device="cuda", dtype=torch.bfloat16) for n, t in static.items()}
-        step = eng.step()
-        graphs(step, **x)
-        graph = graphs.graphs[(step.slot, step.bucket, 1, "flashinfer", False)][0]
-        n = 200
+        x = {name: torch.randn(B, t.shape[1], 128, device="cuda", dtype=torch.bfloat16) for name, t in static.items()}
+
+        def walk():  # the with-step arm: lengths start .. start + n - 1, a plan and commit each
+            eng.kv[:] = eng.start
+            for _ in range(n):
+                graphs(eng.step_only(), **x)
+
+        eng.kv[:] = eng.start + n // 2 - 1
+        middle = eng.step_only()  # the replay-only arm: committed once at the walk's middle lengths
+        graphs(middle, **x)
+        graph = graphs.graphs[(middle.slot, middle.bucket, 1, "flashinfer", False)][0]
+
+        def replay():
+            for _ in range(n):
+                graph.replay()
 
         def timed(fn):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
+            fn()
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) / n * 1e6
 
+        walk()  # (warm: each slot's device graph, the plans of these lengths)
         res = {"replay_only": [], "with_step": []}
-        for _ in range(5):
-            res["replay_only"].append(timed(graph.replay))
-            res["with_step"].append(timed(lambda: graphs(eng.step(), **x)))
+        for _ in range(rounds):
+            res["replay_only"].append(timed(replay))
+            res["with_step"].append(timed(walk))
         med = {k: statistics.median(v) for k, v in res.items()}
+        with_trace = gpu_trace(lambda: graphs(eng.step_only(), **x), 50)
+        eng.kv[:] = eng.start
+        replay_trace = gpu_trace(graph.replay, 50)
         out.append(dict(batch=B, context=ctx, layers=layers, replay_only_us=med["replay_only"], with_step_us=med["with_step"],
-                        exposed=med["with_step"] / med["replay_only"] - 1, rounds=res))
+                        exposed=med["with_step"] / med["replay_only"] - 1, gpu_idle_us=with_trace["gpu_idle_us"],
+                        replay_gpu_idle_us=replay_trace["gpu_idle_us"], gpu_items=with_trace["gpu_items"],
+                        replay_gpu_items=replay_trace["gpu_items"], rounds=res))
         print(out[-1], flush=True)
         del graphs, pool, cache
         torch.cuda.empty_cache()
@@ -206,7 +259,8 @@ def part_c(spec_for) -> list[dict]:
 def main(out_dir: str) -> None:
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__, "torch": torch.__version__,
-               "sms": torch.cuda.get_device_properties(0).multi_processor_count, "fixed_min_ctas": fi.FIXED_CTAS_PER_SM}
+               "sms": torch.cuda.get_device_properties(0).multi_processor_count, "fixed_ctas_per_sm": fi.FIXED_CTAS_PER_SM,
+               "equal_lengths": True}
     ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     spec = AttentionSpec(32, 8, 128, PS, cases.NUM_PAGES)
     parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["a", "b", "c"]
