@@ -135,6 +135,7 @@ class Scheduler:
         self.tensor_cores = spec.gqa_group >= 4 or spec.fp8_kv  # FlashInfer's advice for decode (its CUDA-core FP8 decode is slow)
         self.wrappers: dict[tuple, object] = {}
         self.fast: dict[tuple, FastDecodePlan] = {}
+        self.ws_owner: dict[tuple, object] = {}  # (slot, group) -> the wrapper that last planned into its shared int workspace
         self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len[, draft step]) -> its wrapper, planned once for good
         self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once
         props = torch.cuda.get_device_properties(pool.device)
@@ -214,10 +215,13 @@ class Scheduler:
             fast = self.fast.get(key)
             pages = np.diff(step.plan.groups[g].kv_indptr)  # (the requests' pages: a plan holds while their chunk counts do)
             if fast is not None:
-                if not fast.holds(pages):
+                # the plan lives in the slot and group's shared int workspace: kept only while no other wrapper
+                # has planned into it since, and every request's chunk count is the same
+                if self.ws_owner.get((step.slot, g)) is not fast.wrapper or not fast.holds(pages):
                     self.pool.stage_host(step)
                     fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
                     fast.plans(pages)
+                    self.ws_owner[(step.slot, g)] = fast.wrapper
                 return fast.wrapper
             self.pool.stage_host(step)
             fix = self.use_fast and (step.rows * spec.num_kv_heads >= self.fixed_min_ctas
@@ -240,6 +244,7 @@ class Scheduler:
                     self.fast[key].plans(pages)
                 except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
                     pass
+            self.ws_owner[(step.slot, g)] = w
             return w
         if draft is not None:  # tensor cores: their planner splits KV by each request's length, never past it
             w = self._eager(("draft", step.slot, g, draft), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=True)
@@ -258,6 +263,7 @@ class Scheduler:
             w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads,
                    spec.page_size, causal=group.causal, window_left=group.window_left, seq_lens=dg.host_kv_lens,
                    **self.plan_kwargs)
+        self.ws_owner[(step.slot, g)] = w
         return w
 
     def _share(self, w, slot: int, g: int, draft: int | None = None):
