@@ -243,6 +243,7 @@ def part_c(spec_for) -> list[dict]:
             res["replay_only"].append(timed(replay))
             res["with_step"].append(timed(walk))
         med = {k: statistics.median(v) for k, v in res.items()}
+        eng.kv[:] = eng.start
         with_trace = gpu_trace(lambda: graphs(eng.step_only(), **x), 50)
         eng.kv[:] = eng.start
         replay_trace = gpu_trace(graph.replay, 50)

@@ -166,7 +166,11 @@ def test_wrappers_share_the_slot_workspaces():
     for gr in graphs:
         gr.capture(q_lens=(1, 4))
     sched = pool.scheduler_for("flashinfer")
+    fixed = {id(w) for w in sched.fixed.values()}  # (planned once for good: an int workspace of their own)
     for (kind, slot, g, *_), w in sched.wrappers.items():
+        if id(w) in fixed:
+            assert w._int_workspace_buffer is not sched.int_ws[slot][g], (kind, slot, g)
+            continue
         assert w._int_workspace_buffer is sched.int_ws[slot][g], (kind, slot, g)
         assert w._pin_memory_int_workspace_buffer is sched.pinned_ws[slot][g], (kind, slot, g)
         assert w._float_workspace_buffer is sched.float_ws
