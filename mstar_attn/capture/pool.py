@@ -26,7 +26,7 @@ from mstar_attn.capture import cross, derive, rounds
 from mstar_attn.capture.layout import Layout, slot_views
 from mstar_attn.capture.expand import gather_csr
 from mstar_attn.capture.graph_cache import CommitGraphs
-from mstar_attn.capture.stage import stage_derived, stage_pages, stage_requests, stage_rows
+from mstar_attn.capture.stage import copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
 from mstar_attn.capture.step import DeviceGroup, DeviceStep, HostEvent, MemoryReport
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
@@ -97,7 +97,7 @@ class GraphBufferPool:
         self.layout = Layout(max_batch, max(self.max_num_tokens, top * max_q), max_num_pages + top * room, len(spec.groups),
                              tuple(self.max_encoder_tokens if g.cross else -int(g.own_pages) for g in spec.groups),
                              self.max_draft_steps)
-        cuda = self.device.type == "cuda"
+        cuda = self.cuda = self.device.type == "cuda"
         if cuda and self.device.index is None:  # "cuda": the current device, fixed now
             self.device = torch.device("cuda", torch.cuda.current_device())
         slots = positive_int("num_slots", num_slots)
@@ -111,6 +111,7 @@ class GraphBufferPool:
         self.consumers: list = [None] * slots  # the stream that waited for the slot's step (side-stream commits)
         self._reuse = [torch.cuda.Event() if cuda else HostEvent() for _ in range(slots)]
         self._views: dict[tuple, tuple] = {}  # (["draft",] slot, rows, num_rows) of bucketed steps only
+        self._whole_groups: dict[tuple, tuple] = {}  # (slot, rows, num_rows) -> a derived step's DeviceGroups
         self._scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
         self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
         self.bytes_to_device = 0  # host-to-device bytes the pool and its schedulers issued, all commits
@@ -235,7 +236,7 @@ class GraphBufferPool:
         num_rows = rows * q_len if bucket else T
         views = self._views_of(s, rows, num_rows, bucket is not None)
 
-        cuda = self.device.type == "cuda"
+        cuda = self.cuda
         here = torch.cuda.current_stream(self.device.index) if cuda else None  # (an int index: no device lookup)
         side = stream if stream is not None and cuda and stream != here else None
         self.last_commit_bytes = 0
@@ -247,7 +248,7 @@ class GraphBufferPool:
             left = stage_derived(h, plan, offsets, rows, q_len, updates, self.table)
             if not lazy:
                 stage_requests(h, plan, offsets, rows, q_len)
-            ranges = [(o[4], o[4] + self.layout.index_capacity) for o in offsets.groups]
+            ranges = None  # (each group's whole index region: the step's DeviceGroups are fixed, made once)
         elif plan.rows is None:
             ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self._scratch_slots)
             left = 0 if xg is None else cross.stage(h, plan, xg, offsets, rows, x_slots, updates, table)
@@ -264,14 +265,12 @@ class GraphBufferPool:
             try:
                 self._after_consumer(s, on)
                 offsets, qo, h_qo, slot_view, table_rows, group_views = views
-                groups = tuple(DeviceGroup(ptr, dev[o_idx:end], lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots)
-                               for (ptr, lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots), (*_, o_idx), (_, end)
-                               in zip(group_views, offsets.groups, ranges))
+                groups = self._groups_of(s, rows, num_rows, views, ranges)
                 fields = (plan, s, rows, num_rows, bucket, q_len, qo, h_qo, slot_view, table_rows, groups,
                           self.generations[s], self, side)
                 step = DeviceStep(*fields)
                 if plan.rows is None:
-                    for a, b in self._copy_ranges(offsets, ranges, plan):
+                    for a, b in copy_ranges(offsets, ranges, plan):
                         self.upload(dev[a:b], host[a:b])
                     if xg is not None:  # the table updates past the step's region, then one graph per bucket
                         self.last_commit_bytes += table.send(updates) if left else 0
@@ -331,12 +330,25 @@ class GraphBufferPool:
 
     def stage_host(self, step: DeviceStep) -> None:
         """Write a derived step's O(rows) arrays (qo_indptr; per group kv_indptr, last_page_len, kv_lens,
-        padding included) into its slot's pinned staging, for a scheduler that plans from them on the
-        host (a scheduler with lazy_host_arrays calls this only when it does). Host only: the device
-        arrays were derived already. A no-op for a step whose arrays were staged at commit, or a stale step."""
+        padding included) into its slot's pinned staging for a scheduler (lazy_host_arrays) that plans
+        from them on the host. A no-op for a step staged at commit already, or a stale step."""
         if self.unstaged[step.slot] == step.generation == self.generations[step.slot]:
             stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.rows, step.num_rows), step.rows, step.q_len)
             self.unstaged[step.slot] = -1
+
+    def _groups_of(self, s: int, rows: int, num_rows: int, views: tuple, ranges) -> tuple[DeviceGroup, ...]:
+        """The step's DeviceGroups over each group's used index range, or its whole index region (ranges None:
+        a derived step), made once per slot and bucketed shape."""
+        key, whole = (s, rows, num_rows), ranges is None
+        groups = self._whole_groups.get(key) if whole else None
+        if groups is None:
+            dev, cap = self.dev[s], self.layout.index_capacity
+            ranges = [(o[4], o[4] + cap) for o in views[0].groups] if whole else ranges
+            groups = tuple(DeviceGroup(ptr, dev[o_idx:end], lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots)
+                           for (ptr, lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots), (o_idx, end) in zip(views[5], ranges))
+            if whole and views is self._views.get(key):  # (bucketed shapes only: bounded)
+                self._whole_groups[key] = groups
+        return groups
 
     def _after_consumer(self, s: int, on) -> None:
         """If slot s's last step runs on another stream than this commit's `on` (it was committed
@@ -347,17 +359,7 @@ class GraphBufferPool:
             self._reuse[s].record(consumer)
             on.wait_event(self._reuse[s])
 
-    def _copy_ranges(self, offsets, ranges, plan):
-        """A StepBatch commit's copies: from qo_indptr (from 0 with CrossRows: the rows and table
-        updates) through group 0's indices, then each other group's (a CrossRows group's indices
-        are gathered on the device instead), then the encoder slots a cross group stores now."""
-        gathered = [gp.table_rows is not None for gp in plan.groups]
-        start = 0 if any(gathered) else offsets.qo
-        out = [(start, offsets.head_end if gathered[0] else ranges[0][1])]
-        out += [r for r, skip in zip(ranges[1:], gathered[1:]) if not skip]
-        return out + [(at, at + 2 * gp.stored) for gp, at in zip(plan.groups, offsets.group_slots) if gp.stored]
-
-    def _check_slot(self, slot, where: str) -> None:
+    def _check_slot(self, slot, where: str) -> None:  # (None: the next slot)
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
             raise PlanError(f"{where}: slot {slot!r} is not one of the pool's {self.num_slots} slots")
 

@@ -114,3 +114,14 @@ def stage_slots(h: np.ndarray, offsets: Offsets, slot_mapping: np.ndarray, T: in
     wide[:T] = slot_mapping
     if num_rows > T:
         wide[T:num_rows] = scratch_slots[: num_rows - T]
+
+
+def copy_ranges(offsets: Offsets, ranges: list[tuple[int, int]], plan: AttentionPlan) -> list[tuple[int, int]]:
+    """A StepBatch commit's copies: from qo_indptr (from 0 with CrossRows: the rows and table
+    updates) through group 0's indices, then each other group's (a CrossRows group's indices
+    are gathered on the device instead), then the encoder slots a cross group stores now."""
+    gathered = [gp.table_rows is not None for gp in plan.groups]
+    start = 0 if any(gathered) else offsets.qo
+    out = [(start, offsets.head_end if gathered[0] else ranges[0][1])]
+    out += [r for r, skip in zip(ranges[1:], gathered[1:]) if not skip]
+    return out + [(at, at + 2 * gp.stored) for gp, at in zip(plan.groups, offsets.group_slots) if gp.stored]

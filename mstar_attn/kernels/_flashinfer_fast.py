@@ -84,8 +84,6 @@ class FastDecodePlan:
         self.tensor_cores = w.use_tensor_cores
         self.head = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
         self.page_size, self.window_left = page_size, window_left
-        self.counts: np.ndarray | None = None  # KV chunks per request of the last plan (see holds)
-        self.chunk_pages, self.cap = 1, None
         self.remember()
         if self.tensor_cores:  # the prefill planner, as _plan_impl calls it
             self.tail = (num_qo_heads, num_kv_heads, page_size, True, head_dim, head_dim, q_len > 1, window_left)
@@ -113,29 +111,55 @@ class FastDecodePlan:
         info = self.wrapper._plan_info
         at = int(info[9] if self.tensor_cores else info[7])
         tokens = int(self.head[2][at : at + 4].numpy().view(np.int32)[0])  # (pinned host memory: no sync)
-        self.chunk_pages = max(tokens // self.page_size, 1)
         wl = self.window_left
-        self.cap = -(-(wl + int(info[3])) // self.page_size) if self.tensor_cores and wl >= 0 else None
-        self.counts = None  # set by `plans`, from the pages of the step just planned
+        cap = -(-(wl + int(info[3])) // self.page_size) if self.tensor_cores and wl >= 0 else None
+        self.chunks = ChunkRanges(max(tokens // self.page_size, 1), self.page_size, cap)
 
-    def chunks(self, pages: np.ndarray) -> np.ndarray:
-        """KV chunks per request [B] of a step whose requests read `pages` [B] pages, under this plan's
-        chunk size: FlashInfer's planners count ceil(max(pages, 1) / chunk_pages) (the tensor-core one
-        after the window cap). A plan made for other lengths holds for this step iff every count is the
-        same: the work lists, merge offsets and padded grid depend on the counts alone, and the kernels
-        read each request's length from the device and clip its last chunk to it."""
-        p = pages if self.cap is None else np.minimum(pages, self.cap)
-        out = np.maximum(p, 1)
-        out += self.chunk_pages - 1
-        out //= self.chunk_pages
-        return out
+    def plans(self, kv_lens: np.ndarray) -> None:
+        """Record the step just planned: its B requests' KV lengths [B] int32 (the group's kv_lens; the
+        padding requests' are fixed by B)."""
+        self.chunks.plan(kv_lens)
 
-    def plans(self, pages: np.ndarray) -> None:
-        """Record the step just planned: its requests' pages [B] (the padding requests' are fixed by B)."""
-        self.counts = self.chunks(pages)
+    def holds(self, kv_lens: np.ndarray) -> bool:
+        """Whether the current plan serves a step of the same rows whose B requests have these KV
+        lengths [B] (int32 host) without planning again."""
+        return self.chunks.holds(kv_lens)
 
-    def holds(self, pages: np.ndarray) -> bool:
-        """Whether the current plan serves a step of the same rows whose B requests read `pages` [B]
-        (int32 host) without planning again."""
-        c = self.counts
-        return c is not None and c.shape == pages.shape and np.array_equal(self.chunks(pages), c)
+
+class ChunkRanges:
+    """When a FlashInfer decode plan still holds. Its planners split request i's KV into
+    c_i = ceil(max(min(pages_i, cap), 1) / chunk_pages) chunks (pages_i = ceil(kv_len_i / page_size),
+    cap: the tensor-core planner's window cap, else None). The work lists, merge offsets and padded
+    grid depend on the counts alone, and the kernels read each request's length from the device and
+    clip its last chunk to it, so a plan made for other lengths serves a step iff every c_i is the
+    same: iff each kv_len_i lies in ((c_i - 1) * T, c_i * T] with T = chunk_pages * page_size tokens
+    (unbounded above at the capped count). `holds` checks that with one subtraction and one unsigned
+    comparison per request. Pure numpy (tests/kernels/test_flashinfer_chunks.py)."""
+
+    def __init__(self, chunk_pages: int, page_size: int, cap: int | None):
+        self.chunk_pages, self.page_size, self.cap = chunk_pages, page_size, cap
+        self.tokens = chunk_pages * page_size
+        self.low: np.ndarray | None = None  # per request: the least kv_len of its count
+        self.span: np.ndarray | None = None  # per request: how many kv_lens from `low` share it (uint32)
+
+    def counts(self, kv_lens: np.ndarray) -> np.ndarray:
+        """c_i [B] for these lengths, as FlashInfer's planners count them."""
+        pages = (kv_lens.astype(np.int64) + self.page_size - 1) // self.page_size
+        if self.cap is not None:
+            pages = np.minimum(pages, self.cap)
+        return (np.maximum(pages, 1) + self.chunk_pages - 1) // self.chunk_pages
+
+    def plan(self, kv_lens: np.ndarray) -> None:
+        c = self.counts(kv_lens)
+        self.low = ((c - 1) * self.tokens + 1).astype(np.int32)
+        span = np.full(c.shape, self.tokens, np.int64)
+        if self.cap is not None:  # the capped count holds for any longer length (up to int32's)
+            top = c == -(-self.cap // self.chunk_pages)
+            span[top] = 2**31 - self.low[top].astype(np.int64)
+        self.span = span.astype(np.uint32)
+
+    def holds(self, kv_lens: np.ndarray) -> bool:
+        low = self.low
+        if low is None or low.shape != kv_lens.shape:
+            return False
+        return bool(np.less((kv_lens - low).view(np.uint32), self.span).all())

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import attrs
 import flashinfer
-import numpy as np
 import torch
 
 from mstar_attn.cache import PagedKVCache
@@ -213,14 +212,15 @@ class Scheduler:
             if w is not None:
                 return w
             fast = self.fast.get(key)
-            pages = np.diff(step.plan.groups[g].kv_indptr)  # (the requests' pages: a plan holds while their chunk counts do)
+            lens = step.plan.groups[g].kv_lens  # (a plan holds while every request's KV chunk count does)
             if fast is not None:
                 # the plan lives in the slot and group's shared int workspace: kept only while no other wrapper
-                # has planned into it since, and every request's chunk count is the same
-                if self.ws_owner.get((step.slot, g)) is not fast.wrapper or not fast.holds(pages):
+                # has planned into it since, and every request's chunk count is the same (a draft step's
+                # pages run ahead of its lengths: planned every time)
+                if draft is not None or self.ws_owner.get((step.slot, g)) is not fast.wrapper or not fast.holds(lens):
                     self.pool.stage_host(step)
                     fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
-                    fast.plans(pages)
+                    fast.plans(lens)
                     self.ws_owner[(step.slot, g)] = fast.wrapper
                 return fast.wrapper
             self.pool.stage_host(step)
@@ -241,7 +241,7 @@ class Scheduler:
                                                     head_dim=spec.head_dim, page_size=spec.page_size, q_len=step.q_len,
                                                     window_left=group.window_left, soft_cap=float(spec.soft_cap), dtype=spec.dtype,
                                                     kv_dtype=spec.kv_cache_dtype)
-                    self.fast[key].plans(pages)
+                    self.fast[key].plans(lens)
                 except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
                     pass
             self.ws_owner[(step.slot, g)] = w

@@ -18,7 +18,7 @@ from mstar_attn.metadata.cascade import CascadePlan, plan_cascade
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, cross_plan, cross_rows_plan, own_plan, window_plan
 from mstar_attn.metadata.pages import check_page_ids, gather_ranges, scan_ownership
-from mstar_attn.metadata.select import select_backend
+from mstar_attn.metadata.select import resolve_backend
 from mstar_attn.metadata.spec import CASCADE_BACKENDS, AttentionSpec, Kind
 
 __all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "scratch_plan"]
@@ -377,24 +377,3 @@ def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, 
                          last_page_len, positions, slot_mapping, groups, block_table, backend, rows, None, levels)
     object.__setattr__(plan, "sealed", True)
     return plan
-
-
-def resolve_backend(spec: AttentionSpec, mode: Mode, B: int, T: int, q_max: int, max_kv: int,
-                    backend: str | None = None) -> str:
-    """The backend serving a step of this shape: `backend`, else the spec's, or with "auto" the
-    dispatcher's pick; PlanError when it cannot serve the step."""
-    backend = backend or spec.backend
-    cross = spec.has_cross  # (cross layers read the encoder's K/V, never only the step's)
-    if backend == AUTO:
-        backend = select_backend(spec, mode.value, B, T, q_max, max_kv, mode is Mode.PREFILL and not cross)
-    caps = BACKENDS.get(backend)
-    if caps is None:
-        raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
-    caps.check(spec, backend)
-    if caps.prefix_free and cross:
-        raise PlanError(f"backend: {backend!r} attends over the step's new K/V only; the spec's cross-attention layers "
-                        "read the encoder's K/V from the cache (use a paged backend)")
-    if mode.value not in caps.modes or (caps.prefix_free and mode is not Mode.PREFILL):
-        raise PlanError(f"backend: {backend!r} serves {sorted(caps.modes)} steps"
-                        f"{' without a cached prefix' if caps.prefix_free else ''}, not this {mode.value} step")
-    return backend

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import attrs
 
-from mstar_attn.metadata.backends import BACKENDS
+from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.spec import MLA_BACKEND, Kind
 
 DEFAULT = "flashinfer"
@@ -235,3 +236,33 @@ def select_backend(spec, mode: str, batch_size: int, num_tokens: int, max_q_len:
     if name is None or not _serves(t.caps[name], spec, mode, prefix_free):
         return DEFAULT
     return name
+
+
+def resolve_backend(spec, mode, B: int, T: int, q_max: int, max_kv: int,
+                    backend: str | None = None) -> str:
+    """The backend serving a step of this shape: `backend`, else the spec's, or with "auto" the
+    dispatcher's pick; PlanError when it cannot serve the step."""
+    backend = backend or spec.backend
+    cross = spec.has_cross  # (cross layers read the encoder's K/V, never only the step's)
+    if backend == AUTO:
+        backend = select_backend(spec, mode.value, B, T, q_max, max_kv, mode.value == "prefill" and not cross)
+    key = (id(spec), mode, backend)  # (a pure function of these three: checked once per spec, mode and backend)
+    if _SERVES.get(key) is spec:
+        return backend
+    caps = BACKENDS.get(backend)
+    if caps is None:
+        raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
+    caps.check(spec, backend)
+    if caps.prefix_free and cross:
+        raise PlanError(f"backend: {backend!r} attends over the step's new K/V only; the spec's cross-attention layers "
+                        "read the encoder's K/V from the cache (use a paged backend)")
+    if mode.value not in caps.modes or (caps.prefix_free and mode.value != "prefill"):
+        raise PlanError(f"backend: {backend!r} serves {sorted(caps.modes)} steps"
+                        f"{' without a cached prefix' if caps.prefix_free else ''}, not this {mode.value} step")
+    if len(_SERVES) >= 256:  # (bounded: the oldest entry goes)
+        del _SERVES[next(iter(_SERVES))]
+    _SERVES[key] = spec  # (holding the spec keeps its id from being reused)
+    return backend
+
+
+_SERVES: dict[tuple, object] = {}  # (id(spec), mode, backend) -> spec, for the combinations resolve_backend passed
