@@ -63,9 +63,11 @@ def test_a_split_plan_is_reused_while_the_chunk_counts_hold(tensor_cores, monkey
 
 
 def test_a_plan_reused_past_a_changed_chunk_count_is_caught(monkeypatch):
-    """The negative control: with the check forced to say yes, some step's output is wrong."""
+    """The negative control: with the check forced to say yes once a step of the same batch size was
+    planned (the capture's scratch steps plan 4 requests, the walk 3), some step's output is wrong."""
     seed = fresh_seed()
-    monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "holds", lambda self, pages: self.counts is not None)
+    monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "holds",
+                        lambda self, lens: self.chunks.low is not None and self.chunks.low.shape == lens.shape)
     wrong = 0
     for plan, out, want in _walk(seed, 40, True):
         try:
