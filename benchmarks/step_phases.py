@@ -62,6 +62,23 @@ def main(out_dir: str) -> None:
             graph.replay()
             ev.record()
 
+        def per_call_median(fn, n=400):
+            out = []
+            for i in range(n):
+                t0 = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t0) * 1e6)
+                if i % 50 == 0:
+                    torch.cuda.synchronize()
+            return statistics.median(out)
+
+        walk_pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
+                                    max_requests=1024, max_pages_per_request=512)
+        walker = Engine(walk_pool, B, 2048, seed=B + 7, room=1300)  # lengths advancing one token a step
+        for _ in range(4):
+            walker.step_only()
+        res_walk = {"step_only batched": per_call(walker.step_only, n=300, rounds=3),
+                    "step_only per-call median": per_call_median(walker.step_only, n=300)}
         phases = {
             "flashinfer_plan": lambda: raw.plan(*args, 32, 8, 128, 16, q_data_type=spec.dtype, kv_data_type=spec.dtype),
             "floor": floor,
@@ -75,9 +92,9 @@ def main(out_dir: str) -> None:
             "current_stream": lambda: torch.cuda.current_stream(0),
             "numpy kv.min()": kv.min,
         }
-        res[B] = {name: per_call(fn) for name, fn in phases.items()}
+        res[B] = {**res_walk, **{name: per_call(fn) for name, fn in phases.items()}}
         print(B, {k: round(v, 1) for k, v in res[B].items()}, flush=True)
-        del pool
+        del pool, walk_pool
     json.dump(res, open(f"{out_dir}/step_phases_h100.json", "w"), indent=1)
 
 
