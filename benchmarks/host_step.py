@@ -180,7 +180,7 @@ def gpu_trace(fn, n: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # (GPU activity only: CPU tracing would slow the host arm)
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
@@ -221,14 +221,22 @@ def part_c(spec_for) -> list[dict]:
             for _ in range(n):
                 graphs(eng.step_only(), **x)
 
-        eng.kv[:] = eng.start + n // 2 - 1
-        middle = eng.step_only()  # the replay-only arm: committed once at the walk's middle lengths
-        graphs(middle, **x)
-        graph = graphs.graphs[(middle.slot, middle.bucket, 1, "flashinfer", False)][0]
+        def middle():
+            """The replay-only arm's graph, its slot committed afresh at the walk's middle lengths (a graph
+            reads its slot's buffers: whatever was committed there last, so this runs before each round)."""
+            eng.kv[:] = eng.start + n // 2 - 1
+            step = eng.step_only()
+            graphs(step, **x)
+            return graphs.graphs[(step.slot, step.bucket, 1, "flashinfer", False)][0]
 
         def replay():
+            graph = middle()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             for _ in range(n):
                 graph.replay()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / n * 1e6
 
         def timed(fn):
             torch.cuda.synchronize()
@@ -240,13 +248,12 @@ def part_c(spec_for) -> list[dict]:
         walk()  # (warm: each slot's device graph, the plans of these lengths)
         res = {"replay_only": [], "with_step": []}
         for _ in range(rounds):
-            res["replay_only"].append(timed(replay))
+            res["replay_only"].append(replay())
             res["with_step"].append(timed(walk))
         med = {k: statistics.median(v) for k, v in res.items()}
         eng.kv[:] = eng.start
         with_trace = gpu_trace(lambda: graphs(eng.step_only(), **x), 50)
-        eng.kv[:] = eng.start
-        replay_trace = gpu_trace(graph.replay, 50)
+        replay_trace = gpu_trace(middle().replay, 50)
         out.append(dict(batch=B, context=ctx, layers=layers, replay_only_us=med["replay_only"], with_step_us=med["with_step"],
                         exposed=med["with_step"] / med["replay_only"] - 1, gpu_idle_us=with_trace["gpu_idle_us"],
                         replay_gpu_idle_us=replay_trace["gpu_idle_us"], gpu_items=with_trace["gpu_items"],
