@@ -15,9 +15,16 @@ def scatter(table, buf, at, U, BLOCK: tl.constexpr):
     tl.store(table + pos, val, mask=m)
 
 @triton.jit
-def derive(buf, slots, table, width, windows, R, q_len, ps, rows_at, kv_at, qo_at, ptr_at, ptr_stride,
-           first_at, idx_at, idx_stride, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr):
+def derive(buf, slots, table, windows, meta, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Program (i, g): request i's entries of layer group g. meta (int32, derive.META): R, q_len, page
+    size, table width, then the offsets in buf of the rows, kv_lens, qo_indptr, group 0's kv_indptr
+    (its last_page_len and kv_lens follow), the stride between groups' kv_indptr, group 0's
+    first_page (groups R apart), group 0's indices and the stride between groups' indices."""
     i, g = tl.program_id(0), tl.program_id(1)
+    R, q_len, ps, width = tl.load(meta + 0), tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3)
+    rows_at, kv_at, qo_at = tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6)
+    ptr_at, ptr_stride, first_at = tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
+    idx_at, idx_stride = tl.load(meta + 10), tl.load(meta + 11)
     w = tl.load(windows + g)
     r = tl.arange(0, BLOCK_R)
     kv = tl.load(buf + kv_at + r, mask=r < R, other=0)
@@ -52,4 +59,3 @@ def derive(buf, slots, table, width, windows, R, q_len, ps, rows_at, kv_at, qo_a
         j = j0 + tl.arange(0, BLOCK_P)
         m = j < n
         tl.store(dst + j, tl.load(src + j, mask=m), mask=m)
-

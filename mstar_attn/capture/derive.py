@@ -45,9 +45,30 @@ def triton_kernels():
     return _derive_triton.scatter, _derive_triton.derive
 
 
-def window_sizes(groups) -> tuple[int, ...]:
-    """Per layer group, its window W (0: it reads from position 0)."""
-    return tuple(g.window or 0 for g in groups)
+class Derivation:
+    """What a pool's derivations share: the page table (int32 [(max_requests + 1) * width + 1] on the
+    device, the last element a dump) and its width, each layer group's window W (0: none) on the host
+    and as an int32 device tensor, the page size, each group's index capacity (P), and the Triton
+    kernels (None: torch ops). Per slot shape it keeps the Triton kernel's meta vector (int32 [12]
+    on the device, made at the shape's first, uncaptured, commit): bounded by the buckets."""
+
+    def __init__(self, table: torch.Tensor, width: int, groups, page_size: int, capacity: int, kernels=None):
+        self.table, self.width, self.page_size, self.capacity, self.kernels = table, width, page_size, capacity, kernels
+        self.windows = tuple(g.window or 0 for g in groups)
+        self.windows_dev = torch.tensor(self.windows, dtype=torch.int32, device=table.device)
+        self._meta: dict[tuple[int, int], torch.Tensor] = {}
+
+    def meta(self, offsets: Offsets, q_len: int) -> torch.Tensor:
+        """The derive kernel's meta vector for one slot shape (see _derive_triton.derive)."""
+        key = (offsets.rows, offsets.num_rows)
+        m = self._meta.get(key)
+        if m is None:
+            g, G = offsets.groups, len(offsets.groups)
+            stride = (g[1][0] - g[0][0], g[1][4] - g[0][4]) if G > 1 else (0, 0)
+            m = self._meta[key] = torch.tensor(
+                [offsets.rows, q_len, self.page_size, self.width, offsets.table_rows, offsets.kv_lens, offsets.qo,
+                 g[0][0], stride[0], g[0][3], g[0][4], stride[1]], dtype=torch.int32, device=self.table.device)
+        return m
 
 
 def apply_updates(table: torch.Tensor, buf: torch.Tensor, offsets: Offsets, kernels=None) -> None:
@@ -60,28 +81,21 @@ def apply_updates(table: torch.Tensor, buf: torch.Tensor, offsets: Offsets, kern
     table.index_copy_(0, buf[at : at + U].long(), buf[at + U : at + 2 * U])
 
 
-def derive_rows(buf: torch.Tensor, offsets: Offsets, table: torch.Tensor, width: int, windows: tuple[int, ...],
-                windows_dev: torch.Tensor, q_len: int, page_size: int, capacity: int, kernels=None) -> None:
-    """Fill a bucketed StepRows step's arrays in the slot buffer `buf` (int32, one device) from its
-    staged rows and kv_lens (see the module docstring). table: the page table [(max_requests + 1)
-    * width + 1] int32 on buf's device (updates applied); windows: per group W or 0, windows_dev the
-    same as an int32 tensor on the device; capacity: each group's index region (P). kernels: the
-    Triton kernels (triton_kernels()), or None for torch ops. Reads nothing back to the host."""
-    R, G, ps = offsets.rows, len(offsets.groups), page_size
-    if kernels is not None:
-        g0 = offsets.groups[0]
-        stride = offsets.groups[1][0] - g0[0] if G > 1 else 0
-        istride = offsets.groups[1][4] - g0[4] if G > 1 else 0
+def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> None:
+    """Fill a bucketed StepRows step's arrays in the slot buffer `buf` (int32, on the table's device)
+    from its staged rows and kv_lens (see the module docstring), q_len tokens per request, the
+    table's updates applied. Reads nothing back to the host."""
+    R, ps = offsets.rows, d.page_size
+    if d.kernels is not None:
         slots = buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64)
-        kernels[1][(R, G)](buf, slots, table, width, windows_dev, R, q_len, ps, offsets.table_rows, offsets.kv_lens,
-                           offsets.qo, g0[0], stride, g0[3], g0[4], istride, BLOCK_R=max(16, 1 << (R - 1).bit_length()),
-                           BLOCK_Q=16, BLOCK_P=128)
+        d.kernels[1][(R, len(offsets.groups))](buf, slots, d.table, d.windows_dev, d.meta(offsets, q_len),
+                                               BLOCK_R=max(16, 1 << (R - 1).bit_length()), BLOCK_Q=16, BLOCK_P=128)
         return
     kv = buf[offsets.kv_lens : offsets.kv_lens + R]
     rows = buf[offsets.table_rows : offsets.table_rows + R]
     buf[offsets.qo : offsets.qo + R + 1].copy_(torch.arange(R + 1, device=buf.device) * q_len)
     need = (kv + (ps - 1)).div_(ps, rounding_mode="floor")
-    for (o_ptr, o_lpl, o_len, o_first, _), w in zip(offsets.groups, windows):
+    for (o_ptr, o_lpl, o_len, o_first, _), w in zip(offsets.groups, d.windows):
         first = (kv - (q_len + w - 1)).clamp_(min=0).div_(ps, rounding_mode="floor") if w else torch.zeros_like(kv)
         buf[o_first : o_first + R] = first
         buf[o_ptr : o_ptr + 1] = 0
@@ -89,6 +103,6 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, table: torch.Tensor, width:
         buf[o_lpl : o_lpl + R] = kv - (need - 1) * ps
         buf[o_len : o_len + R] = kv - first * ps
     pos = (kv[:, None] - q_len).long() + torch.arange(q_len, device=buf.device)
-    page = table[rows.long()[:, None] * width + pos.div(ps, rounding_mode="floor")]
+    page = d.table[rows.long()[:, None] * d.width + pos.div(ps, rounding_mode="floor")]
     buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64).copy_((page.long() * ps + pos % ps).view(-1))
-    gather_csr(table, width, rows, buf, offsets.groups, capacity)
+    gather_csr(d.table, d.width, rows, buf, offsets.groups, d.capacity)

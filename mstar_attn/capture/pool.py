@@ -125,9 +125,9 @@ class GraphBufferPool:
         self.cross_table = None if max_requests is None or not spec.has_cross else PageTable(
             spec, max_requests, self.max_pages_per_request, self.device, "cross table")
         self.device_work = CommitGraphs(self.device)  # the commits' device work, one graph per bucketed key
-        self._windows = derive.window_sizes(spec.groups)  # a bucketed StepRows step's derivation (capture/derive.py)
-        self._windows_dev = torch.tensor(self._windows, dtype=torch.int32, device=self.device)
-        self._kernels = derive.triton_kernels() if cuda and derive.USE_TRITON else None
+        self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
+            self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
+            derive.triton_kernels() if cuda and derive.USE_TRITON else None)
         self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
         # every backend a plan for this spec may name, made now: their memory is in the report from
         # the start, and nothing compiles or allocates mid-serving
@@ -314,9 +314,8 @@ class GraphBufferPool:
         def work():
             dev[:end].copy_(host[:end], non_blocking=True)
             if derived:
-                derive.apply_updates(table.dev, dev, offsets, self._kernels)
-                derive.derive_rows(dev, offsets, table.dev, table.width, self._windows, self._windows_dev, step.q_len,
-                                   self.spec.page_size, self.layout.index_capacity, self._kernels)
+                derive.apply_updates(table.dev, dev, offsets, self.derivation.kernels)
+                derive.derive_rows(dev, offsets, step.q_len, self.derivation)
             else:
                 at = offsets.updates
                 table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])

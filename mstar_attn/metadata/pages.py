@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mstar_attn.metadata._arrays import read_only
+from mstar_attn.metadata._arrays import fail_at, read_only
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.spec import AttentionSpec
 
@@ -88,3 +88,25 @@ def scan_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.
         f"{field}: page {page} is written this step and also listed by requests {owners}; "
         "a page being written must belong to one request only"
     )
+
+
+def read_pages(spec: AttentionSpec, batch, need: np.ndarray, page_limit: int,
+               short: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pages each request reads, the first need[i] (>= 1) of its list, after checking the lists:
+    page_indptr within page_indices, at least need[i] pages each (else PlanError `short`, which
+    also catches a decreasing indptr), page ids below page_limit. Returns (kv_indptr [B+1],
+    kv_indices, every listed page), the batch's own arrays when the lists are exact."""
+    indptr, idx = batch.page_indptr, batch.page_indices
+    n_listed = idx.shape[0]
+    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
+        raise PlanError(f"page_indptr must start at 0 and stay within page_indices (length {n_listed}), "
+                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
+    spare = indptr[1:] - indptr[:-1]
+    spare -= need
+    if spare.min() < 0:
+        fail_at("page_indices", spare < 0, short)
+    listed = idx[: indptr[-1]]
+    check_page_ids(spec, "page_indices", indptr, listed, page_limit)
+    if spare.max() == 0:
+        return indptr, listed, listed
+    return (*gather_ranges(idx, indptr[:-1], need), listed)

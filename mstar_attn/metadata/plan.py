@@ -12,12 +12,12 @@ import attrs
 import numpy as np
 
 from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
-from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.backends import AUTO
 from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.cascade import CascadePlan, plan_cascade
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, cross_plan, cross_rows_plan, own_plan, window_plan
-from mstar_attn.metadata.pages import check_page_ids, gather_ranges, scan_ownership
+from mstar_attn.metadata.pages import gather_ranges, read_pages, scan_ownership
 from mstar_attn.metadata.select import resolve_backend
 from mstar_attn.metadata.spec import CASCADE_BACKENDS, AttentionSpec, Kind
 
@@ -175,28 +175,6 @@ def check_batch(batch: StepBatch, spec: AttentionSpec) -> tuple[np.ndarray, np.n
     return q, kv, indptr
 
 
-def read_pages(spec: AttentionSpec, batch: StepBatch, need: np.ndarray, page_limit: int,
-               short: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The pages each request reads, the first need[i] (>= 1) of its list, after checking the lists:
-    page_indptr within page_indices, at least need[i] pages each (else PlanError `short`, which
-    also catches a decreasing indptr), page ids below page_limit. Returns (kv_indptr [B+1],
-    kv_indices, every listed page), the batch's own arrays when the lists are exact."""
-    indptr, idx = batch.page_indptr, batch.page_indices
-    n_listed = idx.shape[0]
-    if indptr[0] != 0 or indptr.min() < 0 or indptr.max() > n_listed:
-        raise PlanError(f"page_indptr must start at 0 and stay within page_indices (length {n_listed}), "
-                        f"got {indptr[0]}..{indptr[-1]} (min {indptr.min()}, max {indptr.max()})")
-    spare = indptr[1:] - indptr[:-1]
-    spare -= need
-    if spare.min() < 0:
-        fail_at("page_indices", spare < 0, short)
-    listed = idx[: indptr[-1]]
-    check_page_ids(spec, "page_indices", indptr, listed, page_limit)
-    if spare.max() == 0:
-        return indptr, listed, listed
-    return (*gather_ranges(idx, indptr[:-1], need), listed)
-
-
 def check_lengths(q: np.ndarray, kv: np.ndarray, ps: int) -> int:
     """PlanError unless every request has q_len >= 1 and q_len <= kv_len < int32 - page_size; returns max q_len."""
     B = q.shape[0]
@@ -268,8 +246,9 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
            else own_plan(g, pages, spec, q, kv, need, last_page_len, positions, mode is Mode.DECODE, page_limit,
                          check_ownership)
            for g, pages in _own_lists(batch, spec)}
-    return _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
-                   slot_mapping, batch.block_table, None, backend, own, cascade)
+    step = _Step(mode=mode, q=q, kv=kv, num_tokens=T, q_max=q_max, qo_indptr=qo_indptr, positions=positions, need=need,
+                 kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last_page_len, slot_mapping=slot_mapping)
+    return _finish(spec, step, block_table=batch.block_table, backend=backend, own=own, cascade=cascade)
 
 
 def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPages]]:
@@ -324,8 +303,9 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     last_page_len = kv - need * ps
     last_page_len += ps
     mode, T, qo_indptr, positions = _new_tokens(q, kv, q_max)
-    return _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, None, last_page_len,
-                   None, None, rows, None, {})
+    step = _Step(mode=mode, q=q, kv=kv, num_tokens=T, q_max=q_max, qo_indptr=qo_indptr, positions=positions, need=need,
+                 kv_indptr=kv_indptr, last_page_len=last_page_len)
+    return _finish(spec, step, rows=rows)
 
 
 def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
@@ -349,31 +329,56 @@ def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     last_page_len = kv - 1
     last_page_len %= ps
     last_page_len += 1
-    return _finish(spec, Mode.DECODE, q, kv, B, 1, _ARANGE[: B + 1], positions, need, kv_indptr, None, last_page_len,
-                   None, None, rows, None, {}, hi)
+    step = _Step(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=_ARANGE[: B + 1], positions=positions,
+                 need=need, kv_indptr=kv_indptr, last_page_len=last_page_len, max_kv=hi)
+    return _finish(spec, step, rows=rows)
 
 
-def _finish(spec, mode, q, kv, T, q_max, qo_indptr, positions, need, kv_indptr, kv_indices, last_page_len,
-            slot_mapping, block_table, rows, backend, own, cascade: bool | None = None, max_kv: int | None = None) -> AttentionPlan:
+@attrs.define(kw_only=True, slots=True)
+class _Step:
+    """The arrays every plan derives from its lengths (see AttentionPlan), on their way to _finish.
+    need [B]: pages each request reads; max_kv: kv_lens.max() when the caller knows it."""
+
+    mode: Mode
+    q: np.ndarray
+    kv: np.ndarray
+    num_tokens: int
+    q_max: int
+    qo_indptr: np.ndarray
+    positions: np.ndarray
+    need: np.ndarray
+    kv_indptr: np.ndarray
+    last_page_len: np.ndarray
+    kv_indices: np.ndarray | None = None
+    slot_mapping: np.ndarray | None = None
+    max_kv: int | None = None
+
+
+def _finish(spec: AttentionSpec, step: _Step, *, block_table=None, rows=None, backend: str | None = None,
+            own: dict | None = None, cascade: bool | None = None) -> AttentionPlan:
     """The layer groups' page ranges (own: those of groups with their own lists), the backend, the
     cascade (decode and verify steps of a spec with cascade on; `cascade` True forces it, False
     forbids it), and the sealed plan (shared by both batch forms)."""
-    read_only(qo_indptr, kv_indptr, last_page_len, positions)
+    st, own = step, own or {}
+    q, kv, kv_indptr, kv_indices, lpl = st.q, st.kv, st.kv_indptr, st.kv_indices, st.last_page_len
+    read_only(st.qo_indptr, kv_indptr, lpl, st.positions)
     groups = tuple([
         own[i] if i in own
-        else GroupPlan(g, kv_indptr, kv_indices, last_page_len, kv) if g.kind is not Kind.WINDOW
-        else window_plan(g, kv_indptr, kv_indices, last_page_len, q, kv, need, spec.page_size)
+        else GroupPlan(g, kv_indptr, kv_indices, lpl, kv) if g.kind is not Kind.WINDOW
+        else window_plan(g, kv_indptr, kv_indices, lpl, q, kv, st.need, spec.page_size)
         for i, g in enumerate(spec.groups)
     ])
-    max_kv = int(kv.max()) if max_kv is None else max_kv
+    max_kv = int(kv.max()) if st.max_kv is None else st.max_kv
     levels, name = None, backend or spec.backend
-    if spec.cascade_groups and kv_indices is not None and mode in (Mode.DECODE, Mode.VERIFY) and cascade is not False \
+    if spec.cascade_groups and kv_indices is not None and st.mode in (Mode.DECODE, Mode.VERIFY) and cascade is not False \
             and name in (*CASCADE_BACKENDS, AUTO):
-        levels = plan_cascade(spec, q, kv, qo_indptr, kv_indptr, kv_indices, last_page_len, bool(cascade))
+        levels = plan_cascade(spec, q, kv, st.qo_indptr, kv_indptr, kv_indices, lpl, bool(cascade))
         if levels is not None and name == AUTO:
             backend = CASCADE_BACKENDS[0]  # the GPU backend that runs cascades
-    backend = resolve_backend(spec, mode, q.shape[0], T, q_max, max_kv, backend)
-    plan = AttentionPlan(spec, mode, q.shape[0], T, q_max, max_kv, q, kv, qo_indptr, kv_indptr, kv_indices,
-                         last_page_len, positions, slot_mapping, groups, block_table, backend, rows, None, levels)
+    backend = resolve_backend(spec, st.mode, q.shape[0], st.num_tokens, st.q_max, max_kv, backend)
+    plan = AttentionPlan(spec=spec, mode=st.mode, batch_size=q.shape[0], num_tokens=st.num_tokens, max_q_len=st.q_max,
+                         max_kv_len=max_kv, q_lens=q, kv_lens=kv, qo_indptr=st.qo_indptr, kv_indptr=kv_indptr,
+                         kv_indices=kv_indices, kv_last_page_len=lpl, positions=st.positions, slot_mapping=st.slot_mapping,
+                         groups=groups, block_table=block_table, backend=backend, rows=rows, cascade=levels)
     object.__setattr__(plan, "sealed", True)
     return plan

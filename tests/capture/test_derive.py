@@ -69,12 +69,12 @@ def test_derived_arrays_equal_the_host_staged_ones_for_the_same_step(ps, q_len):
 
 def test_a_negative_control_a_wrong_window_is_caught(monkeypatch):
     """The comparison above sees a derivation that reads one window group as a full one."""
-    monkeypatch.setattr(derive, "window_sizes", lambda groups: (0, 9, 0))  # (read when the pool is made)
     seed = fresh_seed()
     spec, pool, plan, csr = _random_step(seed, 4, 1)
     while plan.max_kv_len <= 48:
         seed = fresh_seed()
         spec, pool, plan, csr = _random_step(seed, 4, 1)
+    monkeypatch.setattr(pool.derivation, "windows", (0, 9, 0))
     got = _arrays(pool.commit(plan))[3]
     B = plan.batch_size
     assert not np.array_equal(got[2][:B], csr.groups[2].kv_lens), f"seed {seed}"
@@ -99,8 +99,8 @@ def test_the_triton_kernels_equal_the_torch_ops_under_the_interpreter():
                 buf[a : a + n] = -7
         buf[offsets.qo : offsets.qo + R + 1] = -7
         buf[offsets.slots : offsets.slots + 2 * N] = -7
-        derive.derive_rows(buf, offsets, pool.table.dev, pool.table.width, pool._windows, pool._windows_dev, q_len, ps,
-                           pool.layout.index_capacity, kernels)
+        d = pool.derivation
+        derive.derive_rows(buf, offsets, q_len, derive.Derivation(d.table, d.width, spec.groups, ps, d.capacity, kernels))
         assert torch.equal(buf[: offsets.head_end], pool.dev[s][: offsets.head_end]), f"seed {seed}"
         for dg, (*_, o_idx) in zip(step.groups, offsets.groups):
             n = int(dg.kv_indptr[-1])
