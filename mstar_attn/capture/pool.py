@@ -253,7 +253,7 @@ class GraphBufferPool:
             ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self._scratch_slots)
             left = 0 if xg is None else cross.stage(h, plan, xg, offsets, rows, x_slots, updates, table)
         else:
-            left = stage_rows(h, plan, offsets, rows, q_len, num_rows, slots, updates, self.table, self._scratch_slots)
+            left = stage_rows(h, plan, offsets, slots, updates, self.table, self._scratch_slots)
             ps, pad = self.spec.page_size, rows - B
             ranges = [(o[4], o[4] + gp.kv_indptr[-1] + -(-q_len // ps) * pad) for gp, o in zip(plan.groups, offsets.groups)]
         self.generations[s] += 1  # from here on the slot's previous step is stale

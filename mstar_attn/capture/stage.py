@@ -42,13 +42,14 @@ def stage_pages(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int,
             stage_slots(h, offsets, gp.slot_mapping, T, num_rows, scratch_slots, at)
     return ranges
 
-def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, num_rows: int,
-               slots: np.ndarray, updates: np.ndarray, table: PageTable, scratch_slots: np.ndarray) -> int:
-    """Write a StepRows step into a slot's staging h: the O(rows) arrays, the table rows (the
-    scratch row for padding requests), each group's first page, slot_mapping, and the table updates.
-    Returns how many updates did not fit the step's region (U): the caller sends those directly."""
-    B, ps = plan.batch_size, plan.spec.page_size
-    stage_requests(h, plan, offsets, rows, q_len)
+def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, slots: np.ndarray, updates: np.ndarray,
+               table: PageTable, scratch_slots: np.ndarray) -> int:
+    """Write an unbucketed StepRows step (offsets.rows = B requests, offsets.num_rows = T token rows)
+    into a slot's staging h: the O(rows) arrays, the table rows, each group's first page,
+    slot_mapping, and the table updates. Returns how many updates did not fit the step's region (U):
+    the caller sends those directly. (Bucketed StepRows steps: stage_derived.)"""
+    B, ps, rows, num_rows = plan.batch_size, plan.spec.page_size, offsets.rows, offsets.num_rows
+    stage_requests(h, plan, offsets, rows, 1)
     for gp, (*_, o_first, _) in zip(plan.groups, offsets.groups):
         if gp.kv_start is None:
             h[o_first : o_first + rows] = 0

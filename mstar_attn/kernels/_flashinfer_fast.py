@@ -67,14 +67,17 @@ def split_kv(wrapper) -> bool:
 class FastDecodePlan:
     """The frozen planner call of one graph-mode BatchDecodeWithPagedKVCacheWrapper.
 
-    Build it right after the wrapper's first public plan(); then `replan(qo_indptr, kv_indptr,
-    kv_lens)` with pinned CPU int32 tensors ([rows+1], [rows+1], [rows]) re-plans the wrapper
-    for a new step of the same batch size. kv_lens are only read by the tensor-core planner.
+    Build it right after the wrapper's first public plan(), with the pool's AttentionSpec (heads,
+    head_dim, page_size, soft_cap, dtype, kv_cache_dtype are read), the layer group's window_left and
+    the step's q_len; then `replan(qo_indptr, kv_indptr, kv_lens)` with pinned CPU int32 tensors
+    ([rows+1], [rows+1], [rows]) re-plans the wrapper for a new step of the same batch size.
+    kv_lens are only read by the tensor-core planner.
     """
 
-    def __init__(self, wrapper, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 q_len: int, window_left: int, soft_cap: float, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
+    def __init__(self, wrapper, spec, window_left: int, q_len: int):
         w = wrapper
+        num_qo_heads, num_kv_heads, head_dim, page_size = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
+        soft_cap, dtype, kv_dtype = float(spec.soft_cap), spec.dtype, spec.kv_cache_dtype
         backend = getattr(w, "_backend", None)
         if not w.is_cuda_graph_enabled or getattr(w, "_jit_module", True) is not None or w._uses_cudnn \
                 or getattr(w, "_plan_info", None) is None or backend not in ("fa2", "fa3", "auto"):

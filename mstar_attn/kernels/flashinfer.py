@@ -237,10 +237,7 @@ class Scheduler:
                 return w
             if self.use_fast:
                 try:
-                    self.fast[key] = FastDecodePlan(w, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
-                                                    head_dim=spec.head_dim, page_size=spec.page_size, q_len=step.q_len,
-                                                    window_left=group.window_left, soft_cap=float(spec.soft_cap), dtype=spec.dtype,
-                                                    kv_dtype=spec.kv_cache_dtype)
+                    self.fast[key] = FastDecodePlan(w, spec, group.window_left, step.q_len)
                     self.fast[key].plans(lens)
                 except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
                     pass

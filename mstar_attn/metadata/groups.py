@@ -46,6 +46,28 @@ class GroupPlan:
         return 0 if self.new_lens is None else int(self.new_lens.sum(dtype=np.int64))
 
 
+@attrs.define(kw_only=True, slots=True)
+class StepArrays:
+    """The arrays a plan derives from a step's lengths, B requests and T new tokens (host numpy; see
+    AttentionPlan for each): q [B], kv [B], qo_indptr [B+1], positions [T], need [B] (the pages each
+    request reads), kv_indptr [B+1], last_page_len [B], and the shared list's kv_indices and
+    slot_mapping when the step lists pages; mode is a plan.Mode; max_kv: kv.max() when known."""
+
+    mode: object  # plan.Mode (defined above this module)
+    q: np.ndarray
+    kv: np.ndarray
+    num_tokens: int
+    q_max: int
+    qo_indptr: np.ndarray
+    positions: np.ndarray
+    need: np.ndarray
+    kv_indptr: np.ndarray
+    last_page_len: np.ndarray
+    kv_indices: np.ndarray | None = None
+    slot_mapping: np.ndarray | None = None
+    max_kv: int | None = None
+
+
 def first_read_page(group: LayerGroup, q: np.ndarray, kv: np.ndarray, ps: int) -> np.ndarray:
     """[B] the first logical page any query of the step can see: a window group sees the last
     window + q - 1 keys; every other group sees from position 0."""
@@ -69,13 +91,15 @@ def window_plan(group: LayerGroup, kv_indptr, kv_indices, last_page_len, q, kv, 
     return GroupPlan(group, indptr, indices, last_page_len, kv_lens, kv_start)
 
 
-def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, q, kv, need, last_page_len, positions, decode: bool,
-             page_limit: int, check_ownership: bool) -> GroupPlan:
+def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, step: StepArrays, page_limit: int,
+             check_ownership: bool) -> GroupPlan:
     """Layer group g's plan from its own list: checked (shapes, reach, page ids, ownership within the
     group's id space), trimmed to the pages the step reads, with the group's own slot_mapping.
 
-    q, kv, need (pages kv needs), last_page_len [B] int32 and positions [T] int64: the plan's, host
-    numpy; page ids below page_limit are valid (num_pages, or num_pages + 1 for scratch plans)."""
+    step: the plan's arrays (q, kv, need, last_page_len, positions); page ids below page_limit are
+    valid (num_pages, or num_pages + 1 for scratch plans)."""
+    q, kv, need, last_page_len, positions = step.q, step.kv, step.need, step.last_page_len, step.positions
+    decode = step.q_max == 1  # one token per request
     group, ps, B, name = spec.groups[g], spec.page_size, q.shape[0], f"group_pages[{g}]"
     first, indptr, idx = pages.first_page, pages.page_indptr, pages.page_indices
     if first.shape != (B,) or indptr.shape != (B + 1,):

@@ -16,7 +16,7 @@ from mstar_attn.metadata.backends import AUTO
 from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.cascade import CascadePlan, plan_cascade
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.groups import GroupPlan, cross_plan, cross_rows_plan, own_plan, window_plan
+from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan, window_plan
 from mstar_attn.metadata.pages import gather_ranges, read_pages, scan_ownership
 from mstar_attn.metadata.select import resolve_backend
 from mstar_attn.metadata.spec import CASCADE_BACKENDS, AttentionSpec, Kind
@@ -241,13 +241,12 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     if check_ownership:
         scan_ownership(spec, indptr, listed, written)
     read_only(kv_indices, slot_mapping)
+    step = StepArrays(mode=mode, q=q, kv=kv, num_tokens=T, q_max=q_max, qo_indptr=qo_indptr, positions=positions, need=need,
+                      kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last_page_len, slot_mapping=slot_mapping)
     own = {g: cross_rows_plan(g, pages, spec, q.shape[0]) if isinstance(pages, CrossRows)
            else cross_plan(g, pages, spec, q.shape[0], page_limit, check_ownership) if spec.groups[g].cross
-           else own_plan(g, pages, spec, q, kv, need, last_page_len, positions, mode is Mode.DECODE, page_limit,
-                         check_ownership)
+           else own_plan(g, pages, spec, step, page_limit, check_ownership)
            for g, pages in _own_lists(batch, spec)}
-    step = _Step(mode=mode, q=q, kv=kv, num_tokens=T, q_max=q_max, qo_indptr=qo_indptr, positions=positions, need=need,
-                 kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last_page_len, slot_mapping=slot_mapping)
     return _finish(spec, step, block_table=batch.block_table, backend=backend, own=own, cascade=cascade)
 
 
@@ -303,7 +302,7 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     last_page_len = kv - need * ps
     last_page_len += ps
     mode, T, qo_indptr, positions = _new_tokens(q, kv, q_max)
-    step = _Step(mode=mode, q=q, kv=kv, num_tokens=T, q_max=q_max, qo_indptr=qo_indptr, positions=positions, need=need,
+    step = StepArrays(mode=mode, q=q, kv=kv, num_tokens=T, q_max=q_max, qo_indptr=qo_indptr, positions=positions, need=need,
                  kv_indptr=kv_indptr, last_page_len=last_page_len)
     return _finish(spec, step, rows=rows)
 
@@ -329,32 +328,12 @@ def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     last_page_len = kv - 1
     last_page_len %= ps
     last_page_len += 1
-    step = _Step(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=_ARANGE[: B + 1], positions=positions,
+    step = StepArrays(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=_ARANGE[: B + 1], positions=positions,
                  need=need, kv_indptr=kv_indptr, last_page_len=last_page_len, max_kv=hi)
     return _finish(spec, step, rows=rows)
 
 
-@attrs.define(kw_only=True, slots=True)
-class _Step:
-    """The arrays every plan derives from its lengths (see AttentionPlan), on their way to _finish.
-    need [B]: pages each request reads; max_kv: kv_lens.max() when the caller knows it."""
-
-    mode: Mode
-    q: np.ndarray
-    kv: np.ndarray
-    num_tokens: int
-    q_max: int
-    qo_indptr: np.ndarray
-    positions: np.ndarray
-    need: np.ndarray
-    kv_indptr: np.ndarray
-    last_page_len: np.ndarray
-    kv_indices: np.ndarray | None = None
-    slot_mapping: np.ndarray | None = None
-    max_kv: int | None = None
-
-
-def _finish(spec: AttentionSpec, step: _Step, *, block_table=None, rows=None, backend: str | None = None,
+def _finish(spec: AttentionSpec, step: StepArrays, *, block_table=None, rows=None, backend: str | None = None,
             own: dict | None = None, cascade: bool | None = None) -> AttentionPlan:
     """The layer groups' page ranges (own: those of groups with their own lists), the backend, the
     cascade (decode and verify steps of a spec with cascade on; `cascade` True forces it, False
