@@ -57,6 +57,8 @@ def _varlen_func():
 class Scheduler:
     """Dense page tables for the pool's paged FlashAttention steps, filled at commit (kernels._tables.PageTables)."""
 
+    lazy_host_arrays = True  # reads no pinned host array of a derived StepRows step (its tables and lengths are on the device)
+
     def __init__(self, pool: GraphBufferPool):
         _varlen_func()  # fail at pool construction, not at the first step
         self.tables = PageTables(pool)
