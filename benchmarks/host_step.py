@@ -8,7 +8,7 @@
 (b) kernel time of a replayed decode with a per-step split-KV plan vs the fixed schedule (planned
     once, split-KV off) on decode shapes B x context, interleaved rounds.
 (c) exposed host time: a 32-layer decode-attention graph (write_kv + run per layer) replayed back to
-    back ("replay only", committed once at the rounds' middle length) vs the same with the per-step
+    back ("replay only": DecodeGraphs calls on a step committed once at the walk's middle lengths) vs the same with the per-step
     StepRows plan + commit before each replay, walking the same lengths (equal KV read on both arms);
     GPU idle µs and GPU items per step from a profiler trace of each arm.
 Run on the GPU: python -m benchmarks.host_step OUT_DIR [a,b,c]   (writes host_step_h100_<parts>.json)
@@ -216,25 +216,23 @@ def part_c(spec_for) -> list[dict]:
         graphs.capture(buckets=(pool.bucket_for(build_plan(StepRows.decode(eng.rows, eng.kv + 1), spec)),))
         x = {name: torch.randn(B, t.shape[1], 128, device="cuda", dtype=torch.bfloat16) for name, t in static.items()}
 
-        def walk():  # the with-step arm: lengths start .. start + n - 1, a plan and commit each
+        def walk():  # the with-step arm: lengths start + 1 .. start + n (mean start + n / 2 + 1/2), a plan and commit each
             eng.kv[:] = eng.start
             for _ in range(n):
                 graphs(eng.step_only(), **x)
 
         def middle():
-            """The replay-only arm's graph, its slot committed afresh at the walk's middle lengths (a graph
-            reads its slot's buffers: whatever was committed there last, so this runs before each round)."""
+            """The replay-only arm's step, committed afresh at the walk's middle lengths (a graph reads its
+            slot's buffers: whatever was committed there last, so this runs before each round)."""
             eng.kv[:] = eng.start + n // 2 - 1
-            step = eng.step_only()
-            graphs(step, **x)
-            return graphs.graphs[(step.slot, step.bucket, 1, "flashinfer", False)][0]
+            return eng.step_only()
 
-        def replay():
-            graph = middle()
+        def replay():  # the same DecodeGraphs call (its input copies and the replay), no plan or commit
+            step = middle()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(n):
-                graph.replay()
+                graphs(step, **x)
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) / n * 1e6
 
@@ -253,7 +251,8 @@ def part_c(spec_for) -> list[dict]:
         med = {k: statistics.median(v) for k, v in res.items()}
         eng.kv[:] = eng.start
         with_trace = gpu_trace(lambda: graphs(eng.step_only(), **x), 50)
-        replay_trace = gpu_trace(middle().replay, 50)
+        still = middle()
+        replay_trace = gpu_trace(lambda: graphs(still, **x), 50)
         out.append(dict(batch=B, context=ctx, layers=layers, replay_only_us=med["replay_only"], with_step_us=med["with_step"],
                         exposed=med["with_step"] / med["replay_only"] - 1, gpu_idle_us=with_trace["gpu_idle_us"],
                         replay_gpu_idle_us=replay_trace["gpu_idle_us"], gpu_items=with_trace["gpu_items"],

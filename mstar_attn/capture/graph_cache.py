@@ -21,7 +21,7 @@ class CommitGraphs:
     def run(self, key: tuple, bucketed: bool, work: Callable[[], None]) -> None:
         """Replay key's graph if it was captured, else run `work` and, for a bucketed step on CUDA
         outside any capture, capture it for the next time."""
-        graph = self.graphs.get(key)
+        graph = self.graphs.get(key) if bucketed else None  # (an unbucketed step always runs its work)
         if graph is not None:
             graph.replay()
             return

@@ -324,7 +324,8 @@ class GraphBufferPool:
             if expand is not None:
                 expand(step)
 
-        self.device_work.run((step.slot, step.rows, step.num_rows, step.plan.backend), derived, work)
+        self.device_work.run(("derived" if derived else "staged", step.slot, step.rows, step.num_rows, step.plan.backend),
+                             derived, work)
         self.last_commit_bytes += end * 4
 
     def stage_host(self, step: DeviceStep) -> None:

@@ -156,6 +156,7 @@ class CascadeState:
                 qo = torch.from_numpy(c.suffix_qo_indptr.copy())
                 suffix.plan(qo, view(x_ptr, host), view(x_idx), view(x_lpl, host), *heads, ps, causal=grp.causal,
                             seq_lens=view(x_len, host), **kw)
+            self.scheduler.planned_into(step.slot, g, suffix)  # (the slot and group's shared int workspace)
             out[g] = Levels(view(perm), view(inv), view(mask).view(torch.uint8)[:R].view(torch.bool), shared, suffix, self)
         return {g: out[rep] for g, rep in self.rep.items()}
 
@@ -193,7 +194,7 @@ class CascadeState:
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(sch.float_ws, "NHD", use_tensor_cores=sch.tensor_cores)
             else:
                 w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(sch.float_ws, "NHD")
-            self.wrappers[key] = sch._share(w, step.slot, g)  # the slot and group's int workspace: its flat wrapper is idle
+            self.wrappers[key] = sch._share(w, step.slot, g)  # the slot and group's int workspace (see Scheduler.planned_into)
         return w
 
 

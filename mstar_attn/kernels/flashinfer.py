@@ -135,6 +135,7 @@ class Scheduler:
         self.wrappers: dict[tuple, object] = {}
         self.fast: dict[tuple, FastDecodePlan] = {}
         self.ws_owner: dict[tuple, object] = {}  # (slot, group) -> the wrapper that last planned into its shared int workspace
+        self.private_keys: set[tuple] = set()  # kept plans of wrappers with an int workspace of their own
         self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len[, draft step]) -> its wrapper, planned once for good
         self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once
         props = torch.cuda.get_device_properties(pool.device)
@@ -217,11 +218,14 @@ class Scheduler:
                 # the plan lives in the slot and group's shared int workspace: kept only while no other wrapper
                 # has planned into it since, and every request's chunk count is the same (a draft step's
                 # pages run ahead of its lengths: planned every time)
-                if draft is not None or self.ws_owner.get((step.slot, g)) is not fast.wrapper or not fast.holds(lens):
+                shared = key not in self.private_keys
+                if draft is not None or (shared and self.ws_owner.get((step.slot, g)) is not fast.wrapper) \
+                        or not fast.holds(lens):
                     self.pool.stage_host(step)
                     fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
                     fast.plans(lens)
-                    self.ws_owner[(step.slot, g)] = fast.wrapper
+                    if shared:
+                        self.planned_into(step.slot, g, fast.wrapper)
                 return fast.wrapper
             self.pool.stage_host(step)
             fix = self.use_fast and (step.rows * spec.num_kv_heads >= self.fixed_min_ctas
@@ -235,13 +239,16 @@ class Scheduler:
             if fix and not split_kv(w):  # (the CUDA-core planner ignores the flag: it splits below ~9 CTAs / SM)
                 self.fixed[key] = w
                 return w
+            if fix:  # (planned once was asked for, but the plan splits: kept and re-planned in its own workspace)
+                self.private_keys.add(key)
             if self.use_fast:
                 try:
                     self.fast[key] = FastDecodePlan(w, spec, group.window_left, step.q_len)
                     self.fast[key].plans(lens)
                 except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
                     pass
-            self.ws_owner[(step.slot, g)] = w
+            if not fix:
+                self.planned_into(step.slot, g, w)
             return w
         if draft is not None:  # tensor cores: their planner splits KV by each request's length, never past it
             w = self._eager(("draft", step.slot, g, draft), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=True)
@@ -260,8 +267,13 @@ class Scheduler:
             w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads,
                    spec.page_size, causal=group.causal, window_left=group.window_left, seq_lens=dg.host_kv_lens,
                    **self.plan_kwargs)
-        self.ws_owner[(step.slot, g)] = w
+        self.planned_into(step.slot, g, w)
         return w
+
+    def planned_into(self, slot: int, g: int, wrapper) -> None:
+        """Record that `wrapper` has just planned into slot and group g's shared int workspace (any part of
+        it): a kept plan of another wrapper there is gone. Every plan into a shared workspace calls this."""
+        self.ws_owner[(slot, g)] = wrapper
 
     def _share(self, w, slot: int, g: int, draft: int | None = None):
         """Point w at slot and group's int workspace: the whole of it, or for step j of a draft round

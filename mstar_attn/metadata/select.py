@@ -260,7 +260,7 @@ def resolve_backend(spec, mode, B: int, T: int, q_max: int, max_kv: int,
         raise PlanError(f"backend: {backend!r} serves {sorted(caps.modes)} steps"
                         f"{' without a cached prefix' if caps.prefix_free else ''}, not this {mode.value} step")
     if len(_SERVES) >= 256:  # (bounded: the oldest entry goes)
-        del _SERVES[next(iter(_SERVES))]
+        _SERVES.pop(next(iter(_SERVES), None), None)
     _SERVES[key] = spec  # (holding the spec keeps its id from being reused)
     return backend
 

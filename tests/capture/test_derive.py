@@ -80,7 +80,7 @@ def test_a_negative_control_a_wrong_window_is_caught(monkeypatch):
     assert not np.array_equal(got[2][:B], csr.groups[2].kv_lens), f"seed {seed}"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real (tests/capture/test_derive_gpu.py)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real: tests/capture/test_derive_gpu.py")
 def test_the_triton_kernels_equal_the_torch_ops_under_the_interpreter():
     pytest.importorskip("triton")
     assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py picks the interpreter before Triton is imported"

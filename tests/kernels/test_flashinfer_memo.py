@@ -75,3 +75,42 @@ def test_a_plan_reused_past_a_changed_chunk_count_is_caught(monkeypatch):
         except AssertionError:
             wrong += 1
     assert wrong > 0, f"seed {seed}"
+
+
+def test_a_kept_plan_is_planned_again_after_another_wrapper_planned_into_its_workspace(monkeypatch):
+    """Bucketed decode steps over the same lengths alternate the two slots; an unbucketed decode step
+    (past the bucket) in between plans into slot 0's shared int workspace, so slot 0's next bucketed
+    step must plan again even though its chunk counts hold; every output per request against the reference."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(32, 8, 128, 16, 600, groups=GPU_GROUPS[:1])
+    cache = random_cache(spec, seed)
+    pool = GraphBufferPool(spec, max_batch_size=8, max_num_tokens=64, max_num_pages=600, buckets=(4,),
+                           max_requests=8, max_pages_per_request=128)
+    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(4, 32, 128, device="cuda",
+                                                                                       dtype=torch.bfloat16)})
+    graphs.capture()
+    free = list(rng.permutation(600).astype(np.int32))
+    for r in range(6):
+        pool.table.assign(r, [free.pop() for _ in range(80)])
+    kv = rng.integers(600, 1200, 6).astype(np.int32)
+    planned = []
+    replan = _flashinfer_fast.FastDecodePlan.replan
+    monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "replan", lambda self, *a: (planned.append(1), replan(self, *a)))
+    q = torch.randn(6, 32, 128, device="cuda", dtype=torch.bfloat16)
+    last = {}  # slot -> what its previous step was: "bucketed" or "eager"
+    kept = replanned = 0
+    for i, B in enumerate([3, 3, 3, 3, 6, 3, 3, 3]):  # the slots alternate; step 4 (B 6) runs unbucketed
+        plan = build_plan(StepRows.decode(np.arange(B, dtype=np.int32), kv[:B]), spec)
+        before = len(planned)
+        step = pool.commit(plan)
+        out = (graphs(step, q=q[:B]) if graphs.serves(step) else fi.run(step, q[:B], cache))[:B].clone()
+        assert_close_per_request(out, reference.run(step, q[:B].float(), cache), plan, torch.bfloat16, f"seed {seed}, step {i}")
+        if step.bucket is not None and last.get(step.slot) == "bucketed":  # same lengths, nothing planned in between
+            assert len(planned) == before, (f"seed {seed}", i)
+            kept += 1
+        if step.bucket is not None and last.get(step.slot) == "eager":  # its workspace was planned into since
+            assert len(planned) == before + 1, (f"seed {seed}", i)
+            replanned += 1
+        last[step.slot] = "bucketed" if step.bucket is not None else "eager"
+    assert kept >= 2 and replanned == 1, (f"seed {seed}", kept, replanned)
