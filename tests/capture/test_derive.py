@@ -80,6 +80,23 @@ def test_a_negative_control_a_wrong_window_is_caught(monkeypatch):
     assert not np.array_equal(got[2][:B], csr.groups[2].kv_lens), f"seed {seed}"
 
 
+def derive_again(pool, step, kernels, device: str):
+    """The committed (CPU) step's slot buffer copied to `device` with every derived array overwritten
+    (-7), then derived again by `kernels` (Triton's, or None: the torch ops); returns (buffer, offsets)."""
+    R, N = step.rows, step.num_rows
+    offsets = slot_views(pool.layout, pool.dev[step.slot], pool.host[step.slot], R, N)[0]
+    buf = pool.dev[step.slot].clone().to(device)
+    for o_ptr, o_lpl, o_len, o_first, o_idx in offsets.groups:
+        for a, n in ((o_ptr, R + 1), (o_lpl, R), (o_len, R), (o_first, R), (o_idx, pool.layout.index_capacity)):
+            buf[a : a + n] = -7
+    buf[offsets.qo : offsets.qo + R + 1] = -7
+    buf[offsets.slots : offsets.slots + 2 * N] = -7
+    d = pool.derivation
+    derive.derive_rows(buf, offsets, step.q_len, derive.Derivation(d.table.to(device), d.width, pool.spec.groups,
+                                                                   pool.spec.page_size, d.capacity, kernels))
+    return buf, offsets
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real: tests/capture/test_derive_gpu.py")
 def test_the_triton_kernels_equal_the_torch_ops_under_the_interpreter():
     pytest.importorskip("triton")
@@ -91,16 +108,8 @@ def test_the_triton_kernels_equal_the_torch_ops_under_the_interpreter():
         seed = fresh_seed()
         spec, pool, plan, _ = _random_step(seed, ps, q_len)
         step = pool.commit(plan)  # the torch ops (CPU)
-        s, R, N = step.slot, step.rows, step.num_rows
-        offsets = slot_views(pool.layout, pool.dev[s], pool.host[s], R, N)[0]
-        buf = pool.dev[s].clone()
-        for o_ptr, o_lpl, o_len, o_first, o_idx in offsets.groups:  # forget what the torch ops derived
-            for a, n in ((o_ptr, R + 1), (o_lpl, R), (o_len, R), (o_first, R), (o_idx, pool.layout.index_capacity)):
-                buf[a : a + n] = -7
-        buf[offsets.qo : offsets.qo + R + 1] = -7
-        buf[offsets.slots : offsets.slots + 2 * N] = -7
-        d = pool.derivation
-        derive.derive_rows(buf, offsets, q_len, derive.Derivation(d.table, d.width, spec.groups, ps, d.capacity, kernels))
+        buf, offsets = derive_again(pool, step, kernels, "cpu")
+        s = step.slot
         assert torch.equal(buf[: offsets.head_end], pool.dev[s][: offsets.head_end]), f"seed {seed}"
         for dg, (*_, o_idx) in zip(step.groups, offsets.groups):
             n = int(dg.kv_indptr[-1])
