@@ -37,6 +37,12 @@ import flashinfer  # noqa: E402
 PS = cases.PAGE
 
 
+def table_pool(spec, **kw) -> GraphBufferPool:
+    """The part (a) pool: a page table of 1,024 rows x 512 pages, buckets up to 256 requests."""
+    return GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
+                           max_requests=1024, max_pages_per_request=512, **kw)
+
+
 class Engine:
     """A decode batch of B requests on a table pool: each step every request gains a token, and the
     ones starting a page get one (table.append). step() is all the host work of one step."""
@@ -93,11 +99,9 @@ def spread(xs):
 def part_a(spec, ws) -> list[dict]:
     rows = []
     for B in (1, 8, 64, 256):
-        pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
-                               max_requests=1024, max_pages_per_request=512)
+        pool = table_pool(spec)
         eng = Engine(pool, B, 2048, seed=B)
-        lean_pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
-                                    max_requests=1024, max_pages_per_request=512)
+        lean_pool = table_pool(spec)
         lean = Engine(lean_pool, B, 2048, seed=B, room=1500)  # (the rounds below decode 1,360 tokens)
         for _ in range(3):  # each slot's first commit of the bucket captures its device graph
             eng.step()

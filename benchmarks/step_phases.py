@@ -9,13 +9,11 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 from benchmarks import cases
-from benchmarks.host_step import Engine
+from benchmarks.host_step import Engine, table_pool
 from mstar_attn import build_plan
-from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.metadata.batch import StepRows
 
 
@@ -36,8 +34,7 @@ def main(out_dir: str) -> None:
     spec = cases.spec("flashinfer")
     res = {}
     for B in (8, 256):
-        pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
-                               max_requests=1024, max_pages_per_request=512)
+        pool = table_pool(spec)
         eng = Engine(pool, B, 2048, seed=B, room=200)
         for _ in range(4):
             eng.step_only()
@@ -72,8 +69,7 @@ def main(out_dir: str) -> None:
                     torch.cuda.synchronize()
             return statistics.median(out)
 
-        walk_pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
-                                    max_requests=1024, max_pages_per_request=512)
+        walk_pool = table_pool(spec)
         walker = Engine(walk_pool, B, 2048, seed=B + 7, room=1300)  # lengths advancing one token a step
         for _ in range(4):
             walker.step_only()

@@ -12,16 +12,14 @@ import time
 import torch
 
 from benchmarks import cases
-from benchmarks.host_step import Engine
-from mstar_attn.capture.pool import GraphBufferPool
+from benchmarks.host_step import Engine, table_pool
 
 
 def main(out_dir: str) -> None:
     spec = cases.spec("flashinfer")
     text = io.StringIO()
     for B in (8, 256):
-        pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
-                               max_requests=1024, max_pages_per_request=512)
+        pool = table_pool(spec)
         eng = Engine(pool, B, 2048, seed=B, room=1100)
         for _ in range(50):
             eng.step_only()

@@ -58,6 +58,11 @@ class Derivation:
         self.windows_dev = torch.tensor(self.windows, dtype=torch.int32, device=table.device)
         self._meta: dict[tuple[int, int], torch.Tensor] = {}
 
+    def memory(self) -> dict[str, tuple[int, int]]:
+        """Device bytes of the windows and the meta vectors made so far (host: none)."""
+        n = self.windows_dev.numel() * 4 + sum(m.numel() * 4 for m in self._meta.values())
+        return {f"derive meta ({len(self._meta)} shapes)": (n, 0)}
+
     def meta(self, offsets: Offsets, q_len: int) -> torch.Tensor:
         """The derive kernel's meta vector for one slot shape (see _derive_triton.derive)."""
         key = (offsets.rows, offsets.num_rows)

@@ -110,9 +110,8 @@ class GraphBufferPool:
         self.unstaged = [-1] * slots  # the generation of a derived step whose pinned O(rows) arrays are not written yet
         self.consumers: list = [None] * slots  # the stream that waited for the slot's step (side-stream commits)
         self._reuse = [torch.cuda.Event() if cuda else HostEvent() for _ in range(slots)]
-        self._views: dict[tuple, tuple] = {}  # (["draft",] slot, rows, num_rows) of bucketed steps only
-        self._whole_groups: dict[tuple, tuple] = {}  # (slot, rows, num_rows) -> a derived step's DeviceGroups
-        self._scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
+        self._views: dict[tuple, tuple] = {}  # ([kind,] slot, rows, num_rows) of bucketed steps only (see kept)
+        self.scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
         self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
         self.bytes_to_device = 0  # host-to-device bytes the pool and its schedulers issued, all commits
         self.last_commit_bytes = 0
@@ -159,7 +158,7 @@ class GraphBufferPool:
         dst.copy_(src, non_blocking=True)
         self.last_commit_bytes += src.numel() * src.element_size()
 
-    def _validate(self, plan: AttentionPlan, draft_ok: bool = False) -> int | None:
+    def validate(self, plan: AttentionPlan, draft_ok: bool = False) -> int | None:
         """PlanError unless `plan` fits this pool: made by build_plan (hand-edited plans are not
         trusted), for this spec, its batch, tokens and pages within the pool's limits (bucketed
         steps: with their padding, which the layout makes room for)."""
@@ -219,9 +218,9 @@ class GraphBufferPool:
         The step of the slot this commit reuses (two commits ago with two slots) becomes stale.
         slot: commit into this slot instead of the next one (graph capture does, once per slot).
         """
-        bucket = self._validate(plan)  # the plan's bucket (None: unpadded)
+        bucket = self.validate(plan)  # the plan's bucket (None: unpadded)
         stream = self.check_stream(stream, "commit")
-        self._check_slot(slot, "commit")
+        self.check_slot(slot, "commit")
         scheduler = self.scheduler_for(plan.backend)
         if scheduler is not None:
             scheduler.check(plan, bucket)
@@ -230,15 +229,14 @@ class GraphBufferPool:
         slots = None if plan.rows is None else self.table.check_step(plan, slots=not derived)
         xg = cross.rows_group(plan)
         x_slots = None if xg is None else cross.check(self.cross_table, plan, xg)
-        s = self._free_slot(slot)
+        s = self.free_slot(slot)
         B, T = plan.batch_size, plan.num_tokens
         rows, q_len = (bucket, plan.max_q_len) if bucket else (B, 1)
         num_rows = rows * q_len if bucket else T
-        views = self._views_of(s, rows, num_rows, bucket is not None)
+        views = self.views_of(s, rows, num_rows, bucket is not None)
 
-        cuda = self.cuda
-        here = torch.cuda.current_stream(self.device.index) if cuda else None  # (an int index: no device lookup)
-        side = stream if stream is not None and cuda and stream != here else None
+        here = torch.cuda.current_stream(self.device.index) if self.cuda else None  # (an int index: no device lookup)
+        side = stream if stream is not None and self.cuda and stream != here else None
         self.last_commit_bytes = 0
         table = self.table if xg is None else self.cross_table
         updates = None if plan.rows is None and xg is None else table.take_updates()  # (put back if the commit fails)
@@ -250,10 +248,10 @@ class GraphBufferPool:
                 stage_requests(h, plan, offsets, rows, q_len)
             ranges = None  # (each group's whole index region: the step's DeviceGroups are fixed, made once)
         elif plan.rows is None:
-            ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self._scratch_slots)
+            ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self.scratch_slots)
             left = 0 if xg is None else cross.stage(h, plan, xg, offsets, rows, x_slots, updates, table)
         else:
-            left = stage_rows(h, plan, offsets, slots, updates, self.table, self._scratch_slots)
+            left = stage_rows(h, plan, offsets, slots, updates, self.table, self.scratch_slots)
             ps, pad = self.spec.page_size, rows - B
             ranges = [(o[4], o[4] + gp.kv_indptr[-1] + -(-q_len // ps) * pad) for gp, o in zip(plan.groups, offsets.groups)]
         self.generations[s] += 1  # from here on the slot's previous step is stale
@@ -263,7 +261,7 @@ class GraphBufferPool:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             on = side or here  # the stream this commit's copies and host scheduling run on
             try:
-                self._after_consumer(s, on)
+                self.after_consumer(s, on)
                 offsets, qo, h_qo, slot_view, table_rows, group_views = views
                 groups = self._groups_of(s, rows, num_rows, views, ranges)
                 fields = (plan, s, rows, num_rows, bucket, q_len, qo, h_qo, slot_view, table_rows, groups,
@@ -329,28 +327,24 @@ class GraphBufferPool:
         self.last_commit_bytes += end * 4
 
     def stage_host(self, step: DeviceStep) -> None:
-        """Write a derived step's O(rows) arrays (qo_indptr; per group kv_indptr, last_page_len, kv_lens,
-        padding included) into its slot's pinned staging for a scheduler (lazy_host_arrays) that plans
-        from them on the host. A no-op for a step staged at commit already, or a stale step."""
+        """Write a derived step's O(rows) arrays (stage_requests) into its slot's pinned staging for a scheduler
+        (lazy_host_arrays) that plans from them on the host; a no-op once staged, or for a stale step."""
         if self.unstaged[step.slot] == step.generation == self.generations[step.slot]:
             stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.rows, step.num_rows), step.rows, step.q_len)
             self.unstaged[step.slot] = -1
 
     def _groups_of(self, s: int, rows: int, num_rows: int, views: tuple, ranges) -> tuple[DeviceGroup, ...]:
         """The step's DeviceGroups over each group's used index range, or its whole index region (ranges None:
-        a derived step), made once per slot and bucketed shape."""
-        key, whole = (s, rows, num_rows), ranges is None
-        groups = self._whole_groups.get(key) if whole else None
-        if groups is None:
-            dev, cap = self.dev[s], self.layout.index_capacity
-            ranges = [(o[4], o[4] + cap) for o in views[0].groups] if whole else ranges
-            groups = tuple(DeviceGroup(ptr, dev[o_idx:end], lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots)
-                           for (ptr, lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots), (o_idx, end) in zip(views[5], ranges))
-            if whole and views is self._views.get(key):  # (bucketed shapes only: bounded)
-                self._whole_groups[key] = groups
-        return groups
+        a derived step: made once per slot and bucket shape)."""
+        def make(spans):
+            return tuple(DeviceGroup(ptr, self.dev[s][a:b], lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots)
+                         for (ptr, lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots), (a, b) in zip(views[5], spans))
+        cap = self.layout.index_capacity
+        if ranges is not None:
+            return make(ranges)
+        return self.kept(("groups", s, rows, num_rows), True, lambda: make([(o[4], o[4] + cap) for o in views[0].groups]))
 
-    def _after_consumer(self, s: int, on) -> None:
+    def after_consumer(self, s: int, on) -> None:
         """If slot s's last step runs on another stream than this commit's `on` (it was committed
         there, or waited for there), make `on` wait (on the GPU) for what that stream has queued so
         far: kernels that may still read the slot."""
@@ -359,24 +353,28 @@ class GraphBufferPool:
             self._reuse[s].record(consumer)
             on.wait_event(self._reuse[s])
 
-    def _check_slot(self, slot, where: str) -> None:  # (None: the next slot)
+    def check_slot(self, slot, where: str) -> None:  # (None: the next slot)
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
             raise PlanError(f"{where}: slot {slot!r} is not one of the pool's {self.num_slots} slots")
 
-    def _free_slot(self, slot: int | None) -> int:  # the slot a commit fills, once its last copies have run
+    def free_slot(self, slot: int | None) -> int:  # the slot a commit fills, once its last copies have run
         s = self.next_slot if slot is None else slot
         if not self.ready[s].query():
             self.stalls += 1
             self.ready[s].synchronize()
         return s
 
-    def _views_of(self, s: int, rows: int, num_rows: int, keep: bool) -> tuple:
+    def views_of(self, s: int, rows: int, num_rows: int, keep: bool) -> tuple:
         """Slot s's fixed views for `rows` requests and `num_rows` token rows (kept for bucketed shapes)."""
-        views = self._views.get((s, rows, num_rows))
+        return self.kept((s, rows, num_rows), keep, lambda: slot_views(self.layout, self.dev[s], self.host[s], rows, num_rows))
+
+    def kept(self, key: tuple, keep: bool, make):
+        """make()'s views of a slot, made once per key when `keep` (bucketed shapes: bounded), else each time."""
+        views = self._views.get(key)
         if views is None:
-            views = slot_views(self.layout, self.dev[s], self.host[s], rows, num_rows)
+            views = make()
             if keep:
-                self._views[(s, rows, num_rows)] = views
+                self._views[key] = views
         return views
 
     def index_buffer(self, step: DeviceStep, group: int) -> torch.Tensor:
@@ -389,11 +387,13 @@ class GraphBufferPool:
         """Device and pinned bytes this pool and its schedulers hold, by component (what torch's
         allocators cache after freeing is theirs, not listed)."""
         slot_bytes = self.layout.size * 4 * self.num_slots
-        pinned = slot_bytes if self.device.type == "cuda" else 0
+        pinned = slot_bytes if self.cuda else 0
         parts = {"pool staging (pinned)": (0, pinned), "pool slot buffers": (slot_bytes, 0)}
         for table in (self.table, self.cross_table):  # (their host mirrors and page owners are pageable: host_bytes())
             if table is not None:
                 parts.update(table.memory())
+        if self.derivation is not None:
+            parts.update(self.derivation.memory())
         for scheduler in self.schedulers.values():
             if scheduler is not None:
                 parts.update(scheduler.memory())

@@ -60,25 +60,21 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     if pool.spec.own_page_groups:  # (build_round refuses them; scratch rounds too: this is the pool's own check)
         raise PlanError("commit_round: the pool's spec has layer groups with their own page lists or cross attention; "
                         "draft rounds serve specs whose groups share one page list")
-    bucket = pool._validate(plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
-    pool._check_slot(slot, "commit_round")
+    bucket = pool.validate(plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
+    pool.check_slot(slot, "commit_round")
     scheduler = pool.scheduler_for(draft.backend)
     if scheduler is not None:
         scheduler.check(plans[-1], bucket)
-    s = pool._free_slot(slot)
+    s = pool.free_slot(slot)
     B = draft.batch_size
     rows = num_rows = bucket or B
-    views = pool._views_of(s, rows, num_rows, bucket is not None)
-    more = pool._views.get(("draft", s, rows, num_rows))
-    if more is None:
-        more = _step_views(pool, s, rows, num_rows)
-        if bucket:
-            pool._views[("draft", s, rows, num_rows)] = more
+    views = pool.views_of(s, rows, num_rows, bucket is not None)
+    more = pool.kept(("draft", s, rows, num_rows), bucket is not None, lambda: _step_views(pool, s, rows, num_rows))
 
     h, offsets = pool.host_np[s], views[0]
-    ranges = stage_pages(h, plans[0], offsets, rows, 1, num_rows, pool._scratch_slots)
+    ranges = stage_pages(h, plans[0], offsets, rows, 1, num_rows, pool.scratch_slots)
     for plan, (at, groups) in zip(plans[1:], offsets.draft_steps):
-        stage_slots(h, offsets, plan.slot_mapping, B, num_rows, pool._scratch_slots, at)
+        stage_slots(h, offsets, plan.slot_mapping, B, num_rows, pool.scratch_slots, at)
         for gp, (lpl, lens) in zip(plan.groups, groups):
             h[lpl : lpl + B] = gp.kv_last_page_len
             h[lpl + B : lpl + rows] = 1  # padding requests: one token of the scratch page
@@ -91,7 +87,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     here = torch.cuda.current_stream(pool.device.index) if cuda else None
     host, dev = pool.host[s], pool.dev[s]
     try:
-        pool._after_consumer(s, here)
+        pool.after_consumer(s, here)
         offsets, qo, h_qo, slot_view, table_rows, group_views = views
         first = offsets.draft_steps[K - 2][0] if K > 1 else offsets.qo
         for a, b in [(first, ranges[0][1])] + list(ranges[1:]):

@@ -190,8 +190,9 @@ class PageTable:
         except IndexError:
             i = int(np.flatnonzero(rows >= self.max_requests)[0])
             raise PlanError(f"rows[{i}]: row {rows[i]} is not a table row (0..{self.max_requests - 1}) (request {i})") from None
-        if not np.array_equal(stamp[rows], ar):
-            i = int(np.flatnonzero(stamp[rows] != ar)[0])
+        twice = stamp[rows] != ar
+        if twice.any():
+            i = int(np.flatnonzero(twice)[0])
             raise PlanError(f"rows[{i}]: row {rows[i]} is listed twice in the step (request {i})")
         if plan.max_kv_len > self.width * ps:  # (the last token of the longest request sits past the width)
             i = int(np.argmax(plan.kv_lens))

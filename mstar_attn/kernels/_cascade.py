@@ -194,7 +194,7 @@ class CascadeState:
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(sch.float_ws, "NHD", use_tensor_cores=sch.tensor_cores)
             else:
                 w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(sch.float_ws, "NHD")
-            self.wrappers[key] = sch._share(w, step.slot, g)  # the slot and group's int workspace (see Scheduler.planned_into)
+            self.wrappers[key] = sch.share(w, step.slot, g)  # the slot and group's int workspace (see Scheduler.planned_into)
         return w
 
 

@@ -205,7 +205,6 @@ class Scheduler:
 
     def _plan(self, step: DeviceStep, g: int, dg):
         spec, group = self.pool.spec, self.pool.spec.groups[g]
-        heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         draft = step.plan.draft_step  # a round's steps are live together: a wrapper (and int workspace part) each
         if step.bucket is not None:
             key = (step.slot, g, step.rows, step.q_len) + (() if draft is None else (draft,))
@@ -228,6 +227,7 @@ class Scheduler:
                         self.planned_into(step.slot, g, fast.wrapper)
                 return fast.wrapper
             self.pool.stage_host(step)
+            heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
             fix = self.use_fast and (step.rows * spec.num_kv_heads >= self.fixed_min_ctas
                                      or (draft is not None and self.draft_fixed))
             w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
@@ -250,6 +250,7 @@ class Scheduler:
             if not fix:
                 self.planned_into(step.slot, g, w)
             return w
+        heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         if draft is not None:  # tensor cores: their planner splits KV by each request's length, never past it
             w = self._eager(("draft", step.slot, g, draft), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=True)
             w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
@@ -275,9 +276,10 @@ class Scheduler:
         it): a kept plan of another wrapper there is gone. Every plan into a shared workspace calls this."""
         self.ws_owner[(slot, g)] = wrapper
 
-    def _share(self, w, slot: int, g: int, draft: int | None = None):
+    def share(self, w, slot: int, g: int, draft: int | None = None):
         """Point w at slot and group's int workspace: the whole of it, or for step j of a draft round
-        its j-th of max_draft_steps equal parts (the round's steps are planned, and live, together)."""
+        its j-th of max_draft_steps equal parts (the round's steps are planned, and live, together).
+        Whoever plans w afterwards records it with planned_into (a kept plan there is then gone)."""
         ws, pinned = self.int_ws[slot][g], self.pinned_ws[slot][g]
         if draft is not None:
             n = INT_WORKSPACE_BYTES // self.pool.max_draft_steps // 4096 * 4096
@@ -289,7 +291,7 @@ class Scheduler:
         w = self.wrappers.get(key)
         if w is None:
             draft = key[3] if key[0] == "draft" else None
-            w = self.wrappers[key] = self._share(cls(self.float_ws, "NHD", **kw), key[1], key[2], draft)
+            w = self.wrappers[key] = self.share(cls(self.float_ws, "NHD", **kw), key[1], key[2], draft)
         return w
 
     def _graph_wrapper(self, step: DeviceStep, g: int, fixed: bool):
@@ -304,7 +306,7 @@ class Scheduler:
             paged_kv_last_page_len_buffer=dg.kv_last_page_len,
         )
         if not fixed:
-            return self._share(w, step.slot, g, step.plan.draft_step)
+            return self.share(w, step.slot, g, step.plan.draft_step)
         size = fixed_workspace_bytes(step.rows, step.q_len, self.pool.spec.gqa_group)
         ws = torch.zeros(size, dtype=torch.uint8, device=self.pool.device)
         pinned = torch.zeros(size, dtype=torch.uint8, pin_memory=True)

@@ -23,6 +23,17 @@ from mstar_attn.kernels import _flashinfer_fast  # noqa: E402
 from mstar_attn.kernels import flashinfer as fi  # noqa: E402
 
 
+def _table_graphs(spec, cache, max_batch: int):
+    """A pool with a page table (8 rows of 128 pages, one bucket of 4: split-KV) and its captured
+    decode graphs of fi.run over `cache`."""
+    pool = GraphBufferPool(spec, max_batch_size=max_batch, max_num_tokens=64, max_num_pages=spec.num_pages, buckets=(4,),
+                           max_requests=8, max_pages_per_request=128)
+    q = torch.zeros(4, spec.num_qo_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
+    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": q})
+    graphs.capture()
+    return pool, graphs
+
+
 def _walk(seed: int, steps: int, tensor_cores: bool):
     """Decode `steps` steps of 3 requests (bucket 4: split-KV) from random lengths, one token a step.
     Yields (plan, the replayed output, the reference's)."""
@@ -30,11 +41,7 @@ def _walk(seed: int, steps: int, tensor_cores: bool):
     heads = (32, 8) if tensor_cores else (8, 8)  # GQA 4: tensor cores; MHA: FlashInfer's CUDA-core decode
     spec = AttentionSpec(heads[0], heads[1], 128, 16, 600, groups=GPU_GROUPS[:2])
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=64, max_num_pages=600, buckets=(4,),
-                           max_requests=8, max_pages_per_request=128)
-    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(4, heads[0], 128, device="cuda",
-                                                                                         dtype=torch.bfloat16)})
-    graphs.capture()
+    pool, graphs = _table_graphs(spec, cache, 4)
     kv = rng.integers(100, 1500, 3).astype(np.int32)
     free = list(rng.permutation(600).astype(np.int32))
     for r, k in enumerate(kv):
@@ -85,11 +92,7 @@ def test_a_kept_plan_is_planned_again_after_another_wrapper_planned_into_its_wor
     rng = np.random.default_rng(seed)
     spec = AttentionSpec(32, 8, 128, 16, 600, groups=GPU_GROUPS[:1])
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=8, max_num_tokens=64, max_num_pages=600, buckets=(4,),
-                           max_requests=8, max_pages_per_request=128)
-    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(4, 32, 128, device="cuda",
-                                                                                       dtype=torch.bfloat16)})
-    graphs.capture()
+    pool, graphs = _table_graphs(spec, cache, 8)
     free = list(rng.permutation(600).astype(np.int32))
     for r in range(6):
         pool.table.assign(r, [free.pop() for _ in range(80)])
