@@ -4,7 +4,7 @@ For a step of R request rows and N token rows (a bucketed step: R = bucket, N = 
 other step: R = B, N = T) the arrays sit back to back, so a commit copies one contiguous range
 per layer group and nothing the step does not use:
 
-    rows [R] | first_page [G * R] | kv_lens [R] | table updates: positions [U], values [U] | (pad to 8 bytes)
+    rows [R] | first_page [G * R] | kv_lens [R] | table updates: positions [U], values [U] | fence [1] | (pad)
     draft steps D-1 .. 1, each: slot_mapping int64 [R], per group last_page_len [R], kv_lens [R] |
     qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad)
     slot_mapping int64 [N] | one more slot_mapping int64 [N] per own_pages group (not cross) |
@@ -44,6 +44,7 @@ class Offsets:
     kv_lens: int  # the requests' KV lengths [R] (a bucketed StepRows step's one length array)
     updates: int  # the table updates: positions [U] then values [U]
     update_capacity: int  # U
+    fence: int  # one cell: the commit's generation, which a derived commit's graph copies back (capture/lease.py)
     qo: int  # qo_indptr [R+1]: a StepBatch commit copies from here
     slots: int  # slot_mapping (int64; an even int32 offset)
     groups: tuple[tuple[int, int, int, int, int], ...]
@@ -72,8 +73,8 @@ class Layout:
     def at(self, rows: int, num_rows: int) -> Offsets:
         G, cap = self.num_groups, rows // 2 + 16
         updates = rows * (2 + G)
-        draft = updates + 2 * cap
-        draft += draft & 1
+        fence = updates + 2 * cap
+        draft = fence + 1 + ((fence + 1) & 1)
         block = 2 * rows * (1 + G)  # one draft step: 2R (int64 slots, 8-byte aligned) + 2GR
         qo = draft + (self.draft_steps - 1) * block
         steps = []
@@ -96,7 +97,7 @@ class Layout:
             if n > 0:
                 group_slots[g], tail = tail, tail + 2 * n
         return Offsets(rows=rows, num_rows=num_rows, table_rows=0, kv_lens=rows * (1 + G), updates=updates,
-                       update_capacity=cap, qo=qo, slots=slots,
+                       update_capacity=cap, fence=fence, qo=qo, slots=slots,
                        groups=tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), head_end=end,
                        group_slots=tuple(group_slots), end=tail, draft=draft, draft_steps=tuple(steps))
 

@@ -24,10 +24,11 @@ import torch
 
 from mstar_attn.capture import cross, derive, rounds
 from mstar_attn.capture.layout import Layout, slot_views
+from mstar_attn.capture.lease import SlotLeases
 from mstar_attn.capture.expand import gather_csr
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
-from mstar_attn.capture.step import DeviceGroup, DeviceStep, HostEvent, MemoryReport
+from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import AUTO, BACKENDS, load
@@ -104,15 +105,12 @@ class GraphBufferPool:
         self.host = [torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=cuda) for _ in range(slots)]
         self.host_np = [h.numpy() for h in self.host]
         self.dev = [torch.zeros(self.layout.size, dtype=torch.int32, device=self.device) for _ in range(slots)]
-        # recorded after each slot's commit: once it has run, the slot's staging may be rewritten
-        self.ready = [torch.cuda.Event() if cuda else HostEvent() for _ in range(slots)]
-        self.generations = [0] * slots  # commits per slot: a DeviceStep is live while its count is current
+        # each slot's commit count, when its staging may be rewritten, the stream its step runs on
+        self.leases = SlotLeases(slots, cuda)
+        self.generations = self.leases.generations  # commits per slot: a DeviceStep is live while its count is current
         self.unstaged = [-1] * slots  # the generation of a derived step whose pinned O(rows) arrays are not written yet
-        self.consumers: list = [None] * slots  # the stream that waited for the slot's step (side-stream commits)
-        self._reuse = [torch.cuda.Event() if cuda else HostEvent() for _ in range(slots)]
         self._views: dict[tuple, tuple] = {}  # ([kind,] slot, rows, num_rows) of bucketed steps only (see kept)
         self.scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
-        self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
         self.bytes_to_device = 0  # host-to-device bytes the pool and its schedulers issued, all commits
         self.last_commit_bytes = 0
         self.next_slot = 0
@@ -136,6 +134,15 @@ class GraphBufferPool:
     @property
     def num_slots(self) -> int:
         return len(self.host)
+
+    @property
+    def stalls(self) -> int:
+        """Commits that had to wait for the GPU before reusing a slot."""
+        return self.leases.stalls
+
+    @stalls.setter
+    def stalls(self, n: int) -> None:
+        self.leases.stalls = n
 
     def scheduler_for(self, backend: str):
         """The Scheduler of `backend`'s module for this pool (made once; None for host-only backends)."""
@@ -178,7 +185,10 @@ class GraphBufferPool:
         if plan.batch_size > L.max_rows or plan.num_tokens > (L.max_tokens if bucket else self.max_num_tokens):
             raise PlanError(f"commit: batch {plan.batch_size} / tokens {plan.num_tokens} exceed the pool's "
                             f"max_batch_size {L.max_rows} / max_num_tokens {self.max_num_tokens}")
-        pad = (bucket - plan.batch_size) * -(-plan.max_q_len // self.spec.page_size) if bucket else 0
+        ps = self.spec.page_size
+        pad = (bucket - plan.batch_size) * -(-plan.max_q_len // ps) if bucket else 0
+        if plan.rows is not None and plan.batch_size * -(-plan.max_kv_len // ps) + pad <= L.index_capacity:
+            return bucket  # (no group reads more pages than every request reading its longest: no lazy arrays derived)
         for g, gp in enumerate(plan.groups):
             if gp.stored > self.max_encoder_tokens:
                 raise PlanError(f"commit: group {g} stores {gp.stored} encoder tokens, more than the "
@@ -198,17 +208,6 @@ class GraphBufferPool:
             raise PlanError(f"{where}: stream must be a torch.cuda.Stream on {self.device}, got {stream!r}")
         return stream
 
-    def claim_consumer(self, s: int, stream, where: str) -> None:
-        """Record `stream` as where slot s's step runs. A pool's steps run on one compute stream:
-        FlashInfer's float workspace is shared by the slots, so two live steps running on two
-        streams at once would race in it (overlap batches with one pool per stream)."""
-        for other, gen in enumerate(self.generations):
-            c = self.consumers[other]
-            if other != s and c is not None and c != stream:
-                raise PlanError(f"{where}: slot {other}'s step runs on another stream ({c}); a pool's steps run on "
-                                "one compute stream (use one pool per stream to overlap batches)")
-        self.consumers[s] = stream
-
     def commit(self, plan: AttentionPlan, *, stream: torch.cuda.Stream | None = None, slot: int | None = None) -> DeviceStep:
         """Copy `plan` into the next slot (in place, non-blocking) and schedule its backend. No device sync.
 
@@ -227,9 +226,10 @@ class GraphBufferPool:
         derived = plan.rows is not None and bucket is not None  # the device derives the step's arrays (derive.py)
         # the last check, O(B + T); host slots only for a StepRows step the device does not derive
         slots = None if plan.rows is None else self.table.check_step(plan, slots=not derived)
-        xg = cross.rows_group(plan)
+        xg = None if plan.rows is not None else cross.rows_group(plan)  # (CrossRows: StepBatch plans only)
         x_slots = None if xg is None else cross.check(self.cross_table, plan, xg)
         s = self.free_slot(slot)
+        lease = self.leases
         B, T = plan.batch_size, plan.num_tokens
         rows, q_len = (bucket, plan.max_q_len) if bucket else (B, 1)
         num_rows = rows * q_len if bucket else T
@@ -244,6 +244,7 @@ class GraphBufferPool:
         lazy = derived and getattr(scheduler, "lazy_host_arrays", False)
         if derived:  # the rows and lengths alone; the pinned O(rows) arrays only if a scheduler asks (stage_host)
             left = stage_derived(h, plan, offsets, rows, q_len, updates, self.table)
+            h[offsets.fence] = lease.next_fence(s)
             if not lazy:
                 stage_requests(h, plan, offsets, rows, q_len)
             ranges = None  # (each group's whole index region: the step's DeviceGroups are fixed, made once)
@@ -257,16 +258,16 @@ class GraphBufferPool:
         self.generations[s] += 1  # from here on the slot's previous step is stale
         self.unstaged[s] = self.generations[s] if lazy else -1
         self.next_slot = (s + 1) % self.num_slots
-        host, dev = self.host[s], self.dev[s]
+        host, dev, fenced = self.host[s], self.dev[s], False
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             on = side or here  # the stream this commit's copies and host scheduling run on
             try:
-                self.after_consumer(s, on)
-                offsets, qo, h_qo, slot_view, table_rows, group_views = views
-                groups = self._groups_of(s, rows, num_rows, views, ranges)
-                fields = (plan, s, rows, num_rows, bucket, q_len, qo, h_qo, slot_view, table_rows, groups,
-                          self.generations[s], self, side)
-                step = DeviceStep(*fields)
+                lease.after_consumer(s, on)
+                offsets, qo, h_qo, slot_view, table_rows, _ = views
+                step = DeviceStep(plan=plan, slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=q_len, qo_indptr=qo,
+                                  host_qo_indptr=h_qo, slot_mapping=slot_view, table_rows=table_rows,
+                                  groups=self._groups_of(s, rows, num_rows, views, ranges), generation=self.generations[s],
+                                  pool=self, stream=side)
                 if plan.rows is None:
                     for a, b in copy_ranges(offsets, ranges, plan):
                         self.upload(dev[a:b], host[a:b])
@@ -279,18 +280,24 @@ class GraphBufferPool:
                     if left:  # more table updates than the step's region holds (admissions): sent first
                         self.last_commit_bytes += table.send(updates)
                     self._rows_device_work(step, scheduler, offsets, derived)
+                sent = self.last_commit_bytes
                 if scheduler is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
                     object.__setattr__(step, "scheduled", scheduler.schedule(step))
+                # the commit graph's fence proves every copy out of the staging ran, unless the scheduler
+                # planned from it (staged the host arrays) or uploaded anything after the graph
+                fenced = lazy and here is not None and side is None and self.unstaged[s] == self.generations[s] \
+                    and self.last_commit_bytes == sent
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
                 if side is None and here is not None:
-                    self.claim_consumer(s, here, "commit")
+                    lease.claim_consumer(s, here, "commit")
             except BaseException:
                 if updates is not None:  # they may not have reached the device: send them again next time
                     table.restore_updates(updates)
+                fenced = False
                 raise
             finally:
-                self.ready[s].record(on)
+                lease.record(s, on, fenced)
                 self.bytes_to_device += self.last_commit_bytes
         return step
 
@@ -321,6 +328,8 @@ class GraphBufferPool:
             expand = getattr(scheduler, "expand", None)  # a backend's own arrays (dense page tables)
             if expand is not None:
                 expand(step)
+            if derived and self.cuda:  # the last node: the commit's generation back to the host (lease.py)
+                self.leases.fence[step.slot : step.slot + 1].copy_(dev[offsets.fence : offsets.fence + 1], non_blocking=True)
 
         self.device_work.run(("derived" if derived else "staged", step.slot, step.rows, step.num_rows, step.plan.backend),
                              derived, work)
@@ -344,24 +353,13 @@ class GraphBufferPool:
             return make(ranges)
         return self.kept(("groups", s, rows, num_rows), True, lambda: make([(o[4], o[4] + cap) for o in views[0].groups]))
 
-    def after_consumer(self, s: int, on) -> None:
-        """If slot s's last step runs on another stream than this commit's `on` (it was committed
-        there, or waited for there), make `on` wait (on the GPU) for what that stream has queued so
-        far: kernels that may still read the slot."""
-        consumer, self.consumers[s] = self.consumers[s], None
-        if consumer is not None and on is not None and consumer != on:
-            self._reuse[s].record(consumer)
-            on.wait_event(self._reuse[s])
-
     def check_slot(self, slot, where: str) -> None:  # (None: the next slot)
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
             raise PlanError(f"{where}: slot {slot!r} is not one of the pool's {self.num_slots} slots")
 
     def free_slot(self, slot: int | None) -> int:  # the slot a commit fills, once its last copies have run
         s = self.next_slot if slot is None else slot
-        if not self.ready[s].query():
-            self.stalls += 1
-            self.ready[s].synchronize()
+        self.leases.free(s)
         return s
 
     def views_of(self, s: int, rows: int, num_rows: int, keep: bool) -> tuple:
@@ -394,6 +392,7 @@ class GraphBufferPool:
                 parts.update(table.memory())
         if self.derivation is not None:
             parts.update(self.derivation.memory())
+        parts.update(self.leases.memory())
         for scheduler in self.schedulers.values():
             if scheduler is not None:
                 parts.update(scheduler.memory())

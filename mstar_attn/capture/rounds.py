@@ -87,7 +87,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     here = torch.cuda.current_stream(pool.device.index) if cuda else None
     host, dev = pool.host[s], pool.dev[s]
     try:
-        pool.after_consumer(s, here)
+        pool.leases.after_consumer(s, here)
         offsets, qo, h_qo, slot_view, table_rows, group_views = views
         first = offsets.draft_steps[K - 2][0] if K > 1 else offsets.qo
         for a, b in [(first, ranges[0][1])] + list(ranges[1:]):
@@ -112,9 +112,9 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
             for st, sch in zip(steps, scheduled):  # (fresh objects no caller has seen yet: set, not rebuilt)
                 object.__setattr__(st, "scheduled", sch)
         if here is not None:
-            pool.claim_consumer(s, here, "commit_round")
+            pool.leases.claim_consumer(s, here, "commit_round")
     finally:
-        pool.ready[s].record(here)
+        pool.leases.record(s, here, False)
         pool.bytes_to_device += pool.last_commit_bytes
     return tuple(steps)
 

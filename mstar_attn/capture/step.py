@@ -14,16 +14,6 @@ if TYPE_CHECKING:
     from mstar_attn.capture.pool import GraphBufferPool
 
 
-class HostEvent:
-    """The event of a CPU pool: CPU copies are synchronous, so every commit is done at once."""
-
-    def record(self, stream=None) -> None: ...
-    def synchronize(self) -> None: ...
-
-    def query(self) -> bool:
-        return True
-
-
 @attrs.frozen
 class DeviceGroup:
     """One layer group's committed arrays: int32 device views, and pinned host views of the small ones."""
@@ -99,17 +89,17 @@ class DeviceStep:
         next commit into this slot wait for the work queued there so far, so it cannot overwrite
         buffers a queued kernel still reads. (A step committed without `stream=` runs on the stream
         that committed it, and needs no wait.) All of a pool's live steps run on one stream: a
-        step of the other slot running elsewhere raises PlanError (see GraphBufferPool.claim_consumer)."""
+        step of the other slot running elsewhere raises PlanError (see SlotLeases.claim_consumer)."""
         self.check_live("wait")
         pool = self.pool
         stream = pool.check_stream(stream, "wait")
         if pool.device.type == "cuda":
             if stream is None:
                 stream = torch.cuda.current_stream(pool.device.index)
-            if self._waited[0] and pool.consumers[self.slot] not in (None, stream):
+            if self._waited[0] and pool.leases.consumers[self.slot] not in (None, stream):
                 raise PlanError("wait: this step was already waited for on another stream; a step runs on one stream")
-            pool.claim_consumer(self.slot, stream, "wait")
-            stream.wait_event(pool.ready[self.slot])
+            pool.leases.claim_consumer(self.slot, stream, "wait")
+            stream.wait_event(pool.leases.event_of(self.slot))
         self._waited[0] = True
 
     def check_live(self, where: str) -> None:

@@ -58,6 +58,7 @@ class PageTable:
         self._pending: list[np.ndarray] = []  # flat positions changed since the last take_updates
         self._stamp = np.zeros(self.max_requests, np.int32)  # check_step's distinct-rows check (a row past it: IndexError)
         self._arange = np.arange(self.max_requests + 1, dtype=np.int32)
+        self._distinct = b""  # the rows (bytes) of the last step check_step found distinct table rows
 
     @property
     def pending(self) -> int:
@@ -184,21 +185,15 @@ class PageTable:
         unassigned entries are the scratch page, which no row holds, so the written page's owner
         check also proves the row holds enough pages."""
         rows, ps, B = plan.rows, self.spec.page_size, plan.batch_size
-        stamp, ar = self._stamp, self._arange[:B]
-        try:  # (build_plan refused negative rows)
-            stamp[rows] = ar
-        except IndexError:
-            i = int(np.flatnonzero(rows >= self.max_requests)[0])
-            raise PlanError(f"rows[{i}]: row {rows[i]} is not a table row (0..{self.max_requests - 1}) (request {i})") from None
-        twice = stamp[rows] != ar
-        if twice.any():
-            i = int(np.flatnonzero(twice)[0])
-            raise PlanError(f"rows[{i}]: row {rows[i]} is listed twice in the step (request {i})")
+        key = rows.tobytes()
+        if key != self._distinct:  # (the rows of the last step checked: distinct table rows already)
+            self._check_distinct(rows, B)
+            self._distinct = key
         if plan.max_kv_len > self.width * ps:  # (the last token of the longest request sits past the width)
             i = int(np.argmax(plan.kv_lens))
             raise PlanError(f"kv_lens: request {i} needs more than max_pages_per_request {self.width} pages")
-        if plan.mode is Mode.DECODE:
-            row_t, pos = rows, plan.positions
+        if plan.mode is Mode.DECODE:  # (from the lengths: a lazy plan's positions are not derived)
+            row_t, pos = rows, plan.kv_lens - 1
         else:
             row_t, pos = np.repeat(rows, plan.q_lens), plan.positions
         page, bad = self.written(row_t, pos)
@@ -212,10 +207,25 @@ class PageTable:
             raise PlanError(f"rows[{i}]: row {r} {why} (request {i})")
         return self.slots(page, pos) if slots else None
 
+    def _check_distinct(self, rows: np.ndarray, B: int) -> None:
+        """PlanError unless rows [B] are distinct table rows (build_plan refused negative ones)."""
+        stamp, ar = self._stamp, self._arange[:B]
+        try:
+            stamp[rows] = ar
+        except IndexError:
+            i = int(np.flatnonzero(rows >= self.max_requests)[0])
+            raise PlanError(f"rows[{i}]: row {rows[i]} is not a table row (0..{self.max_requests - 1}) (request {i})") from None
+        twice = stamp[rows] != ar
+        if twice.any():
+            i = int(np.flatnonzero(twice)[0])
+            raise PlanError(f"rows[{i}]: row {rows[i]} is listed twice in the step (request {i})")
+
     def written(self, row_t: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For tokens at positions pos [n] of rows row_t [n] (columns within the width): the page
         each lands on, and where that page is not held alone by its row (a write refused)."""
-        page = self.flat[row_t.astype(np.int64) * self.width + pos // self.spec.page_size]
+        at = row_t * self.width  # (int32: the table's entries fit int32, checked at construction)
+        at += pos // self.spec.page_size
+        page = self.flat[at]
         return page, self.owner[page] != row_t
 
     def slots(self, page: np.ndarray, pos: np.ndarray) -> np.ndarray:

@@ -212,7 +212,7 @@ class Scheduler:
             if w is not None:
                 return w
             fast = self.fast.get(key)
-            lens = step.plan.groups[g].kv_lens  # (a plan holds while every request's KV chunk count does)
+            lens = step.plan.kv_lens_of(g)  # (a plan holds while every request's KV chunk count does)
             if fast is not None:
                 # the plan lives in the slot and group's shared int workspace: kept only while no other wrapper
                 # has planned into it since, and every request's chunk count is the same (a draft step's

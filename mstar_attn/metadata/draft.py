@@ -165,8 +165,10 @@ def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool,
                        else GroupPlan(g, windows[g.window][0], windows[g.window][1], lpl[j], windows[g.window][3][j],
                                       windows[g.window][2])
                        for g in spec.groups)
-        plan = AttentionPlan(spec, Mode.DECODE, B, B, 1, low + j, q, kv[j], qo_indptr, kv_indptr, kv_indices, lpl[j],
-                             positions[j], slots[j], groups, block_table, backend, None, j)
+        plan = AttentionPlan(spec=spec, mode=Mode.DECODE, batch_size=B, num_tokens=B, max_q_len=1, max_kv_len=low + j,
+                             q_lens=q, kv_lens=kv[j], qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                             kv_last_page_len=lpl[j], positions=positions[j], slot_mapping=slots[j], groups=groups,
+                             block_table=block_table, backend=backend, draft_step=j)
         object.__setattr__(plan, "sealed", True)
         plans.append(plan)
     out = DraftRound(tuple(plans))

@@ -6,113 +6,20 @@ host numpy array; plans share arrays with the (immutable) StepBatch they came fr
 
 from __future__ import annotations
 
-import enum
-
-import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, fail_at, read_only
 from mstar_attn.metadata.backends import AUTO
 from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, StepRows
-from mstar_attn.metadata.cascade import CascadePlan, plan_cascade
+from mstar_attn.metadata.cascade import plan_cascade
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan, window_plan
+from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan
 from mstar_attn.metadata.pages import gather_ranges, read_pages, scan_ownership
 from mstar_attn.metadata.select import resolve_backend
-from mstar_attn.metadata.spec import CASCADE_BACKENDS, AttentionSpec, Kind
+from mstar_attn.metadata.record import ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, groups_of
+from mstar_attn.metadata.spec import CASCADE_BACKENDS, AttentionSpec
 
 __all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "scratch_plan"]
-
-MAX_VERIFY_Q_LEN = 16  # the longest uniform q_len a step may have and still be a VERIFY step
-
-
-class Mode(enum.Enum):
-    """What a step is, by its shape alone (q_len, cached prefix = kv_len - q_len, per request).
-
-    DECODE   every request has q_len 1.
-    PREFILL  no request has a cached prefix, and some q_len > 1.
-    VERIFY   every request has the same q_len, 2 <= q_len <= MAX_VERIFY_Q_LEN, over a cached
-             prefix: speculative verify and draft steps (and any short uniform chunk, which the
-             kernels serve the same way). Pools bucket these like decode steps.
-    MIXED    decode requests (q_len 1) beside longer ones, some over a cached prefix.
-    EXTEND   anything else: chunked prefill, prefix-cache hits, long uniform chunks.
-    """
-
-    DECODE = "decode"
-    PREFILL = "prefill"
-    VERIFY = "verify"
-    MIXED = "mixed"
-    EXTEND = "extend"
-
-
-@attrs.frozen
-class AttentionPlan:
-    """Everything any backend needs for one step, B requests and T new tokens, host arrays.
-
-    qo_indptr [B+1] int32     new tokens of request i are rows qo_indptr[i]:qo_indptr[i+1] of q
-    q_lens, kv_lens [B] int32 kv_lens is after the step (prefix + new tokens)
-    kv_indptr [B+1], kv_indices [n], kv_last_page_len [B] int32: the pages each request reads
-    positions [T] int64       absolute position of each new token
-    slot_mapping [T] int64    page * page_size + offset where token t's K/V is written (for the
-                              groups reading the shared list; an own_pages group has its own,
-                              groups[g].slot_mapping: `slots_of(g)` gives either)
-    block_table [B, P] int32  the engine's padded page table, when it gave one (else None)
-    rows [B] int32            a StepRows plan's page-table rows (else None). Such a plan holds no
-                              page ids: kv_indices and slot_mapping (plan and groups) are None, and
-                              GraphBufferPool.commit derives them from its table.
-    groups                    one GroupPlan per spec.groups entry
-    cascade                   the step's shared-prefix levels (spec.cascade; metadata/cascade.py), run
-                              by spec.cascade_groups, or None: every group reads flat
-    backend                   the backend that serves the step: spec.backend, or the choice of
-                              select_backend when spec.backend is "auto"
-    """
-
-    spec: AttentionSpec = attrs.field(repr=False)
-    mode: Mode
-    batch_size: int
-    num_tokens: int
-    max_q_len: int
-    max_kv_len: int
-    q_lens: np.ndarray = array_field()
-    kv_lens: np.ndarray = array_field()
-    qo_indptr: np.ndarray = array_field()
-    kv_indptr: np.ndarray = array_field()
-    kv_indices: np.ndarray | None = nullable_array_field()
-    kv_last_page_len: np.ndarray = array_field()
-    positions: np.ndarray = array_field()
-    slot_mapping: np.ndarray | None = nullable_array_field()
-    groups: tuple[GroupPlan, ...] = attrs.field(repr=False)
-    block_table: np.ndarray | None = optional_array_field()
-    backend: str = "flashinfer"  # the BACKENDS name that serves this step
-    rows: np.ndarray | None = optional_array_field()  # StepRows plans: each request's page-table row
-    # step j of a draft round (metadata/draft.py), else None: its page lists run ahead of its lengths
-    # (kv_last_page_len may be <= 0); commit it with GraphBufferPool.commit_round, never alone
-    draft_step: int | None = None
-    cascade: CascadePlan | None = attrs.field(default=None, repr=False)
-    # True only for plans build_plan / scratch_plan made: attrs.evolve makes a new plan through
-    # __init__, which leaves this False, so a hand-edited plan is never taken for a checked one
-    sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
-
-    @property
-    def sm_scale(self) -> float:
-        return self.spec.sm_scale
-
-    @property
-    def soft_cap(self) -> float:
-        return self.spec.soft_cap
-
-    @property
-    def causal(self) -> bool:
-        """Whether the first layer group is causal; each GroupPlan carries its own."""
-        return self.groups[0].group.causal
-
-    def group_for_layer(self, layer: int) -> GroupPlan:
-        return self.groups[self.spec.layer_groups[layer]]
-
-    def slots_of(self, group: int) -> np.ndarray | None:
-        """slot_mapping [T] int64 of layer group `group`: its own (own_pages) or the plan's."""
-        own = self.groups[group].slot_mapping
-        return self.slot_mapping if own is None else own
 
 
 def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_ownership: bool = True) -> AttentionPlan:
@@ -278,9 +185,6 @@ def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPa
     return list(batch.group_pages)
 
 
-_ARANGE = np.arange(1 << 16, dtype=np.int32)  # qo_indptr of decode steps up to 65535 requests: read-only views
-read_only(_ARANGE)
-
 def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     """The plan of a step over the pool's page table: O(B + T), no page ids (see build_plan)."""
     rows, q, kv, ps = batch.rows, batch.q_lens, batch.kv_lens, spec.page_size
@@ -289,7 +193,7 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
                         "the pool's page table does not hold; describe such steps with a StepBatch")
     if rows.shape != q.shape:
         raise PlanError(f"shapes: rows {rows.shape} and q_lens {q.shape} must both be [B]")
-    if batch.decode_step and 0 < kv.shape[0] < _ARANGE.shape[0] and kv.shape == q.shape:
+    if batch.decode_step and 0 < kv.shape[0] < ARANGE.shape[0] and kv.shape == q.shape:
         return _plan_rows_decode(batch, spec)
     q_max = check_lengths(q, kv, ps)
     if rows.min() < 0:
@@ -308,8 +212,9 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
 
 
 def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
-    """_plan_rows for a StepRows.decode step (q_lens all 1 by construction): the same checks and
-    arrays in the fewest numpy calls (the per-step host path of a decoding engine)."""
+    """_plan_rows for a StepRows.decode step (q_lens all 1 by construction): the same checks in three
+    reductions, and a plan whose arrays are derived on first read (the per-step host path of a decoding
+    engine: a pool derives them on the device)."""
     rows, q, kv, ps = batch.rows, batch.q_lens, batch.kv_lens, spec.page_size
     B, lo, hi = kv.shape[0], int(kv.min()), int(kv.max())
     if lo < 1:
@@ -319,18 +224,11 @@ def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
         raise PlanError(f"kv_lens: more pages in all than int32 page offsets hold (longest {hi}, {B} requests)")
     if rows.min() < 0:
         fail_at("rows", rows < 0, "a page-table row is negative")
-    need = kv + (ps - 1)
-    need //= ps
-    kv_indptr = np.empty(B + 1, np.int32)
-    kv_indptr[0] = 0
-    np.cumsum(need, out=kv_indptr[1:])
-    positions = np.subtract(kv, 1, dtype=np.int64)
-    last_page_len = kv - 1
-    last_page_len %= ps
-    last_page_len += 1
-    step = StepArrays(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=_ARANGE[: B + 1], positions=positions,
-                 need=need, kv_indptr=kv_indptr, last_page_len=last_page_len, max_kv=hi)
-    return _finish(spec, step, rows=rows)
+    backend = resolve_backend(spec, Mode.DECODE, B, B, 1, hi, None)
+    plan = AttentionPlan(spec=spec, mode=Mode.DECODE, batch_size=B, num_tokens=B, max_q_len=1, max_kv_len=hi, q_lens=q,
+                         kv_lens=kv, kv_indices=None, slot_mapping=None, backend=backend, rows=rows)
+    object.__setattr__(plan, "sealed", True)
+    return plan
 
 
 def _finish(spec: AttentionSpec, step: StepArrays, *, block_table=None, rows=None, backend: str | None = None,
@@ -338,15 +236,10 @@ def _finish(spec: AttentionSpec, step: StepArrays, *, block_table=None, rows=Non
     """The layer groups' page ranges (own: those of groups with their own lists), the backend, the
     cascade (decode and verify steps of a spec with cascade on; `cascade` True forces it, False
     forbids it), and the sealed plan (shared by both batch forms)."""
-    st, own = step, own or {}
+    st = step
     q, kv, kv_indptr, kv_indices, lpl = st.q, st.kv, st.kv_indptr, st.kv_indices, st.last_page_len
     read_only(st.qo_indptr, kv_indptr, lpl, st.positions)
-    groups = tuple([
-        own[i] if i in own
-        else GroupPlan(g, kv_indptr, kv_indices, lpl, kv) if g.kind is not Kind.WINDOW
-        else window_plan(g, kv_indptr, kv_indices, lpl, q, kv, st.need, spec.page_size)
-        for i, g in enumerate(spec.groups)
-    ])
+    groups = groups_of(spec, st, own)
     max_kv = int(kv.max()) if st.max_kv is None else st.max_kv
     levels, name = None, backend or spec.backend
     if spec.cascade_groups and kv_indices is not None and st.mode in (Mode.DECODE, Mode.VERIFY) and cascade is not False \

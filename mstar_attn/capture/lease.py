@@ -1,0 +1,110 @@
+"""A pool's slots as leases: each slot's commit count, when its staging may be written again, and the
+stream its step runs on. Host bookkeeping only; the pool (pool.py) is its one owner.
+
+A commit writes slot s's pinned staging, and copies out of it run later on the GPU. Before the
+next commit into s rewrites the staging, those copies must have run: the commit records either an
+event after them, or (a derived StepRows commit, whose copies all sit in one captured graph: see
+GraphBufferPool.commit) a fence: the graph's last node copies the commit's generation, staged with
+the step, back into `fence` (pinned), so the host reads one int instead of paying an event record
+per step. `free(s)` waits for whichever the last commit left.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mstar_attn.metadata.errors import PlanError
+
+FENCE_MASK = 0x7FFFFFFF  # a generation as the int32 fence cell holds it
+SPIN_SECONDS = 1.0  # how long free() polls a fence before it synchronizes the commit's stream
+
+
+class HostEvent:
+    """The event of a CPU pool: CPU copies are synchronous, so every commit is done at once."""
+
+    def record(self, stream=None) -> None: ...
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+
+class SlotLeases:
+    """num_slots slots of a pool on `device` (cuda: events and a pinned fence array; else host events).
+
+    generations[s]: commits into slot s so far (a DeviceStep is live while its count is current).
+    ready[s]: the event after slot s's last event-proven commit; fence [num_slots] int32 pinned: the
+    generation (& FENCE_MASK) each slot's last fenced commit graph wrote back. consumers[s]: the
+    stream slot s's step runs on, if it was committed on or waited for on a side stream."""
+
+    def __init__(self, num_slots: int, cuda: bool):
+        self.cuda = cuda
+        self.generations = [0] * num_slots
+        self.ready = [torch.cuda.Event() if cuda else HostEvent() for _ in range(num_slots)]
+        self.fence = torch.zeros(num_slots, dtype=torch.int32, pin_memory=cuda)
+        self.fence_np = self.fence.numpy()
+        self.fenced = [False] * num_slots  # the slot's last commit is proven by its fence (else by ready[s])
+        self.streams: list = [None] * num_slots  # the stream a fenced commit ran on (event_of records there)
+        self.consumers: list = [None] * num_slots
+        self._reuse = [torch.cuda.Event() if cuda else HostEvent() for _ in range(num_slots)]
+        self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
+
+    def next_fence(self, s: int) -> int:
+        """The value slot s's next commit stages into its fence cell (its generation after the commit)."""
+        return (self.generations[s] + 1) & FENCE_MASK
+
+    def free(self, s: int) -> None:
+        """Return once the copies out of slot s's staging that its last commit queued have run."""
+        if self.fenced[s]:
+            want = self.generations[s] & FENCE_MASK
+            if self.fence_np[s] == want:
+                return
+            self.stalls += 1
+            deadline = time.perf_counter() + SPIN_SECONDS
+            while self.fence_np[s] != want:
+                if time.perf_counter() > deadline:
+                    self.streams[s].synchronize()
+                    if self.fence_np[s] != want:
+                        raise RuntimeError(f"slot {s}: its commit graph ran but did not write fence {want} "
+                                           f"(reads {int(self.fence_np[s])})")
+        elif not self.ready[s].query():
+            self.stalls += 1
+            self.ready[s].synchronize()
+
+    def record(self, s: int, on, fenced: bool) -> None:
+        """Slot s's commit has queued its last copy on stream `on`: proven by its fence, or by an event now."""
+        self.fenced[s], self.streams[s] = fenced, on
+        if not fenced:
+            self.ready[s].record(on)
+
+    def event_of(self, s: int):
+        """An event after slot s's last commit (recorded now on that commit's stream if its fence proves it)."""
+        if self.fenced[s]:
+            self.ready[s].record(self.streams[s])
+            self.fenced[s] = False
+        return self.ready[s]
+
+    def after_consumer(self, s: int, on) -> None:
+        """If slot s's last step runs on another stream than this commit's `on` (it was committed
+        there, or waited for there), make `on` wait (on the GPU) for what that stream has queued so
+        far: kernels that may still read the slot."""
+        consumer, self.consumers[s] = self.consumers[s], None
+        if consumer is not None and on is not None and consumer != on:
+            self._reuse[s].record(consumer)
+            on.wait_event(self._reuse[s])
+
+    def claim_consumer(self, s: int, stream, where: str) -> None:
+        """Record `stream` as where slot s's step runs. A pool's steps run on one compute stream:
+        FlashInfer's float workspace is shared by the slots, so two live steps running on two
+        streams at once would race in it (overlap batches with one pool per stream)."""
+        for other, c in enumerate(self.consumers):
+            if other != s and c is not None and c != stream:
+                raise PlanError(f"{where}: slot {other}'s step runs on another stream ({c}); a pool's steps run on "
+                                "one compute stream (use one pool per stream to overlap batches)")
+        self.consumers[s] = stream
+
+    def memory(self) -> dict[str, tuple[int, int]]:
+        return {"slot fences (pinned)": (0, self.fence.numel() * 4 if self.cuda else 0)}
+

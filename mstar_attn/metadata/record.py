@@ -1,0 +1,206 @@
+"""The plan record: `Mode` and the frozen `AttentionPlan`, and the pure function a StepRows decode
+plan derives its arrays with on first read. Numpy only, host only (see plan.py for build_plan)."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import numpy as np
+
+from mstar_attn.metadata._arrays import array_field, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata.cascade import CascadePlan
+from mstar_attn.metadata.groups import GroupPlan, StepArrays, window_plan
+from mstar_attn.metadata.spec import AttentionSpec, Kind
+
+__all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "Mode", "groups_of", "rows_decode_arrays"]
+
+MAX_VERIFY_Q_LEN = 16  # the longest uniform q_len a step may have and still be a VERIFY step
+
+
+class Mode(enum.Enum):
+    """What a step is, by its shape alone (q_len, cached prefix = kv_len - q_len, per request).
+
+    DECODE   every request has q_len 1.
+    PREFILL  no request has a cached prefix, and some q_len > 1.
+    VERIFY   every request has the same q_len, 2 <= q_len <= MAX_VERIFY_Q_LEN, over a cached
+             prefix: speculative verify and draft steps (and any short uniform chunk, which the
+             kernels serve the same way). Pools bucket these like decode steps.
+    MIXED    decode requests (q_len 1) beside longer ones, some over a cached prefix.
+    EXTEND   anything else: chunked prefill, prefix-cache hits, long uniform chunks.
+    """
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+    VERIFY = "verify"
+    MIXED = "mixed"
+    EXTEND = "extend"
+
+
+def _lazy(name: str):
+    """A plan field a StepRows decode plan derives from its lengths on first read (`_derived`)."""
+    return attrs.field(default=None, alias=name, eq=False, repr=False)
+
+
+@attrs.frozen(eq=False)
+class AttentionPlan:
+    """Everything any backend needs for one step, B requests and T new tokens, host arrays.
+
+    qo_indptr [B+1] int32     new tokens of request i are rows qo_indptr[i]:qo_indptr[i+1] of q
+    q_lens, kv_lens [B] int32 kv_lens is after the step (prefix + new tokens)
+    kv_indptr [B+1], kv_indices [n], kv_last_page_len [B] int32: the pages each request reads
+    positions [T] int64       absolute position of each new token
+    slot_mapping [T] int64    page * page_size + offset where token t's K/V is written (for the
+                              groups reading the shared list; an own_pages group has its own,
+                              groups[g].slot_mapping: `slots_of(g)` gives either)
+    block_table [B, P] int32  the engine's padded page table, when it gave one (else None)
+    rows [B] int32            a StepRows plan's page-table rows (else None). Such a plan holds no
+                              page ids: kv_indices and slot_mapping (plan and groups) are None, and
+                              GraphBufferPool.commit derives them from its table.
+    groups                    one GroupPlan per spec.groups entry
+    cascade                   the step's shared-prefix levels (spec.cascade; metadata/cascade.py), run
+                              by spec.cascade_groups, or None: every group reads flat
+    backend                   the backend that serves the step: spec.backend, or the choice of
+                              select_backend when spec.backend is "auto"
+
+    A StepRows decode plan holds only its lengths and rows: qo_indptr, kv_indptr, kv_last_page_len,
+    positions and groups are derived from them by a pure function on first read (a pool derives
+    them on the device instead), the same arrays an eager plan holds. Plans compare by value.
+    """
+
+    spec: AttentionSpec = attrs.field(repr=False)
+    mode: Mode
+    batch_size: int
+    num_tokens: int
+    max_q_len: int
+    max_kv_len: int
+    q_lens: np.ndarray = array_field()
+    kv_lens: np.ndarray = array_field()
+    kv_indices: np.ndarray | None = nullable_array_field()
+    slot_mapping: np.ndarray | None = nullable_array_field()
+    block_table: np.ndarray | None = optional_array_field()
+    backend: str = "flashinfer"  # the BACKENDS name that serves this step
+    rows: np.ndarray | None = optional_array_field()  # StepRows plans: each request's page-table row
+    # step j of a draft round (metadata/draft.py), else None: its page lists run ahead of its lengths
+    # (kv_last_page_len may be <= 0); commit it with GraphBufferPool.commit_round, never alone
+    draft_step: int | None = None
+    cascade: CascadePlan | None = attrs.field(default=None, repr=False)
+    _qo_indptr: np.ndarray | None = _lazy("qo_indptr")
+    _kv_indptr: np.ndarray | None = _lazy("kv_indptr")
+    _kv_last_page_len: np.ndarray | None = _lazy("kv_last_page_len")
+    _positions: np.ndarray | None = _lazy("positions")
+    _groups: tuple[GroupPlan, ...] | None = _lazy("groups")
+    # True only for plans build_plan / scratch_plan made: attrs.evolve makes a new plan through
+    # __init__, which leaves this False, so a hand-edited plan is never taken for a checked one
+    sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
+
+    @property
+    def qo_indptr(self) -> np.ndarray:
+        return self._derived()._qo_indptr
+
+    @property
+    def kv_indptr(self) -> np.ndarray:
+        return self._derived()._kv_indptr
+
+    @property
+    def kv_last_page_len(self) -> np.ndarray:
+        return self._derived()._kv_last_page_len
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._derived()._positions
+
+    @property
+    def groups(self) -> tuple[GroupPlan, ...]:
+        return self._derived()._groups
+
+    def _derived(self) -> AttentionPlan:
+        """self, its lazily derived fields filled (a StepRows decode plan's first read: `_rows_decode_arrays`)."""
+        if self._groups is None:
+            step = rows_decode_arrays(self.spec, self.q_lens, self.kv_lens, self.max_kv_len)
+            for name, value in (("_qo_indptr", step.qo_indptr), ("_kv_indptr", step.kv_indptr),
+                                ("_kv_last_page_len", step.last_page_len), ("_positions", step.positions)):
+                object.__setattr__(self, name, value)
+            object.__setattr__(self, "_groups", groups_of(self.spec, step))
+        return self
+
+    def __eq__(self, other) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(_same(getattr(self, n), getattr(other, n)) for n in _COMPARED)
+
+    def kv_lens_of(self, group: int) -> np.ndarray:
+        """kv_lens [B] of layer group `group` (its own for window, cross and own-list groups), without
+        deriving a lazy plan's arrays when the group reads the step's own full lengths."""
+        g = self.spec.groups[group]
+        if self._groups is None and g.kind is not Kind.WINDOW:  # (a lazy plan: StepRows, no own or cross groups)
+            return self.kv_lens
+        return self.groups[group].kv_lens
+
+    @property
+    def sm_scale(self) -> float:
+        return self.spec.sm_scale
+
+    @property
+    def soft_cap(self) -> float:
+        return self.spec.soft_cap
+
+    @property
+    def causal(self) -> bool:
+        """Whether the first layer group is causal; each GroupPlan carries its own."""
+        return self.spec.groups[0].causal
+
+    def group_for_layer(self, layer: int) -> GroupPlan:
+        return self.groups[self.spec.layer_groups[layer]]
+
+    def slots_of(self, group: int) -> np.ndarray | None:
+        """slot_mapping [T] int64 of layer group `group`: its own (own_pages) or the plan's."""
+        own = self.groups[group].slot_mapping
+        return self.slot_mapping if own is None else own
+
+
+_COMPARED = ("spec", "mode", "batch_size", "num_tokens", "max_q_len", "max_kv_len", "q_lens", "kv_lens", "qo_indptr",
+             "kv_indptr", "kv_indices", "kv_last_page_len", "positions", "slot_mapping", "groups", "block_table",
+             "backend", "rows", "draft_step", "cascade")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return a is not None and b is not None and np.array_equal(a, b)
+    return a == b
+
+
+ARANGE = np.arange(1 << 16, dtype=np.int32)  # qo_indptr of decode steps up to 65535 requests: read-only views
+read_only(ARANGE)
+
+def rows_decode_arrays(spec: AttentionSpec, q: np.ndarray, kv: np.ndarray, max_kv: int) -> StepArrays:
+    """The arrays of a StepRows decode step [B] from its KV lengths (read-only): what build_plan
+    holds for a StepRows step, and what capture/derive.py derives on the device."""
+    B, ps = kv.shape[0], spec.page_size
+    need = kv + (ps - 1)
+    need //= ps
+    kv_indptr = np.empty(B + 1, np.int32)
+    kv_indptr[0] = 0
+    np.cumsum(need, out=kv_indptr[1:])
+    positions = np.subtract(kv, 1, dtype=np.int64)
+    last_page_len = kv - 1
+    last_page_len %= ps
+    last_page_len += 1
+    read_only(kv_indptr, positions, last_page_len)
+    qo = ARANGE[: B + 1] if B < ARANGE.shape[0] else np.arange(B + 1, dtype=np.int32)
+    return StepArrays(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=qo, positions=positions,
+                      need=need, kv_indptr=kv_indptr, last_page_len=last_page_len, max_kv=max_kv)
+
+
+def groups_of(spec: AttentionSpec, st: StepArrays, own: dict | None = None) -> tuple[GroupPlan, ...]:
+    """One GroupPlan per layer group: own[i] for groups with their own lists, the shared list's
+    ranges (a window group: trimmed) for the others."""
+    own = own or {}
+    return tuple([
+        own[i] if i in own
+        else GroupPlan(g, st.kv_indptr, st.kv_indices, st.last_page_len, st.kv) if g.kind is not Kind.WINDOW
+        else window_plan(g, st.kv_indptr, st.kv_indices, st.last_page_len, st.q, st.kv, st.need, spec.page_size)
+        for i, g in enumerate(spec.groups)
+    ])
+
+

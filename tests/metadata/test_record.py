@@ -1,0 +1,55 @@
+"""metadata/record.py: a StepRows decode plan derives its arrays on first read, and they equal the arrays
+the eager StepRows path holds for the same step (window groups included); plans compare by value."""
+
+import numpy as np
+
+from mstar_attn import LayerGroup, Mode, build_plan
+from mstar_attn.metadata.batch import StepRows
+from mstar_attn.metadata.record import AttentionPlan
+from tests.helpers import fresh_seed, spec_for
+
+ARRAYS = ("qo_indptr", "kv_indptr", "kv_last_page_len", "positions", "q_lens", "kv_lens", "rows")
+GROUP_ARRAYS = ("kv_indptr", "kv_last_page_len", "kv_lens", "kv_start")
+
+
+def _steps(seed: int):
+    rng = np.random.default_rng(seed)
+    ps = int(rng.choice([1, 4, 16]))
+    window = int(rng.integers(1, 70))
+    spec = spec_for(page_size=ps, groups=(LayerGroup(), LayerGroup("window", window=window), LayerGroup("noncausal")))
+    B = int(rng.integers(1, 40))
+    rows = rng.permutation(500)[:B].astype(np.int32)
+    kv = rng.integers(1, 300, B).astype(np.int32)
+    lazy = build_plan(StepRows.decode(rows, kv), spec)
+    eager = build_plan(StepRows(rows, np.ones(B, np.int32), kv), spec)  # (the constructor: the general StepRows path)
+    return spec, lazy, eager
+
+
+def test_a_decode_plans_derived_arrays_equal_the_eager_paths():
+    for _ in range(40):
+        seed = fresh_seed()
+        spec, lazy, eager = _steps(seed)
+        assert lazy.mode is eager.mode is Mode.DECODE and lazy.backend == eager.backend, seed
+        for g in range(len(spec.groups)):  # read before the arrays are derived, then after
+            assert np.array_equal(lazy.kv_lens_of(g), eager.groups[g].kv_lens), (seed, g)
+        for name in ARRAYS:
+            a, b = getattr(lazy, name), getattr(eager, name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (seed, name)
+            assert not a.flags.writeable, (seed, name)
+        for g, (a, b) in enumerate(zip(lazy.groups, eager.groups)):
+            assert a.group == b.group and a.kv_indices is None and a.slot_mapping is None, (seed, g)
+            for name in GROUP_ARRAYS:
+                x, y = getattr(a, name), getattr(b, name)
+                assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), (seed, g, name)
+        assert lazy == eager and lazy.sealed, seed
+
+
+def test_plans_that_differ_in_one_length_compare_unequal():
+    seed = fresh_seed()
+    spec, lazy, _ = _steps(seed)
+    kv = lazy.kv_lens.copy()
+    kv[-1] += 1
+    other = build_plan(StepRows.decode(lazy.rows, kv), spec)
+    assert lazy != other and not (lazy == other), seed
+    assert np.array_equal(other.positions[:-1], lazy.positions[:-1]) and other.positions[-1] == lazy.positions[-1] + 1, seed
+    assert lazy.__eq__(object()) is NotImplemented and isinstance(lazy, AttentionPlan)
