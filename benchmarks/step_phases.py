@@ -4,16 +4,23 @@ two staging writes, one graph replay, one event record). Run: python -m benchmar
 
 from __future__ import annotations
 
+import cProfile
+import gc
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from benchmarks import cases
 from benchmarks.host_step import Engine, table_pool
 from mstar_attn import build_plan
+from mstar_attn.capture.stage import stage_derived
+from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata.batch import StepRows
 
 
@@ -44,6 +51,8 @@ def main(out_dir: str) -> None:
         table, sched = pool.table, pool.scheduler_for("flashinfer")
         step = pool.commit(plan)
         graph = next(iter(pool.device_work.graphs.values()))
+        views = pool.views_of(0, step.rows, step.num_rows, True)
+        no_updates = np.zeros(0, np.int32)
         h = pool.host_np[0]
         ev = torch.cuda.Event()
         ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
@@ -70,11 +79,18 @@ def main(out_dir: str) -> None:
             return statistics.median(out)
 
         walk_pool = table_pool(spec)
-        walker = Engine(walk_pool, B, 2048, seed=B + 7, room=1300)  # lengths advancing one token a step
+        walker = Engine(walk_pool, B, 2048, seed=B + 7, room=1500)  # lengths advancing one token a step
         for _ in range(4):
             walker.step_only()
-        res_walk = {"step_only batched": per_call(walker.step_only, n=300, rounds=3),
-                    "step_only per-call median": per_call_median(walker.step_only, n=300)}
+        res_walk = {"step_only batched": per_call(walker.step_only, n=200, rounds=3),
+                    "step_only per-call median": per_call_median(walker.step_only, n=200)}
+        gc.collect()
+        gc.freeze()  # (what engines do after start-up: the collector no longer walks the start-up objects)
+        res_walk["step_only per-call median, gc frozen"] = per_call_median(walker.step_only, n=200)
+        gc.disable()
+        res_walk["step_only per-call median, gc off"] = per_call_median(walker.step_only, n=200)
+        gc.enable()
+        gc.unfreeze()
         phases = {
             "flashinfer_plan": lambda: raw.plan(*args, 32, 8, 128, 16, q_data_type=spec.dtype, kv_data_type=spec.dtype),
             "floor": floor,
@@ -87,8 +103,25 @@ def main(out_dir: str) -> None:
             "event.record": ev.record,
             "current_stream": lambda: torch.cuda.current_stream(0),
             "numpy kv.min()": kv.min,
+            "pool.validate": lambda: pool.validate(plan),
+            "pool.free_slot": lambda: pool.free_slot(None),
+            "stage_derived": lambda: stage_derived(h, plan, views[0], step.rows, 1, no_updates, table),
+            "DeviceStep": lambda: DeviceStep(plan=plan, slot=0, rows=step.rows, num_rows=step.num_rows, bucket=step.bucket,
+                                             q_len=1, qo_indptr=step.qo_indptr, host_qo_indptr=step.host_qo_indptr,
+                                             slot_mapping=step.slot_mapping, table_rows=step.table_rows, groups=step.groups,
+                                             generation=step.generation, pool=pool),
         }
         res[B] = {**res_walk, **{name: per_call(fn) for name, fn in phases.items()}}
+        prof = cProfile.Profile()  # where a commit's time goes (cProfile inflates calls; the ranking is what counts)
+        prof.enable()
+        for _ in range(200):
+            walker.step_only()
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_callees("commit|_rows_device_work|step_only")
+        open(f"{out_dir}/step_profile_b{B}.txt", "w").write(text.getvalue())
         print(B, {k: round(v, 1) for k, v in res[B].items()}, flush=True)
         del pool, walk_pool
     json.dump(res, open(f"{out_dir}/step_phases_h100.json", "w"), indent=1)

@@ -27,7 +27,7 @@ from mstar_attn.capture.layout import Layout, slot_views
 from mstar_attn.capture.lease import SlotLeases
 from mstar_attn.capture.expand import gather_csr
 from mstar_attn.capture.graph_cache import CommitGraphs
-from mstar_attn.capture.stage import copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
+from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
 from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
@@ -109,6 +109,7 @@ class GraphBufferPool:
         self.leases = SlotLeases(slots, cuda)
         self.generations = self.leases.generations  # commits per slot: a DeviceStep is live while its count is current
         self.unstaged = [-1] * slots  # the generation of a derived step whose pinned O(rows) arrays are not written yet
+        self.held = [StagedHead() for _ in range(slots)]  # what each slot's head holds from its last derived commit
         self._views: dict[tuple, tuple] = {}  # ([kind,] slot, rows, num_rows) of bucketed steps only (see kept)
         self.scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
         self.bytes_to_device = 0  # host-to-device bytes the pool and its schedulers issued, all commits
@@ -242,8 +243,10 @@ class GraphBufferPool:
         updates = None if plan.rows is None and xg is None else table.take_updates()  # (put back if the commit fails)
         h, offsets = self.host_np[s], views[0]
         lazy = derived and getattr(scheduler, "lazy_host_arrays", False)
+        if not derived:  # (other steps write the head in their own layouts: a derived step stages it whole next)
+            self.held[s] = StagedHead()
         if derived:  # the rows and lengths alone; the pinned O(rows) arrays only if a scheduler asks (stage_host)
-            left = stage_derived(h, plan, offsets, rows, q_len, updates, self.table)
+            left = stage_derived(h, plan, offsets, rows, q_len, updates, self.table, self.held[s])
             h[offsets.fence] = lease.next_fence(s)
             if not lazy:
                 stage_requests(h, plan, offsets, rows, q_len)
@@ -385,15 +388,9 @@ class GraphBufferPool:
         """Device and pinned bytes this pool and its schedulers hold, by component (what torch's
         allocators cache after freeing is theirs, not listed)."""
         slot_bytes = self.layout.size * 4 * self.num_slots
-        pinned = slot_bytes if self.cuda else 0
-        parts = {"pool staging (pinned)": (0, pinned), "pool slot buffers": (slot_bytes, 0)}
-        for table in (self.table, self.cross_table):  # (their host mirrors and page owners are pageable: host_bytes())
-            if table is not None:
-                parts.update(table.memory())
-        if self.derivation is not None:
-            parts.update(self.derivation.memory())
-        parts.update(self.leases.memory())
-        for scheduler in self.schedulers.values():
-            if scheduler is not None:
-                parts.update(scheduler.memory())
+        parts = {"pool staging (pinned)": (0, slot_bytes if self.cuda else 0), "pool slot buffers": (slot_bytes, 0)}
+        # (the tables' host mirrors and page owners are pageable: host_bytes())
+        for part in (self.table, self.cross_table, self.derivation, self.leases, *self.schedulers.values()):
+            if part is not None:
+                parts.update(part.memory())
         return MemoryReport(parts)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mstar_attn.capture.stage import stage_pages, stage_slots
+from mstar_attn.capture.stage import StagedHead, stage_pages, stage_slots
 from mstar_attn.capture.step import DeviceGroup, DeviceStep
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, DraftRound
@@ -72,6 +72,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     more = pool.kept(("draft", s, rows, num_rows), bucket is not None, lambda: _step_views(pool, s, rows, num_rows))
 
     h, offsets = pool.host_np[s], views[0]
+    pool.held[s] = StagedHead()  # (a round writes the slot's head in its own layout)
     ranges = stage_pages(h, plans[0], offsets, rows, 1, num_rows, pool.scratch_slots)
     for plan, (at, groups) in zip(plans[1:], offsets.draft_steps):
         stage_slots(h, offsets, plan.slot_mapping, B, num_rows, pool.scratch_slots, at)

@@ -8,6 +8,7 @@ bucketed StepRows step: its rows, lengths and table updates only (the device der
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 
 from mstar_attn.capture.layout import Offsets
@@ -60,15 +61,32 @@ def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, slots: np.n
     return stage_table(h, offsets, plan.rows, rows, updates, table)
 
 
+@attrs.define
+class StagedHead:
+    """What one slot's pinned head holds from its last derived commit: the rows (bytes of the table rows,
+    the bucket, q_len) and whether its table-update region is all dump lanes; stage_derived rewrites
+    only what differs."""
+
+    rows: tuple = ()
+    clean: bool = False
+
+
 def stage_derived(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, updates: np.ndarray,
-                  table: PageTable) -> int:
+                  table: PageTable, held: StagedHead) -> int:
     """Write a bucketed StepRows step into a slot's staging h: the table rows and KV lengths (padding
     requests: the scratch row and q_len tokens) and the table updates, all the device derives the
-    step from (capture/derive.py). Returns how many updates did not fit (see stage_table)."""
+    step from (capture/derive.py); the rows, padding and an empty update region only when `held` (the
+    slot's last derived commit, updated here) did not leave them. Returns how many updates did not fit
+    (see stage_table)."""
     B, at = plan.batch_size, offsets.kv_lens
     h[at : at + B] = plan.kv_lens
+    key = (plan.rows.tobytes(), rows, q_len)
+    if key == held.rows and held.clean and not updates.shape[0]:
+        return 0
     h[at + B : at + rows] = q_len
-    return stage_table(h, offsets, plan.rows, rows, updates, table)
+    left = stage_table(h, offsets, plan.rows, rows, updates, table)
+    held.rows, held.clean = key, left > 0 or not updates.shape[0]
+    return left
 
 
 def stage_table(h: np.ndarray, offsets: Offsets, table_rows: np.ndarray, rows: int, updates: np.ndarray,

@@ -123,3 +123,46 @@ def test_the_triton_kernels_equal_the_torch_ops_under_the_interpreter():
         derive.apply_updates(want, buf, offsets)
         derive.apply_updates(table, buf, offsets, kernels)
         assert torch.equal(table[:-1], want[:-1]), f"seed {seed}"
+
+
+def test_derived_steps_stay_right_when_other_steps_write_the_slot_between():
+    """One slot: derived decode steps (the same rows again, new lengths, rows reordered, a page assigned)
+    with an unbucketed StepRows step and a StepBatch step committed into the slot between them; each
+    derived step's arrays against the same step by pages, staged on the host."""
+    for _ in range(4):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        spec = spec_for(page_size=4, num_pages=3000, groups=GROUPS)
+        pool, ref_pool = table_pool(spec, width=160, num_slots=1), table_pool(spec, width=160)
+        B = int(rng.integers(2, 9))
+        kv = rng.integers(10, 200, B).astype(np.int32)
+        rows, _ = admit(pool, rng, kv + 8)  # (room for the walk below)
+        free = iter(rng.permutation(np.flatnonzero(pool.table.owner[:-1] == -1)).astype(np.int32))
+
+        def derived(rows, kv, label):
+            pages = [pool.table.pages(int(r))[: -(-int(k) // 4)] for r, k in zip(rows, kv)]
+            csr = build_plan(StepBatch.from_pages(np.ones(len(rows), np.int32), kv, pages, 4), spec)
+            step = pool.commit(build_plan(StepRows.decode(rows, kv), spec))
+            got, ref = _arrays(step), _arrays(ref_pool.commit(csr))
+            assert step.bucket is not None and np.array_equal(got[0], ref[0]), (seed, label)
+            for g, (a, b) in enumerate(zip(got[1:], ref[1:])):
+                for i in (0, 1, 2, 4):
+                    assert np.array_equal(a[i], b[i]), (seed, label, g, i)
+            assert np.array_equal(step.slot_mapping.numpy()[:B], csr.slot_mapping), (seed, label)
+
+        derived(rows, kv, "first")
+        derived(rows, kv, "the same step again")
+        derived(rows, kv + 1, "new lengths")
+        q = np.ones(B, np.int32)
+        q[0] = 3
+        pool.commit(build_plan(StepRows(rows, q, kv + 3), spec))  # (mixed: unbucketed, staged on the host)
+        derived(rows, kv + 2, "after an unbucketed StepRows step")
+        pool.table.assign(int(rows[-1]), [next(free)])
+        derived(rows, kv + 3, "after a page was assigned")
+        derived(rows, kv + 3, "the same again, no updates")
+        order = rng.permutation(B)
+        order[:2] = order[1::-1] if order[0] < order[1] else order[:2]  # (never the same order)
+        derived(rows[order], (kv + 3)[order], "rows reordered")
+        other = build_plan(StepBatch.from_pages(np.ones(1, np.int32), [3], [[next(free)]], 4), spec)
+        pool.commit(other)
+        derived(rows, kv + 4, "after a StepBatch step")
