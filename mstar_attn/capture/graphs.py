@@ -101,7 +101,7 @@ class DecodeGraphs:
             self.memory = torch.cuda.graph_pool_handle()
         cascade = bool(spec.cascade_groups) if cascade is None else cascade
         for bucket, q_len, backend, slot in itertools.product(buckets, q_lens, backends, range(self.pool.num_slots)):
-            for levels in (False, True) if cascade and bucket >= 2 and backend == "flashinfer" else (False,):
+            for levels in (False, True) if cascade and bucket >= 2 and BACKENDS[backend].cascade else (False,):
                 step = self.pool.commit(scratch_plan(spec, bucket, q_len, backend=backend, cascade=levels), slot=slot)
                 static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
                 self.graphs[_key(step)] = _record(self.fn, step, static, self.memory)

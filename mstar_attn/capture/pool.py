@@ -242,7 +242,7 @@ class GraphBufferPool:
         table = self.table if xg is None else self.cross_table
         updates = None if plan.rows is None and xg is None else table.take_updates()  # (put back if the commit fails)
         h, offsets = self.host_np[s], views[0]
-        lazy = derived and getattr(scheduler, "lazy_host_arrays", False)
+        lazy = derived and scheduler is not None and scheduler.lazy_host_arrays
         if not derived:  # (other steps write the head in their own layouts: a derived step stages it whole next)
             self.held[s] = StagedHead()
         if derived:  # the rows and lengths alone; the pinned O(rows) arrays only if a scheduler asks (stage_host)
@@ -328,9 +328,8 @@ class GraphBufferPool:
                 at = offsets.updates
                 table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
                 gather_csr(table.dev, table.width, step.table_rows, dev, offsets.groups, self.layout.index_capacity)
-            expand = getattr(scheduler, "expand", None)  # a backend's own arrays (dense page tables)
-            if expand is not None:
-                expand(step)
+            if scheduler is not None:  # a backend's own arrays (dense page tables)
+                scheduler.expand(step)
             if derived and self.cuda:  # the last node: the commit's generation back to the host (lease.py)
                 self.leases.fence[step.slot : step.slot + 1].copy_(dev[offsets.fence : offsets.fence + 1], non_blocking=True)
 

@@ -108,8 +108,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
             steps.append(DeviceStep(plan, s, rows, num_rows, bucket, 1, qo, h_qo, slots, table_rows, groups,
                                     pool.generations[s], pool))
         if scheduler is not None:
-            round_schedule = getattr(scheduler, "schedule_round", None)
-            scheduled = round_schedule(steps) if round_schedule else [scheduler.schedule(st) for st in steps]
+            scheduled = scheduler.schedule_round(steps)
             for st, sch in zip(steps, scheduled):  # (fresh objects no caller has seen yet: set, not rebuilt)
                 object.__setattr__(st, "scheduled", sch)
         if here is not None:

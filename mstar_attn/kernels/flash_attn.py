@@ -33,6 +33,7 @@ from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
 from mstar_attn.kernels._tables import PageTables
+from mstar_attn.kernels.base import SchedulerBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.spec import LayerGroup
@@ -54,7 +55,7 @@ def _varlen_func():
     return flash_attn_varlen_func
 
 
-class Scheduler:
+class Scheduler(SchedulerBase):
     """Dense page tables for the pool's paged FlashAttention steps, filled at commit (kernels._tables.PageTables)."""
 
     lazy_host_arrays = True  # reads no pinned host array of a derived StepRows step (its tables and lengths are on the device)
@@ -83,7 +84,7 @@ class Scheduler:
     def schedule(self, step: DeviceStep) -> tuple:
         """One entry per layer group: its page table, int32 device [rows, width] (None for varlen)."""
         if step.plan.backend == VARLEN:
-            return (None,) * len(step.plan.groups)
+            return (None,) * len(step.groups)
         return self.tables.schedule(step)
 
 

@@ -21,6 +21,7 @@ from mstar_attn.kernels import _cascade, _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
 from mstar_attn.kernels._tables import PageTables
+from mstar_attn.kernels.base import SchedulerBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
@@ -91,7 +92,7 @@ class XqaDecode:
     xqa: Xqa
 
 
-class Scheduler:
+class Scheduler(SchedulerBase):
     """The pool's FlashInfer wrappers, planned at commit from pinned host arrays.
 
     Bucketed steps (decode, and verify) use graph-mode decode wrappers keyed by (slot, group, rows,

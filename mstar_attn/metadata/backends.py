@@ -47,6 +47,8 @@ class Capabilities:
     kv_note: str = ""  # why it serves no other KV dtype, for the PlanError
     mla: bool = False  # it serves latent attention (AttentionSpec.mla_rope_dim > 0)
     mla_only: bool = False  # it serves latent attention and nothing else
+    cascade: bool = False  # it runs shared-prefix (cascade) steps (AttentionSpec.cascade)
+    fp8_math: bool = False  # it runs FP8 decode math (AttentionSpec.fp8_math: FlashInfer's XQA)
 
     def serves_kv(self, spec) -> bool:
         """Whether it serves spec's KV cache dtype (the query dtype, or one of kv_dtypes)."""
@@ -75,8 +77,8 @@ _FA_DIMS = frozenset({64, 96, 128})
 _FA_FP8 = "FlashAttention-4 4.0.0b36 reads FP8 K/V on SM100 only, and this package targets Hopper"
 BACKENDS: dict[str, Capabilities] = {
     "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}, kv_dtypes=FP8,
-                              mla=True),
-    "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8),
+                              mla=True, cascade=True, fp8_math=True),
+    "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8, cascade=True, fp8_math=True),
     "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer",
                                       kv_note="it attends over the step's K/V as given, not as an FP8 cache holds them"),
     "flashinfer_mla": Capabilities("mstar_attn.kernels.flashinfer_mla", frozenset({torch.bfloat16}), frozenset({128, 256, 512}),
@@ -86,6 +88,12 @@ BACKENDS: dict[str, Capabilities] = {
     "flash_attn_varlen": Capabilities(_FA, HALF, _FA_DIMS, frozenset({"prefill"}), True, "flash_attn.cute",
                                       kv_note=_FA_FP8),
 }
+
+# what backend="auto" serves with where the dispatch table says nothing, latent attention, and cascade steps
+AUTO_DEFAULT, AUTO_MLA, AUTO_CASCADE = "flashinfer", "flashinfer_mla", "flashinfer"
+_GPU_FIRST = sorted(BACKENDS, key=lambda n: BACKENDS[n].package is None)
+CASCADE_BACKENDS = tuple(n for n in _GPU_FIRST if BACKENDS[n].cascade)  # the backends that run cascade steps
+FP8_MATH_BACKENDS = tuple(n for n in _GPU_FIRST if BACKENDS[n].fp8_math)
 
 
 def capabilities(name: str) -> Capabilities:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from mstar_attn.metadata._arrays import INT32_MAX, fail_at, read_only
-from mstar_attn.metadata.backends import AUTO
+from mstar_attn.metadata.backends import AUTO, AUTO_CASCADE, CASCADE_BACKENDS
 from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.cascade import plan_cascade
 from mstar_attn.metadata.errors import PlanError
@@ -17,7 +17,7 @@ from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_
 from mstar_attn.metadata.pages import gather_ranges, read_pages, scan_ownership
 from mstar_attn.metadata.select import resolve_backend
 from mstar_attn.metadata.record import ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, groups_of
-from mstar_attn.metadata.spec import CASCADE_BACKENDS, AttentionSpec
+from mstar_attn.metadata.spec import AttentionSpec
 
 __all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "scratch_plan"]
 
@@ -246,7 +246,7 @@ def _finish(spec: AttentionSpec, step: StepArrays, *, block_table=None, rows=Non
             and name in (*CASCADE_BACKENDS, AUTO):
         levels = plan_cascade(spec, q, kv, st.qo_indptr, kv_indptr, kv_indices, lpl, bool(cascade))
         if levels is not None and name == AUTO:
-            backend = CASCADE_BACKENDS[0]  # the GPU backend that runs cascades
+            backend = AUTO_CASCADE  # the GPU backend that runs cascades
     backend = resolve_backend(spec, st.mode, q.shape[0], st.num_tokens, st.q_max, max_kv, backend)
     plan = AttentionPlan(spec=spec, mode=st.mode, batch_size=q.shape[0], num_tokens=st.num_tokens, max_q_len=st.q_max,
                          max_kv_len=max_kv, q_lens=q, kv_lens=kv, qo_indptr=st.qo_indptr, kv_indptr=kv_indptr,

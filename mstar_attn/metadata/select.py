@@ -33,11 +33,11 @@ from pathlib import Path
 
 import attrs
 
-from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.backends import AUTO, AUTO_DEFAULT, AUTO_MLA, BACKENDS
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.spec import MLA_BACKEND, Kind
+from mstar_attn.metadata.spec import Kind
 
-DEFAULT = "flashinfer"
+DEFAULT = AUTO_DEFAULT  # where the table says nothing
 TABLE_VERSION = 1
 TABLE_PATH = Path(__file__).resolve().parent.parent / "backend_table.json"  # package data
 
@@ -192,7 +192,7 @@ def graph_backends(spec, table=None) -> tuple[str, ...]:
     """The backends an "auto" spec's decode and verify steps may get from the table (FlashInfer
     first): what DecodeGraphs captures for. table: as in select_backend."""
     if spec.mla:
-        return (MLA_BACKEND,)
+        return (AUTO_MLA,)
     t = load_table() if table is None else as_table(table)
     picks = {n for n in t.choices.values()
              if n != DEFAULT and any(_serves(t.caps[n], spec, m, False) for m in ("decode", "verify"))}
@@ -203,7 +203,7 @@ def table_backends(spec, table=None) -> tuple[str, ...]:
     """Every backend the table may pick for some step of an "auto" spec (FlashInfer first): what a
     pool makes schedulers for up front. table: as in select_backend."""
     if spec.mla:
-        return (MLA_BACKEND,)
+        return (AUTO_MLA,)
     t = load_table() if table is None else as_table(table)
     picks = {n for n in t.choices.values() if n != DEFAULT and any(_serves(t.caps[n], spec, m, True) for m in MODE_CLASS)}
     return (DEFAULT, *sorted(picks))
@@ -223,7 +223,7 @@ def select_backend(spec, mode: str, batch_size: int, num_tokens: int, max_q_len:
     the package's table (`load_table()`), else anything `as_table` takes (pass a DispatchTable
     on a hot path: a mapping is compiled on every call)."""
     if spec.mla:  # the table is measured on standard attention; one GPU backend serves latent attention
-        return MLA_BACKEND
+        return AUTO_MLA
     t = load_table() if table is None else as_table(table)
     choices = t.choices
     if not choices:

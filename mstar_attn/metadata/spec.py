@@ -10,13 +10,11 @@ import numpy as np
 import torch
 
 from mstar_attn.metadata._arrays import INT32_MAX, positive_int
-from mstar_attn.metadata.backends import AUTO, BACKENDS, FP8
+from mstar_attn.metadata.backends import AUTO, AUTO_DEFAULT, AUTO_MLA, BACKENDS, CASCADE_BACKENDS, FP8, FP8_MATH_BACKENDS
 from mstar_attn.metadata.errors import PlanError
 
-MLA_BACKEND = "flashinfer_mla"  # what backend="auto" serves latent attention with
 XQA_PAGE_SIZES = (16, 32, 64, 128)  # the page sizes FlashInfer's XQA decode kernel compiles for (AttentionSpec.fp8_math)
 CASCADE_MODES = ("off", "auto", "always")  # AttentionSpec.cascade
-CASCADE_BACKENDS = ("flashinfer", "reference")  # the backends that run cascade steps (and "auto", which picks flashinfer)
 
 __all__ = ["AttentionSpec", "Kind", "LayerGroup", "PlanError"]
 
@@ -214,27 +212,28 @@ class AttentionSpec:
                    or self.page_size not in XQA_PAGE_SIZES and f"a page size in {XQA_PAGE_SIZES}, not {self.page_size}"
                    or self.soft_cap and "no logit soft cap" or self.mla_rope_dim and "standard (not latent) attention"
                    or self.num_qo_heads // self.num_kv_heads > 128 and "a GQA ratio of at most 128"
-                   or self.backend not in ("flashinfer", "reference", AUTO) and f"backend flashinfer, not {self.backend!r}")
+                   or self.backend not in (*FP8_MATH_BACKENDS, AUTO)
+                   and f"backend {' or '.join(FP8_MATH_BACKENDS)}, not {self.backend!r}")
             if why:
                 raise PlanError(f"spec.fp8_math: FP8 decode math (FlashInfer XQA) needs {why}")
         if self.cascade not in CASCADE_MODES:
             raise PlanError(f"spec.cascade: expected one of {CASCADE_MODES}, got {self.cascade!r}")
         if self.cascade != "off":
-            why = (self.backend not in (*CASCADE_BACKENDS, AUTO) and f"backend flashinfer, reference or auto, not {self.backend!r}"
+            why = (self.backend not in (*CASCADE_BACKENDS, AUTO) and f"backend {', '.join(CASCADE_BACKENDS)} or auto, not {self.backend!r}"
                    or r and "standard (not latent) attention" or self.kv_dtype is not None and f"a {self.dtype} cache, not {self.kv_dtype}"
                    or not any(g.kind in (Kind.CAUSAL, Kind.NONCAUSAL) and not g.own_pages for g in self.groups)
                    and "a full causal or non-causal layer group reading the shared page list")
             if why:
                 raise PlanError(f"spec.cascade: shared-prefix (cascade) attention needs {why}")
-        name = self.backend if self.backend != AUTO else MLA_BACKEND if r else "flashinfer"  # auto's fallbacks
-        if name == MLA_BACKEND:  # what FlashInfer's MLA kernels cannot express (the reference serves all of it)
+        name = self.backend if self.backend != AUTO else AUTO_MLA if r else AUTO_DEFAULT  # auto's fallbacks
+        if name == AUTO_MLA:  # what FlashInfer's MLA kernels cannot express (the reference serves all of it)
             why = (self.soft_cap and "no logit soft cap" or r % 64 and f"mla_rope_dim a multiple of 64, not {r}"
                    or (self.num_qo_heads % 64 and 64 % self.num_qo_heads) and
                    f"a head count dividing 64 or a multiple of 64, not {self.num_qo_heads}"
                    or any(g.kind not in (Kind.CAUSAL, Kind.NONCAUSAL) or g.own_pages for g in self.groups)
                    and "causal or non-causal groups sharing one page list")
             if why:
-                raise PlanError(f"spec: backend {MLA_BACKEND!r} (FlashInfer MLA) needs {why}; the reference backend serves it")
+                raise PlanError(f"spec: backend {AUTO_MLA!r} (FlashInfer MLA) needs {why}; the reference backend serves it")
         BACKENDS[name].check(self, name)
         shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))
         object.__setattr__(self, "cache_shape", shape)

@@ -1,0 +1,68 @@
+"""What the pool and `kernels.run` need of a backend: the written protocol.
+
+A backend is one module under kernels/ plus one line in `metadata.backends.BACKENDS` (its
+Capabilities: the dtypes, head dims, modes and features it serves, as data). The module exposes
+
+    write_kv(step, k, v, cache, group=None)      store the step's new K/V in the paged cache
+    run(step, q, cache, group=None, k=None, v=None) -> out   attention for one layer of `group`
+    Scheduler(pool)  (backends that keep device state per pool; host-only backends have none)
+
+and its Scheduler is a `SchedulerBase`: `GraphBufferPool.commit` calls, in this order,
+
+    check(plan, bucket)     PlanError for what this backend cannot serve, before any state changes
+    expand(step)            device work after the pool's page arrays (dense page tables), captured
+                            in the commit's graph for a bucketed step: no host arrays read
+    schedule(step)          host-side scheduling; returns one run object per layer group, which
+                            run() reads as step.scheduled[group]
+    schedule_round(steps)   the same for the K steps of a draft round (default: schedule each)
+    memory()                {name: (device bytes, pinned bytes)} of what it holds
+
+`lazy_host_arrays` True promises that schedule reads a derived step's pinned O(rows) arrays, and
+copies anything to the device, only after `pool.stage_host(step)` (or `pool.upload`): the pool then
+leaves them unwritten, and proves the commit by its graph's fence instead of an event, whenever
+neither happened.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from mstar_attn.capture.step import DeviceStep
+    from mstar_attn.metadata.plan import AttentionPlan
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """What GraphBufferPool.commit calls on a backend's per-pool state (see the module doc)."""
+
+    lazy_host_arrays: bool
+
+    def check(self, plan: AttentionPlan, bucket: int | None) -> None: ...
+    def expand(self, step: DeviceStep) -> None: ...
+    def schedule(self, step: DeviceStep) -> tuple: ...
+    def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]: ...
+    def memory(self) -> dict[str, tuple[int, int]]: ...
+
+
+class SchedulerBase:
+    """A Scheduler's defaults: nothing to refuse or expand, rounds scheduled step by step, host
+    arrays staged eagerly. Subclasses override what their backend does."""
+
+    lazy_host_arrays = False
+
+    def check(self, plan: AttentionPlan, bucket: int | None) -> None:
+        """PlanError for what this backend cannot serve (default: nothing beyond build_plan and the pool)."""
+
+    def expand(self, step: DeviceStep) -> None:
+        """Device work after the pool's page arrays (default: none)."""
+
+    def schedule(self, step: DeviceStep) -> tuple:
+        raise NotImplementedError
+
+    def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
+        """One run object per layer group for each step of a draft round."""
+        return [self.schedule(st) for st in steps]
+
+    def memory(self) -> dict[str, tuple[int, int]]:
+        return {}

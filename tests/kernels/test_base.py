@@ -1,0 +1,75 @@
+"""kernels/base.py: every backend module that keeps per-pool state has a Scheduler satisfying the written
+protocol (a SchedulerBase), and the registry's rules are capabilities (data), read by name nowhere else."""
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+from mstar_attn.kernels.base import Scheduler, SchedulerBase
+from mstar_attn.metadata.backends import BACKENDS
+
+PACKAGE = Path(__file__).resolve().parents[2] / "mstar_attn"
+PROTOCOL = ("check", "expand", "schedule", "schedule_round", "memory")
+
+
+def _modules():
+    out = {}
+    for caps in BACKENDS.values():
+        try:
+            out[caps.module] = importlib.import_module(caps.module)
+        except ImportError:  # (a GPU package this machine lacks: checked where it is installed)
+            continue
+    return out
+
+
+def test_every_backend_scheduler_is_a_scheduler_base_with_the_protocol():
+    mods = _modules()
+    assert "mstar_attn.kernels.reference" in mods
+    checked = 0
+    for name, mod in mods.items():
+        assert callable(getattr(mod, "run", None)) and callable(getattr(mod, "write_kv", None)), name
+        cls = getattr(mod, "Scheduler", None)
+        if cls is None:
+            continue
+        assert issubclass(cls, SchedulerBase), name
+        for method in PROTOCOL:
+            assert callable(getattr(cls, method)), (name, method)
+        assert isinstance(cls.lazy_host_arrays, bool), name
+        checked += 1
+    if not checked:
+        pytest.skip("no backend with a Scheduler imports here (GPU packages missing)")
+
+
+def test_the_base_defaults_satisfy_the_protocol():
+    class Minimal(SchedulerBase):
+        def schedule(self, step):
+            return ("ran", step)
+
+    s = Minimal()
+    assert isinstance(s, Scheduler) and s.schedule_round([1, 2]) == [("ran", 1), ("ran", 2)]
+    assert s.memory() == {} and s.expand(None) is None and s.check(None, None) is None and not s.lazy_host_arrays
+
+
+def test_no_module_outside_the_registry_and_the_backends_names_a_backend_in_a_rule():
+    """Backend names appear as string constants only in metadata/backends.py (the registry), the backend
+    modules themselves, and the applications above them (dense, tuning, demo)."""
+    names = set(BACKENDS)
+    allowed = ("metadata/backends.py", "kernels/", "dense.py", "tuning/", "demo/", "__main__.py")
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(allowed):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):  # name == "flashinfer", name in ("flashinfer", ...)
+                consts = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
+                found += [(rel, node.lineno, c) for c in consts if c in names]
+    assert not found, found
+
+
+def test_the_protocol_lists_what_the_pool_calls():
+    members = {n for n, _ in inspect.getmembers(Scheduler) if not n.startswith("_")}
+    assert set(PROTOCOL) <= members
