@@ -128,8 +128,7 @@ class CascadeState:
         plan, spec = step.plan, step.plan.spec
         ps = spec.page_size
         Gf = shared_batch(step)
-        r = stage(self.host_np[step.slot], plan.cascade, plan.batch_size, step.rows, step.num_rows, step.q_len, Gf, ps,
-                  spec.scratch_page)
+        r = stage(self.host_np[step.slot], plan.cascade, plan.batch_size, step.rows, step.num_rows, step.q_len, Gf, spec)
         at = r["shared_kv_indices"][1]
         perm, inv, mask, s_qo, s_ptr, s_lpl, s_len, x_ptr, x_lpl, x_len, x_idx, s_idx = r.values()
         R = step.num_rows
@@ -198,8 +197,7 @@ class CascadeState:
         return w
 
 
-def stage(h: np.ndarray, c, B: int, rows: int, R: int, q_len: int, Gf: int, page_size: int,
-          scratch: int) -> dict[str, tuple[int, int]]:
+def stage(h: np.ndarray, c, B: int, rows: int, R: int, q_len: int, Gf: int, spec) -> dict[str, tuple[int, int]]:
     """Write a step's level arrays (CascadePlan c of B requests, padded to `rows` requests and R
     query rows; q_len: a padding request's tokens) into the int32 buffer h from 0 on; returns each
     array's [start, end) in h, in this order:
@@ -209,8 +207,8 @@ def stage(h: np.ndarray, c, B: int, rows: int, R: int, q_len: int, Gf: int, page
       shared_kv_indptr [Gf+1], shared_last_page_len [Gf], shared_kv_lens [Gf]
       suffix_kv_indptr [rows+1], suffix_last_page_len [rows], suffix_kv_lens [rows]
       suffix_kv_indices, shared_kv_indices   (padding requests, empty groups, rest: the scratch page)
-    Pure numpy; Gf >= G + 1."""
-    G, T, ps = c.num_groups, int(c.rows.shape[0]), page_size
+    Pure numpy; Gf >= G + 1; spec: the AttentionSpec (its page size and scratch page)."""
+    G, T, ps, scratch = c.num_groups, int(c.rows.shape[0]), spec.page_size, spec.scratch_page
     pad_pages = -(-q_len // ps)  # a padding request reads q_len tokens of the scratch page
     out, at = {}, 0
 

@@ -48,7 +48,7 @@ def test_staged_levels_compute_the_flat_attention(ps, q_len, families, loners, k
     assert (step.bucket is not None) == (bucketed and plan.batch_size <= 32 and (q_len == 1 or kind == "causal")), seed
     c, B, T, rows, R, Gf = plan.cascade, plan.batch_size, plan.num_tokens, step.rows, step.num_rows, shared_batch(step)
     h = np.full(staging_entries(pool.layout), -7, np.int32)
-    r = stage(h, c, B, rows, R, q_len, Gf, ps, spec.scratch_page)
+    r = stage(h, c, B, rows, R, q_len, Gf, spec)
     assert r["shared_kv_indices"][1] <= h.shape[0] and (h[: r["shared_kv_indices"][1]] != -7).all(), seed
     a = {name: h[lo:hi] for name, (lo, hi) in r.items()}
     for name in ("suffix_kv_indices", "shared_kv_indices"):
