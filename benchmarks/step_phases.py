@@ -19,7 +19,7 @@ import torch
 from benchmarks import cases
 from benchmarks.host_step import Engine, table_pool
 from mstar_attn import build_plan
-from mstar_attn.capture.stage import stage_derived
+from mstar_attn.capture.stage import StagedHead, stage_derived
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata.batch import StepRows
 
@@ -52,7 +52,7 @@ def main(out_dir: str) -> None:
         step = pool.commit(plan)
         graph = next(iter(pool.device_work.graphs.values()))
         views = pool.views_of(0, step.rows, step.num_rows, True)
-        no_updates = np.zeros(0, np.int32)
+        no_updates = np.zeros(0, np.int32)  # ("stage_derived": a fresh StagedHead, the whole head staged each call)
         h = pool.host_np[0]
         ev = torch.cuda.Event()
         ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
@@ -61,10 +61,12 @@ def main(out_dir: str) -> None:
         args = (torch.from_numpy(csr.kv_indptr.copy()), torch.from_numpy(csr.kv_indices.copy()).cuda(),
                 torch.from_numpy(csr.kv_last_page_len.copy()))
 
+        o = views[0]  # (the floor writes what the slot's head already holds: its rows, then the lengths)
+
         def floor():
             kv.min(), kv.max()
-            h[0:B] = rows
-            h[300 : 300 + B] = kv
+            h[o.table_rows : o.table_rows + B] = rows
+            h[o.kv_lens : o.kv_lens + B] = kv
             graph.replay()
             ev.record()
 
@@ -105,7 +107,8 @@ def main(out_dir: str) -> None:
             "numpy kv.min()": kv.min,
             "pool.validate": lambda: pool.validate(plan),
             "pool.free_slot": lambda: pool.free_slot(None),
-            "stage_derived": lambda: stage_derived(h, plan, views[0], step.rows, 1, no_updates, table),
+            "stage_derived": lambda: stage_derived(h, plan, views[0], step.rows, 1, no_updates, table, StagedHead()),
+            "stage_derived, rows held": lambda: stage_derived(h, plan, views[0], step.rows, 1, no_updates, table, pool.held[0]),
             "DeviceStep": lambda: DeviceStep(plan=plan, slot=0, rows=step.rows, num_rows=step.num_rows, bucket=step.bucket,
                                              q_len=1, qo_indptr=step.qo_indptr, host_qo_indptr=step.host_qo_indptr,
                                              slot_mapping=step.slot_mapping, table_rows=step.table_rows, groups=step.groups,

@@ -91,7 +91,7 @@ class DecodeGraphs:
         the spec's backend; with spec.backend "auto", every backend the dispatch table may pick for
         this spec's decode and verify steps (select.graph_backends). cascade (default: whether the
         spec has cascade on): also capture shared-prefix steps (plan.cascade) of every bucket of 2+
-        rows for the backends that run them (flashinfer): a graph of their own, on a cascade scratch plan."""
+        rows for the backends that run them (Capabilities.cascade): a graph of their own, on a cascade scratch plan."""
         spec = self.pool.spec
         buckets = tuple(self.pool.buckets if buckets is None else buckets)
         if backends is None:

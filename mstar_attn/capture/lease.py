@@ -19,6 +19,7 @@ from mstar_attn.metadata.errors import PlanError
 
 FENCE_MASK = 0x7FFFFFFF  # a generation as the int32 fence cell holds it
 SPIN_SECONDS = 1.0  # how long free() polls a fence before it synchronizes the commit's stream
+BUSY_SECONDS = 50e-6  # polled without sleeping this long; then sleeping (the GIL released), backing off to 1 ms
 
 
 class HostEvent:
@@ -62,13 +63,17 @@ class SlotLeases:
             if self.fence_np[s] == want:
                 return
             self.stalls += 1
-            deadline = time.perf_counter() + SPIN_SECONDS
+            start, nap = time.perf_counter(), 10e-6
             while self.fence_np[s] != want:
-                if time.perf_counter() > deadline:
+                waited = time.perf_counter() - start
+                if waited > SPIN_SECONDS:
                     self.streams[s].synchronize()
                     if self.fence_np[s] != want:
                         raise RuntimeError(f"slot {s}: its commit graph ran but did not write fence {want} "
                                            f"(reads {int(self.fence_np[s])})")
+                elif waited > BUSY_SECONDS:
+                    time.sleep(nap)
+                    nap = min(2 * nap, 1e-3)
         elif not self.ready[s].query():
             self.stalls += 1
             self.ready[s].synchronize()

@@ -8,7 +8,8 @@ non-blocking host-to-device copy per layer group of exactly the bytes the step u
 backend's host-side scheduling, and returns a `DeviceStep`. Two slots let the host commit step
 N+1 while the GPU still copies or reads step N; a slot's staging is rewritten only once the
 copies out of it (and the backend's own pinned planning buffers) have run, which an event
-recorded at commit proves.
+recorded at commit proves, or for a derived StepRows commit that planned nothing on the host, the
+fence its graph writes back (capture/lease.py).
 
 Everything the pool keeps is bounded by its constructor's arguments: views are cached only for
 bucketed shapes (slots x buckets x q_lens), schedulers keep one state per slot, group, bucket

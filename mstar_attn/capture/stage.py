@@ -83,6 +83,7 @@ def stage_derived(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: in
     key = (plan.rows.tobytes(), rows, q_len)
     if key == held.rows and held.clean and not updates.shape[0]:
         return 0
+    held.rows = ()  # (until the head is whole again: an exception below leaves no false memo)
     h[at + B : at + rows] = q_len
     left = stage_table(h, offsets, plan.rows, rows, updates, table)
     held.rows, held.clean = key, left > 0 or not updates.shape[0]

@@ -27,8 +27,8 @@ class PageTables:
     a bucketed step read the scratch page. Row i lists request i's pages (a window group's from its
     first kept page on); columns past them hold stale but valid page ids (the buffers start at 0,
     and every entry ever written is a page id), so a kernel reading whole tables stays in the cache.
-    The pool records the slot's event after scheduling, so a slot's pinned buffer is rewritten only
-    once its last copy has run.
+    The pool proves each commit after scheduling (an event, since schedule uploads from these buffers),
+    so a slot's pinned buffer is rewritten only once its last copy has run.
 
     Cost: 2 * num_slots * tables * max_batch * max_pages_per_request * 4 bytes (pinned + device),
     and a bucketed commit of a StepBatch copies rows * max_pages_per_request * 4 bytes per table. A
@@ -56,7 +56,11 @@ class PageTables:
         self.dev = [[torch.zeros(size, dtype=torch.int32, device=pool.device) for _ in range(n)] for _ in range(pool.num_slots)]
 
     def check(self, plan: AttentionPlan) -> None:
-        """PlanError if a request reads more pages than the pool's max_pages_per_request (before any state changes)."""
+        """PlanError if a request reads more pages than the pool's max_pages_per_request (before any state changes).
+        A StepRows plan needs no check here: its rows are the pool's table, max_pages_per_request wide, and
+        the table refuses a longer request (PageTable.check_step) without deriving the plan's arrays."""
+        if plan.rows is not None:
+            return
         limit = self.pool.max_pages_per_request
         for t, g in self.firsts.items():
             c = np.diff(plan.groups[g].kv_indptr)

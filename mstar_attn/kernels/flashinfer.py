@@ -109,7 +109,7 @@ class Scheduler(SchedulerBase):
     Memory: one float workspace for the pool (kernels of one stream never overlap), and one int
     workspace plus its pinned mirror per (slot, group), shared by every wrapper of that slot and
     group: a slot holds one step at a time, and the pool replans a slot only after the copies of
-    its last commit ran (the slot's event), so one plan per slot and group is all that is live.
+    its last commit ran (the slot's event: a commit that planned is never proven by a fence alone), so one plan per slot and group is all that is live.
 
     Draft rounds (pool.commit_round): the K steps are live together, so step j has wrappers of its
     own (keys end with j), always on tensor cores (their planner splits KV by each request's length,

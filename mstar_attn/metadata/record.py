@@ -10,10 +10,11 @@ import numpy as np
 
 from mstar_attn.metadata._arrays import array_field, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.cascade import CascadePlan
-from mstar_attn.metadata.groups import GroupPlan, StepArrays, window_plan
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.groups import GroupPlan, StepArrays, first_read_page, window_plan
 from mstar_attn.metadata.spec import AttentionSpec, Kind
 
-__all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "Mode", "groups_of", "rows_decode_arrays"]
+__all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "Mode", "decode_qo_indptr", "groups_of", "rows_decode_arrays"]
 
 MAX_VERIFY_Q_LEN = 16  # the longest uniform q_len a step may have and still be a VERIFY step
 
@@ -37,12 +38,13 @@ class Mode(enum.Enum):
     EXTEND = "extend"
 
 
-def _lazy(name: str):
-    """A plan field a StepRows decode plan derives from its lengths on first read (`_derived`)."""
+def _array_arg(name: str):
+    """A plan array given at construction (build_plan's eager paths), or None: a StepRows decode plan,
+    which derives it from its lengths on first read (`_lazy`)."""
     return attrs.field(default=None, alias=name, eq=False, repr=False)
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, kw_only=True)
 class AttentionPlan:
     """Everything any backend needs for one step, B requests and T new tokens, host arrays.
 
@@ -64,8 +66,10 @@ class AttentionPlan:
                               select_backend when spec.backend is "auto"
 
     A StepRows decode plan holds only its lengths and rows: qo_indptr, kv_indptr, kv_last_page_len,
-    positions and groups are derived from them by a pure function on first read (a pool derives
-    them on the device instead), the same arrays an eager plan holds. Plans compare by value.
+    positions and groups are derived from them by a pure function on first read (positions and
+    qo_indptr each on its own; a pool derives them all on the device instead), the same arrays an
+    eager plan holds, kept in a cache attrs.evolve does not copy. Plans compare by value; fields by
+    keyword only.
     """
 
     spec: AttentionSpec = attrs.field(repr=False)
@@ -85,57 +89,83 @@ class AttentionPlan:
     # (kv_last_page_len may be <= 0); commit it with GraphBufferPool.commit_round, never alone
     draft_step: int | None = None
     cascade: CascadePlan | None = attrs.field(default=None, repr=False)
-    _qo_indptr: np.ndarray | None = _lazy("qo_indptr")
-    _kv_indptr: np.ndarray | None = _lazy("kv_indptr")
-    _kv_last_page_len: np.ndarray | None = _lazy("kv_last_page_len")
-    _positions: np.ndarray | None = _lazy("positions")
-    _groups: tuple[GroupPlan, ...] | None = _lazy("groups")
+    _qo_indptr: np.ndarray | None = _array_arg("qo_indptr")
+    _kv_indptr: np.ndarray | None = _array_arg("kv_indptr")
+    _kv_last_page_len: np.ndarray | None = _array_arg("kv_last_page_len")
+    _positions: np.ndarray | None = _array_arg("positions")
+    _groups: tuple[GroupPlan, ...] | None = _array_arg("groups")
+    _cache: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)  # a lazy plan's derived arrays
     # True only for plans build_plan / scratch_plan made: attrs.evolve makes a new plan through
     # __init__, which leaves this False, so a hand-edited plan is never taken for a checked one
     sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
     @property
     def qo_indptr(self) -> np.ndarray:
-        return self._derived()._qo_indptr
+        return self._qo_indptr if self._qo_indptr is not None else self._lazy("qo_indptr")
 
     @property
     def kv_indptr(self) -> np.ndarray:
-        return self._derived()._kv_indptr
+        return self._kv_indptr if self._kv_indptr is not None else self._lazy("kv_indptr")
 
     @property
     def kv_last_page_len(self) -> np.ndarray:
-        return self._derived()._kv_last_page_len
+        return self._kv_last_page_len if self._kv_last_page_len is not None else self._lazy("kv_last_page_len")
 
     @property
     def positions(self) -> np.ndarray:
-        return self._derived()._positions
+        return self._positions if self._positions is not None else self._lazy("positions")
 
     @property
     def groups(self) -> tuple[GroupPlan, ...]:
-        return self._derived()._groups
+        return self._groups if self._groups is not None else self._lazy("groups")
 
-    def _derived(self) -> AttentionPlan:
-        """self, its lazily derived fields filled (a StepRows decode plan's first read: `_rows_decode_arrays`)."""
-        if self._groups is None:
-            step = rows_decode_arrays(self.spec, self.q_lens, self.kv_lens, self.max_kv_len)
-            for name, value in (("_qo_indptr", step.qo_indptr), ("_kv_indptr", step.kv_indptr),
-                                ("_kv_last_page_len", step.last_page_len), ("_positions", step.positions)):
-                object.__setattr__(self, name, value)
-            object.__setattr__(self, "_groups", groups_of(self.spec, step))
-        return self
+    @property
+    def arrays_derived(self) -> bool:
+        """Whether every array is held: an eager plan, or a lazy one whose groups were read."""
+        return self._groups is not None or "groups" in self._cache
+
+    def _lazy(self, name: str):
+        """A StepRows decode plan's array `name`, derived on first read (positions and qo_indptr alone,
+        the rest together: `rows_decode_arrays`); PlanError for a plan that holds no such array otherwise."""
+        got = self._cache.get(name)
+        if got is not None:
+            return got
+        if self.rows is None or self.mode is not Mode.DECODE:
+            raise PlanError(f"AttentionPlan.{name}: this plan holds none, and only a StepRows decode plan derives its "
+                            "arrays from its lengths: make plans with build_plan (a hand-made plan lists them all)")
+        kv, c = self.kv_lens, self._cache
+        if name == "positions":
+            got = c[name] = np.subtract(kv, 1, dtype=np.int64)
+            got.flags.writeable = False
+        elif name == "qo_indptr":
+            got = c[name] = decode_qo_indptr(kv.shape[0])
+        else:
+            step = rows_decode_arrays(self.spec, self.q_lens, kv, self.max_kv_len)
+            c.setdefault("positions", step.positions)
+            c.setdefault("qo_indptr", step.qo_indptr)
+            c["kv_indptr"], c["kv_last_page_len"], c["groups"] = step.kv_indptr, step.last_page_len, groups_of(self.spec, step)
+            got = c[name]
+        return got
 
     def __eq__(self, other) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return all(_same(getattr(self, n), getattr(other, n)) for n in _COMPARED)
+        if not all(_same(getattr(self, n), getattr(other, n)) for n in _STORED):
+            return False
+        # a lazy plan's arrays are a pure function of the stored fields: compared only against an eager plan's
+        both_lazy = self._groups is None and other._groups is None
+        return both_lazy or all(_same(getattr(self, n), getattr(other, n)) for n in _DERIVED)
 
     def kv_lens_of(self, group: int) -> np.ndarray:
         """kv_lens [B] of layer group `group` (its own for window, cross and own-list groups), without
-        deriving a lazy plan's arrays when the group reads the step's own full lengths."""
+        deriving a lazy plan's other arrays (a window group's lengths: computed alone)."""
         g = self.spec.groups[group]
-        if self._groups is None and g.kind is not Kind.WINDOW:  # (a lazy plan: StepRows, no own or cross groups)
+        if self._groups is not None or "groups" in self._cache:
+            return self.groups[group].kv_lens
+        if g.kind is not Kind.WINDOW:  # (a lazy plan: StepRows decode, no own or cross groups)
             return self.kv_lens
-        return self.groups[group].kv_lens
+        kv = self.kv_lens
+        return kv - first_read_page(g, self.q_lens, kv, self.spec.page_size) * self.spec.page_size
 
     @property
     def sm_scale(self) -> float:
@@ -159,9 +189,9 @@ class AttentionPlan:
         return self.slot_mapping if own is None else own
 
 
-_COMPARED = ("spec", "mode", "batch_size", "num_tokens", "max_q_len", "max_kv_len", "q_lens", "kv_lens", "qo_indptr",
-             "kv_indptr", "kv_indices", "kv_last_page_len", "positions", "slot_mapping", "groups", "block_table",
-             "backend", "rows", "draft_step", "cascade")
+_STORED = ("spec", "mode", "batch_size", "num_tokens", "max_q_len", "max_kv_len", "q_lens", "kv_lens", "kv_indices",
+           "slot_mapping", "block_table", "backend", "rows", "draft_step", "cascade")
+_DERIVED = ("qo_indptr", "kv_indptr", "kv_last_page_len", "positions", "groups")
 
 
 def _same(a, b) -> bool:
@@ -172,6 +202,15 @@ def _same(a, b) -> bool:
 
 ARANGE = np.arange(1 << 16, dtype=np.int32)  # qo_indptr of decode steps up to 65535 requests: read-only views
 read_only(ARANGE)
+
+def decode_qo_indptr(B: int) -> np.ndarray:
+    """qo_indptr [B+1] int32 of a decode step (0, 1, ..., B), read-only."""
+    if B < ARANGE.shape[0]:
+        return ARANGE[: B + 1]
+    out = np.arange(B + 1, dtype=np.int32)
+    out.flags.writeable = False
+    return out
+
 
 def rows_decode_arrays(spec: AttentionSpec, q: np.ndarray, kv: np.ndarray, max_kv: int) -> StepArrays:
     """The arrays of a StepRows decode step [B] from its KV lengths (read-only): what build_plan
@@ -187,8 +226,7 @@ def rows_decode_arrays(spec: AttentionSpec, q: np.ndarray, kv: np.ndarray, max_k
     last_page_len %= ps
     last_page_len += 1
     read_only(kv_indptr, positions, last_page_len)
-    qo = ARANGE[: B + 1] if B < ARANGE.shape[0] else np.arange(B + 1, dtype=np.int32)
-    return StepArrays(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=qo, positions=positions,
+    return StepArrays(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=decode_qo_indptr(B), positions=positions,
                       need=need, kv_indptr=kv_indptr, last_page_len=last_page_len, max_kv=max_kv)
 
 

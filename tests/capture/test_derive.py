@@ -11,6 +11,8 @@ import torch
 from mstar_attn import LayerGroup, StepBatch, build_plan
 from mstar_attn.capture import derive
 from mstar_attn.capture.layout import slot_views
+from mstar_attn.kernels.base import SchedulerBase
+from mstar_attn.metadata.backends import BACKENDS
 from mstar_attn.metadata.batch import StepRows
 from tests.capture.test_table import admit, table_pool
 from tests.helpers import fresh_seed, spec_for
@@ -166,3 +168,63 @@ def test_derived_steps_stay_right_when_other_steps_write_the_slot_between():
         other = build_plan(StepBatch.from_pages(np.ones(1, np.int32), [3], [[next(free)]], 4), spec)
         pool.commit(other)
         derived(rows, kv + 4, "after a StepBatch step")
+
+
+class _LazyScheduler(SchedulerBase):
+    """A scheduler that reads no host array (as FlashInfer's fixed schedule, or FA4): lazy_host_arrays."""
+
+    lazy_host_arrays = True
+
+    def schedule(self, step):
+        return (None,) * len(step.groups)
+
+
+def test_a_derived_commit_derives_no_plan_array_on_the_host():
+    for ps, q_len in ((4, 1), (16, 1)):
+        seed = fresh_seed()
+        spec, pool, plan, _ = _random_step(seed, ps, q_len)
+        pool.schedulers[BACKENDS[plan.backend].module] = _LazyScheduler()
+        step = pool.commit(plan)
+        assert step.bucket is not None and not plan.arrays_derived, seed
+        pool.stage_host(step)  # (what a scheduler that plans from host arrays asks for)
+        assert plan.arrays_derived, seed
+
+
+def test_derived_steps_over_two_slots_with_verify_steps_and_page_churn():
+    """Two slots: decode and verify steps over the same rows (the staged head's q_len differs), and a
+    row's pages from the one the step writes on replaced between steps (table updates landing in one
+    slot, then the other); each derived step's arrays and slot_mapping against the same step by pages."""
+    for _ in range(4):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        spec = spec_for(page_size=4, num_pages=3000, groups=GROUPS)
+        pool, ref_pool = table_pool(spec, width=160), table_pool(spec, width=160)
+        B = int(rng.choice([3, 5, 6, 7]))  # (bucket padding: the padding rows' q_len is staged too)
+        kv = rng.integers(10, 200, B).astype(np.int32)
+        rows, _ = admit(pool, rng, kv + 40)
+        free = iter(rng.permutation(np.flatnonzero(pool.table.owner[:-1] == -1)).astype(np.int32))
+        def step(i, churn, q_len):
+            nonlocal kv
+            kv = kv + 1
+            if churn is not None:  # the row's pages from the one this step writes on replaced by others
+                c, need = int(pool.table.counts[rows[churn]]), -(-int(kv[churn]) // 4)
+                pool.table.release(int(rows[churn]), keep=need - 1)
+                pool.table.assign(int(rows[churn]), [next(free) for _ in range(c - need + 1)])
+            q = np.full(B, q_len, np.int32)
+            plan = build_plan(StepRows.decode(rows, kv) if q_len == 1 else StepRows(rows, q, kv), spec)
+            pages = [pool.table.pages(int(r))[: -(-int(k) // 4)] for r, k in zip(rows, kv)]
+            csr = build_plan(StepBatch.from_pages(q, kv, pages, 4), spec)
+            step = pool.commit(plan)
+            got, ref = _arrays(step), _arrays(ref_pool.commit(csr))
+            assert step.bucket is not None and np.array_equal(got[0], ref[0]), (seed, i)
+            for g, (a, b) in enumerate(zip(got[1:], ref[1:])):
+                for j in (0, 1, 2, 4):
+                    assert np.array_equal(a[j], b[j]), (seed, i, g, j)
+            assert np.array_equal(step.slot_mapping.numpy()[: B * q_len], csr.slot_mapping), (seed, i)
+
+        for i in range(16):
+            step(i, int(rng.integers(B)) if rng.random() < 0.4 else None, int(rng.choice([1, 3])))
+        for i, churn in enumerate((0, 0, None, None)):  # an entry changed in one slot, then the other; then no change
+            step(16 + i, churn, 1)
+        for i, q_len in enumerate((3, 3, 1, 1)):  # the same rows at another q_len in each slot
+            step(20 + i, None, q_len)

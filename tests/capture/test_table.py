@@ -181,6 +181,7 @@ def test_commit_refuses_bad_rows_and_changes_nothing():
              (StepRows.decode([0], [65 * 4]), "more than max_pages_per_request")]
     t.append([4], [7])
     pending = t.pending  # must survive the failed commits
+    t.check_step(build_plan(StepRows.decode([0, 3], [5, 5]), spec), slots=False)  # (rows the check remembers as distinct)
     for batch, match in cases:
         with pytest.raises(PlanError, match=match):
             pool.commit(build_plan(batch, spec))

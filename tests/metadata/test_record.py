@@ -1,9 +1,11 @@
 """metadata/record.py: a StepRows decode plan derives its arrays on first read, and they equal the arrays
 the eager StepRows path holds for the same step (window groups included); plans compare by value."""
 
+import attrs
 import numpy as np
+import pytest
 
-from mstar_attn import LayerGroup, Mode, build_plan
+from mstar_attn import LayerGroup, Mode, PlanError, build_plan
 from mstar_attn.metadata.batch import StepRows
 from mstar_attn.metadata.record import AttentionPlan
 from tests.helpers import fresh_seed, spec_for
@@ -53,3 +55,32 @@ def test_plans_that_differ_in_one_length_compare_unequal():
     assert lazy != other and not (lazy == other), seed
     assert np.array_equal(other.positions[:-1], lazy.positions[:-1]) and other.positions[-1] == lazy.positions[-1] + 1, seed
     assert lazy.__eq__(object()) is NotImplemented and isinstance(lazy, AttentionPlan)
+
+
+def test_a_decode_plan_derives_only_what_is_read():
+    """kv_lens_of (window groups included), positions and qo_indptr each leave the other arrays
+    underived; reading groups derives them; every value equals the eager path's."""
+    for _ in range(10):
+        seed = fresh_seed()
+        spec, lazy, eager = _steps(seed)
+        assert not lazy.arrays_derived and eager.arrays_derived, seed
+        for g in range(len(spec.groups)):
+            assert np.array_equal(lazy.kv_lens_of(g), eager.groups[g].kv_lens), (seed, g)
+        assert np.array_equal(lazy.positions, eager.positions) and np.array_equal(lazy.qo_indptr, eager.qo_indptr), seed
+        assert not lazy.arrays_derived, seed
+        assert len(lazy.groups) == len(spec.groups), seed
+        assert lazy.arrays_derived, seed
+
+
+def test_evolving_a_read_plan_derives_again_and_a_hand_made_plan_without_arrays_is_refused():
+    seed = fresh_seed()
+    spec, lazy, _ = _steps(seed)
+    lazy.positions, lazy.groups  # (derived and cached)
+    longer = attrs.evolve(lazy, kv_lens=lazy.kv_lens + 5, max_kv_len=lazy.max_kv_len + 5)
+    assert np.array_equal(longer.positions, lazy.positions + 5), seed  # (the cache is not copied)
+    assert np.array_equal(longer.groups[0].kv_lens, lazy.kv_lens + 5) and not longer.sealed, seed
+    prefill = attrs.evolve(lazy, mode=Mode.PREFILL)
+    with pytest.raises(PlanError, match="positions"):
+        prefill.positions
+    with pytest.raises(PlanError, match="groups"):
+        attrs.evolve(lazy, rows=None).groups
