@@ -19,6 +19,7 @@ pytest.importorskip("flashinfer")
 
 from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
 from mstar_attn.capture.pool import GraphBufferPool  # noqa: E402
+from mstar_attn.kernels import _flashinfer_fast  # noqa: E402
 from mstar_attn.kernels import flashinfer as fi  # noqa: E402
 
 B, PAGES, PS = 64, 32, 16  # 64 requests x 8 KV heads: the fixed schedule (planned once: every commit fenced)
@@ -71,6 +72,73 @@ def test_slots_reused_without_waiting_are_caught(monkeypatch):
     _, cache, q, out = _run_behind(seed, 6)
     wrong = 0
     for plan, csr, got in out:
+        try:
+            assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}")
+        except AssertionError:
+            wrong += 1
+    assert wrong > 0, f"seed {seed}"
+
+
+def _replanning_walk(seed: int, steps: int, monkeypatch):
+    """8 requests in a bucket of 8 (split-KV: FlashInfer keeps a plan while each request's KV chunk
+    count holds), lengths jumping across chunks so most commits plan again; a GPU sleep queued inside
+    each re-plan, between the commit graph and the planner's copy of its pinned workspace.
+    Returns (pool, cache, q, [(plan, csr plan, output, planned, fenced)])."""
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(32, 8, 128, PS, 8 * 128 + 8)
+    cache = random_cache(spec, seed)
+    pool = GraphBufferPool(spec, max_batch_size=8, max_num_tokens=64, max_num_pages=spec.num_pages, buckets=(8,),
+                           max_requests=8, max_pages_per_request=128)
+    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(8, 32, 128, device="cuda",
+                                                                                        dtype=torch.bfloat16)})
+    graphs.capture()
+    free = rng.permutation(spec.num_pages).astype(np.int32)
+    for r in range(8):
+        pool.table.assign(r, free[r * 128 : (r + 1) * 128])
+    rows = np.arange(8, dtype=np.int32)
+    kv = rng.integers(100, 600, 8).astype(np.int32)
+    q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    planned = []
+    replan = _flashinfer_fast.FastDecodePlan.replan
+
+    def slow_replan(self, *a):
+        planned.append(1)
+        torch.cuda._sleep(20_000_000)  # the planner's copy runs ~10 ms after the commit graph
+        replan(self, *a)
+
+    monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "replan", slow_replan)
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(steps):
+        kv = np.minimum(kv + rng.integers(40, 150, 8).astype(np.int32), 128 * PS)
+        before = len(planned)
+        plan = build_plan(StepRows.decode(rows, kv), spec)
+        step = pool.commit(plan)
+        fenced = pool.leases.fenced[step.slot]
+        pages = [pool.table.pages(int(r))[: -(-int(k) // PS)] for r, k in zip(rows, kv)]
+        csr = build_plan(StepBatch.from_pages(np.ones(8, np.int32), kv, pages, PS), spec)
+        out.append((plan, csr, graphs(step, q=q)[:8].clone(), len(planned) > before, fenced))
+    torch.cuda.synchronize()
+    return pool, cache, q, out
+
+
+def test_a_commit_that_planned_on_the_host_is_proven_by_an_event_and_every_step_is_right(monkeypatch):
+    seed = fresh_seed()
+    pool, cache, q, out = _replanning_walk(seed, 8, monkeypatch)
+    assert sum(p for *_, p, _ in out) >= 4, f"seed {seed}"  # (most commits planned again)
+    for i, (plan, csr, got, planned, fenced) in enumerate(out):
+        assert not (planned and fenced), f"seed {seed}, step {i}: a commit that planned was fenced"
+        assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}, step {i}")
+
+
+def test_planner_buffers_reused_without_waiting_are_caught(monkeypatch):
+    """The negative control: with free() never waiting, the next plan into a slot rewrites the planner's
+    pinned workspace before the delayed copy of the last one ran; some step's output is then wrong."""
+    seed = fresh_seed()
+    monkeypatch.setattr(lease.SlotLeases, "free", lambda self, s: None)
+    _, cache, q, out = _replanning_walk(seed, 8, monkeypatch)
+    wrong = 0
+    for plan, csr, got, *_ in out:
         try:
             assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}")
         except AssertionError:
