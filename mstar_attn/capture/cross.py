@@ -88,7 +88,7 @@ def stage(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, rows: in
     """Group g's table rows (the scratch row for padding requests), first page 0, the stored
     tokens' slots and the table updates into staging h. Returns how many updates did not fit the
     step's region: the caller sends those directly."""
-    o_first = offsets.groups[g][3]
+    o_first = offsets.groups[g].first_page
     h[o_first : o_first + rows] = 0
     at = offsets.group_slots[g]
     h[at : at + 2 * slots.shape[0]].view(np.int64)[:] = slots

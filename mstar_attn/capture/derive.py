@@ -69,10 +69,11 @@ class Derivation:
         m = self._meta.get(key)
         if m is None:
             g, G = offsets.groups, len(offsets.groups)
-            stride = (g[1][0] - g[0][0], g[1][4] - g[0][4]) if G > 1 else (0, 0)
+            stride = (g[1].kv_indptr - g[0].kv_indptr, g[1].indices - g[0].indices) if G > 1 else (0, 0)
             m = self._meta[key] = torch.tensor(
                 [offsets.rows, q_len, self.page_size, self.width, offsets.table_rows, offsets.kv_lens, offsets.qo,
-                 g[0][0], stride[0], g[0][3], g[0][4], stride[1]], dtype=torch.int32, device=self.table.device)
+                 g[0].kv_indptr, stride[0], g[0].first_page, g[0].indices, stride[1]], dtype=torch.int32,
+                device=self.table.device)
         return m
 
 
@@ -100,7 +101,8 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) 
     rows = buf[offsets.table_rows : offsets.table_rows + R]
     buf[offsets.qo : offsets.qo + R + 1].copy_(torch.arange(R + 1, device=buf.device) * q_len)
     need = (kv + (ps - 1)).div_(ps, rounding_mode="floor")
-    for (o_ptr, o_lpl, o_len, o_first, _), w in zip(offsets.groups, d.windows):
+    for o, w in zip(offsets.groups, d.windows):
+        o_ptr, o_lpl, o_len, o_first = o.kv_indptr, o.last_page_len, o.kv_lens, o.first_page
         first = (kv - (q_len + w - 1)).clamp_(min=0).div_(ps, rounding_mode="floor") if w else torch.zeros_like(kv)
         buf[o_first : o_first + R] = first
         buf[o_ptr : o_ptr + 1] = 0

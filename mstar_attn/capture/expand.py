@@ -17,13 +17,14 @@ def gather_csr(table: torch.Tensor, width: int, rows: torch.Tensor, buf: torch.T
     """Fill every group's CSR page list from the table. All int32 on one device.
 
     table [(max_requests + 1) * width + 1] (the last element a dump); rows [R] table rows; buf: the
-    pool slot's flat buffer; groups: the layout's offsets per group, (kv_indptr [R+1], last_page_len,
-    kv_lens, first_page [R], indices [capacity + 1, the last a dump]).
+    pool slot's flat buffer; groups: the layout's GroupOffsets per group (kv_indptr [R+1], first_page
+    [R], indices [capacity + 1, the last a dump] are read and written).
     """
     R = rows.shape[0]
     col = torch.arange(width, dtype=torch.int64, device=buf.device)
     base = rows.long().mul_(width)
-    for m, _, _, f, o in groups:
+    for g in groups:
+        m, f, o = g.kv_indptr, g.first_page, g.indices
         indptr, first = buf[m : m + R + 1], buf[f : f + R]
         count = indptr[1:] - indptr[:-1]
         ok = col < count[:, None]

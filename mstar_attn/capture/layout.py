@@ -35,8 +35,19 @@ import torch
 
 
 @attrs.frozen
+class GroupOffsets:
+    """int32-element offsets of one layer group's arrays in a slot, for one (R, N)."""
+
+    kv_indptr: int  # [R+1]
+    last_page_len: int  # [R]
+    kv_lens: int  # [R]
+    first_page: int  # [R]: the first table column a StepRows step's group reads
+    indices: int  # [index_capacity + 1]: the page list, the last entry a dump
+
+
+@attrs.frozen
 class Offsets:
-    """int32-element offsets for one (R, N). groups[g] = (kv_indptr, last_page_len, kv_lens, first_page, indices)."""
+    """int32-element offsets for one (R, N); groups[g]: layer group g's GroupOffsets."""
 
     rows: int
     num_rows: int
@@ -47,7 +58,7 @@ class Offsets:
     fence: int  # one cell: the commit's generation, which a derived commit's graph copies back (capture/lease.py)
     qo: int  # qo_indptr [R+1]: a StepBatch commit copies from here
     slots: int  # slot_mapping (int64; an even int32 offset)
-    groups: tuple[tuple[int, int, int, int, int], ...]
+    groups: tuple[GroupOffsets, ...]
     head_end: int  # end of the slot mappings: group 0's indices start here
     group_slots: tuple[int, ...] = ()  # each group's slot_mapping: `slots`, or its own (own_pages, cross groups)
     end: int = 0  # the end of everything the layout places for (R, N)
@@ -98,7 +109,8 @@ class Layout:
                 group_slots[g], tail = tail, tail + 2 * n
         return Offsets(rows=rows, num_rows=num_rows, table_rows=0, kv_lens=rows * (1 + G), updates=updates,
                        update_capacity=cap, fence=fence, qo=qo, slots=slots,
-                       groups=tuple((*g, end + i * (self.index_capacity + 1)) for i, g in enumerate(groups)), head_end=end,
+                       groups=tuple(GroupOffsets(*g, indices=end + i * (self.index_capacity + 1))
+                                    for i, g in enumerate(groups)), head_end=end,
                        group_slots=tuple(group_slots), end=tail, draft=draft, draft_steps=tuple(steps))
 
     @property
@@ -114,11 +126,12 @@ def slot_views(layout: Layout, dev: torch.Tensor, host: torch.Tensor, rows: int,
     kv_lens pinned, the group's slot_mapping device)). dev, host: the slot's int32 buffers."""
     offsets = layout.at(rows, num_rows)
     slots = dev[offsets.slots : offsets.slots + 2 * num_rows].view(torch.int64)
-    groups = tuple((dev[o_ptr : o_ptr + rows + 1], dev[o_lpl : o_lpl + rows], dev[o_len : o_len + rows],
-                    dev[o_first : o_first + rows],
-                    host[o_ptr : o_ptr + rows + 1], host[o_lpl : o_lpl + rows], host[o_len : o_len + rows],
+    groups = tuple((dev[o.kv_indptr : o.kv_indptr + rows + 1], dev[o.last_page_len : o.last_page_len + rows],
+                    dev[o.kv_lens : o.kv_lens + rows], dev[o.first_page : o.first_page + rows],
+                    host[o.kv_indptr : o.kv_indptr + rows + 1], host[o.last_page_len : o.last_page_len + rows],
+                    host[o.kv_lens : o.kv_lens + rows],
                     slots if at == offsets.slots else dev[at : at + 2 * (n if n > 0 else num_rows)].view(torch.int64))
-                   for (o_ptr, o_lpl, o_len, o_first, _), at, n in zip(offsets.groups, offsets.group_slots, layout.slot_rows))
+                   for o, at, n in zip(offsets.groups, offsets.group_slots, layout.slot_rows))
     table_rows = dev[offsets.table_rows : offsets.table_rows + rows]
     qo = offsets.qo
     return offsets, dev[qo : qo + rows + 1], host[qo : qo + rows + 1], slots, table_rows, groups

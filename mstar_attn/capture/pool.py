@@ -258,7 +258,7 @@ class GraphBufferPool:
         else:
             left = stage_rows(h, plan, offsets, slots, updates, self.table, self.scratch_slots)
             ps, pad = self.spec.page_size, rows - B
-            ranges = [(o[4], o[4] + gp.kv_indptr[-1] + -(-q_len // ps) * pad) for gp, o in zip(plan.groups, offsets.groups)]
+            ranges = [(o.indices, o.indices + gp.kv_indptr[-1] + -(-q_len // ps) * pad) for gp, o in zip(plan.groups, offsets.groups)]
         self.generations[s] += 1  # from here on the slot's previous step is stale
         self.unstaged[s] = self.generations[s] if lazy else -1
         self.next_slot = (s + 1) % self.num_slots
@@ -354,7 +354,7 @@ class GraphBufferPool:
         cap = self.layout.index_capacity
         if ranges is not None:
             return make(ranges)
-        return self.kept(("groups", s, rows, num_rows), True, lambda: make([(o[4], o[4] + cap) for o in views[0].groups]))
+        return self.kept(("groups", s, rows, num_rows), True, lambda: make([(o.indices, o.indices + cap) for o in views[0].groups]))
 
     def check_slot(self, slot, where: str) -> None:  # (None: the next slot)
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
@@ -381,7 +381,7 @@ class GraphBufferPool:
     def index_buffer(self, step: DeviceStep, group: int) -> torch.Tensor:
         """The whole index region [index_capacity] of `group` for the step's slot and shape: what a
         FlashInfer graph-mode wrapper is built over (its buffers must outlive every plan)."""
-        o_idx = self.layout.at(step.rows, step.num_rows).groups[group][4]
+        o_idx = self.layout.at(step.rows, step.num_rows).groups[group].indices
         return self.dev[step.slot][o_idx : o_idx + self.layout.index_capacity]
 
     def memory_report(self) -> MemoryReport:

@@ -26,7 +26,8 @@ def stage_pages(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int,
     per = -(-q_len // ps)  # scratch entries per padding request
     stage_requests(h, plan, offsets, rows, q_len)
     ranges = []
-    for gp, (*_, o_idx) in zip(plan.groups, offsets.groups):
+    for gp, o in zip(plan.groups, offsets.groups):
+        o_idx = o.indices
         n = int(gp.kv_indptr[-1])
         if gp.kv_indices is not None:  # (CrossRows: the device gathers the list, padding included)
             h[o_idx : o_idx + n] = gp.kv_indices
@@ -51,7 +52,8 @@ def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, slots: np.n
     the caller sends those directly. (Bucketed StepRows steps: stage_derived.)"""
     B, ps, rows, num_rows = plan.batch_size, plan.spec.page_size, offsets.rows, offsets.num_rows
     stage_requests(h, plan, offsets, rows, 1)
-    for gp, (*_, o_first, _) in zip(plan.groups, offsets.groups):
+    for gp, o in zip(plan.groups, offsets.groups):
+        o_first = o.first_page
         if gp.kv_start is None:
             h[o_first : o_first + rows] = 0
         else:
@@ -115,7 +117,8 @@ def stage_requests(h: np.ndarray, plan: AttentionPlan, offsets, rows: int, q_len
     h[qo : qo + B + 1] = plan.qo_indptr
     if pad:
         h[qo + B + 1 : qo + rows + 1] = np.arange(T + q_len, T + q_len * pad + 1, q_len, dtype=np.int32)
-    for gp, (o_ptr, o_lpl, o_len, *_) in zip(plan.groups, offsets.groups):
+    for gp, o in zip(plan.groups, offsets.groups):
+        o_ptr, o_lpl, o_len = o.kv_indptr, o.last_page_len, o.kv_lens
         n = gp.kv_indptr[-1]
         h[o_ptr : o_ptr + B + 1] = gp.kv_indptr
         h[o_lpl : o_lpl + B] = gp.kv_last_page_len

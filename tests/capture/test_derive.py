@@ -88,8 +88,9 @@ def derive_again(pool, step, kernels, device: str):
     R, N = step.rows, step.num_rows
     offsets = slot_views(pool.layout, pool.dev[step.slot], pool.host[step.slot], R, N)[0]
     buf = pool.dev[step.slot].clone().to(device)
-    for o_ptr, o_lpl, o_len, o_first, o_idx in offsets.groups:
-        for a, n in ((o_ptr, R + 1), (o_lpl, R), (o_len, R), (o_first, R), (o_idx, pool.layout.index_capacity)):
+    for o in offsets.groups:
+        for a, n in ((o.kv_indptr, R + 1), (o.last_page_len, R), (o.kv_lens, R), (o.first_page, R),
+                     (o.indices, pool.layout.index_capacity)):
             buf[a : a + n] = -7
     buf[offsets.qo : offsets.qo + R + 1] = -7
     buf[offsets.slots : offsets.slots + 2 * N] = -7

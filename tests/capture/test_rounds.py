@@ -151,8 +151,8 @@ def test_layout_regions_never_overlap_with_draft_steps(groups):
                 o = lay.at(rows, num_rows)
                 spans = [(o.table_rows, rows * (1 + groups)), (o.updates, 2 * o.update_capacity), (o.qo, rows + 1),
                          (o.slots, 2 * num_rows)]
-                for ptr, lpl, lens, _, idx in o.groups:
-                    spans += [(ptr, rows + 1), (lpl, rows), (lens, rows), (idx, 41)]
+                for g in o.groups:
+                    spans += [(g.kv_indptr, rows + 1), (g.last_page_len, rows), (g.kv_lens, rows), (g.indices, 41)]
                 for at, per_group in o.draft_steps:
                     assert at % 2 == 0, (D, rows, num_rows)
                     spans += [(at, 2 * rows)] + [(a, rows) for pair in per_group for a in pair]
