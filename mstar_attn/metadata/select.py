@@ -68,16 +68,17 @@ def step_features(mode: str, batch_size: int, num_tokens: int, max_q_len: int, m
     return cls, b, -(-int(num_tokens) // b), prefix
 
 
-def _bucketed(bounds: Mapping, cls: str, batch: int, tokens: int, prefix: int, head_dim: int, gqa: int, page_size: int) -> tuple:
+def bucketed(bounds: Mapping, cls: str, batch: int, tokens: int, prefix: int, head_dim: int, gqa: int, page_size: int) -> tuple:
+    """The dispatch-table key of step_features (cls, batch, tokens, prefix) and the model's shape, under `bounds`."""
     return (cls, bisect_left(bounds["batch"], batch), bisect_left(bounds["tokens"], tokens),
             bisect_left(bounds["prefix"], prefix), int(head_dim), int(gqa), int(page_size))
 
 
 def table_key(mode: str, batch_size: int, num_tokens: int, max_q_len: int, max_kv_len: int, head_dim: int, gqa: int,
-              page_size: int, bounds: Mapping | None = None) -> tuple:
-    """The dispatch-table key of one step: FEATURES, with batch, tokens and prefix bucketed."""
-    return _bucketed(BOUNDS if bounds is None else bounds, *step_features(mode, batch_size, num_tokens, max_q_len, max_kv_len),
-                     head_dim, gqa, page_size)
+              page_size: int) -> tuple:
+    """The dispatch-table key of one step: FEATURES, with batch, tokens and prefix bucketed by BOUNDS
+    (other bounds: `bucketed`, or DispatchTable.key)."""
+    return bucketed(BOUNDS, *step_features(mode, batch_size, num_tokens, max_q_len, max_kv_len), head_dim, gqa, page_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,7 +106,8 @@ class DispatchTable:
 
     def key(self, mode: str, batch_size: int, num_tokens: int, max_q_len: int, max_kv_len: int, head_dim: int, gqa: int,
             page_size: int) -> tuple:
-        return table_key(mode, batch_size, num_tokens, max_q_len, max_kv_len, head_dim, gqa, page_size, self.bounds)
+        return bucketed(self.bounds, *step_features(mode, batch_size, num_tokens, max_q_len, max_kv_len), head_dim, gqa,
+                        page_size)
 
 
 def empty_table_data() -> dict:
@@ -230,7 +232,7 @@ def select_backend(spec, mode: str, batch_size: int, num_tokens: int, max_q_len:
         return DEFAULT
     if mode not in MODE_CLASS:
         return DEFAULT
-    key = _bucketed(t.bounds, *step_features(mode, batch_size, num_tokens, max_q_len, max_kv_len), spec.head_dim,
+    key = bucketed(t.bounds, *step_features(mode, batch_size, num_tokens, max_q_len, max_kv_len), spec.head_dim,
                     spec.gqa_group, spec.page_size)
     name = choices.get(key)
     if name is None or not _serves(t.caps[name], spec, mode, prefix_free):

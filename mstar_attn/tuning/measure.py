@@ -176,7 +176,7 @@ def _run_group(group: list[Shape], results: dict, timer, cfg: BenchConfig, log, 
                    "dtype": dtype_name}, "plan": {"mode": mode, "batch_size": plan0.batch_size, "num_tokens": T,
                    "max_q_len": plan0.max_q_len, "max_kv_len": plan0.max_kv_len},
                    "bytes": nbytes, "flops": flops, "floor_us": floor_us, "results": {}}
-            live = {}
+            live, case = {}, _Case(batch, q, k, v, cache, ref, T, device)
             for name in GRID_BACKENDS:
                 spec = _capable(name, mode, spec_kw)
                 if spec is None:
@@ -197,14 +197,14 @@ def _run_group(group: list[Shape], results: dict, timer, cfg: BenchConfig, log, 
                         raise _Fatal(f"{shape.name}, {name}: {_short(e)}") from e
                     continue
                 try:
-                    rec["results"][name], fn = _prepare(name, pool, spec, batch, q, k, v, cache, ref, cfg, T, device)
+                    rec["results"][name], fn = _prepare(name, pool, spec, case, cfg)
                     if fn is not None:
                         live[name] = fn
                 except Exception as e:  # noqa: BLE001
                     rec["results"][name] = {"status": f"error: {_short(e)}"}
                     if not _cuda_ok(device):
                         raise _Fatal(f"{shape.name}, {name}: {_short(e)}") from e
-            del ref
+            del ref, case
             try:
                 _time_interleaved(live, rec["results"], timer, cfg)
             except Exception as e:  # noqa: BLE001
@@ -229,9 +229,26 @@ def _run_group(group: list[Shape], results: dict, timer, cfg: BenchConfig, log, 
         torch.cuda.empty_cache()
 
 
-def _prepare(name, pool, spec, batch, q, k, v, cache, ref, cfg: BenchConfig, T: int, device):
+@attrs.frozen
+class _Case:
+    """One grid shape's inputs, shared by every backend: the batch, q [T, hq, d], k and v [T, hkv, d] on
+    `device`, the cache they are written to, and the float32 reference output [T, hq, d]."""
+
+    batch: object
+    q: object
+    k: object
+    v: object
+    cache: object
+    ref: object
+    num_tokens: int
+    device: object
+
+
+def _prepare(name, pool, spec, case: _Case, cfg: BenchConfig):
     """Commit, run once (JIT), check against the reference, time the host commit, warm up.
     Returns (record, fn or None)."""
+    batch, q, k, v, cache, ref, T, device = (case.batch, case.q, case.k, case.v, case.cache, case.ref, case.num_tokens,
+                                             case.device)
     import torch
 
     from mstar_attn import kernels

@@ -22,8 +22,9 @@ def _ok(rec) -> bool:
 def shape_key(rec: Mapping, bounds: Mapping | None = None) -> tuple:
     """The dispatch-table key of one shape record of a results JSON (from its plan and spec)."""
     p, s = rec["plan"], rec["spec"]
-    return select.table_key(p["mode"], p["batch_size"], p["num_tokens"], p["max_q_len"], p["max_kv_len"], s["head_dim"],
-                            s["num_qo_heads"] // s["num_kv_heads"], s["page_size"], bounds)
+    features = select.step_features(p["mode"], p["batch_size"], p["num_tokens"], p["max_q_len"], p["max_kv_len"])
+    return select.bucketed(select.BOUNDS if bounds is None else bounds, *features, s["head_dim"],
+                           s["num_qo_heads"] // s["num_kv_heads"], s["page_size"])
 
 
 def _geomean(xs: list[float]) -> float:

@@ -23,6 +23,7 @@ def test_the_triton_kernels_equal_the_torch_ops_on_the_gpu():
         buf, offsets = derive_again(pool, step, kernels, "cuda")
         torch.cuda.synchronize()
         assert torch.equal(buf[: offsets.head_end].cpu(), pool.dev[step.slot][: offsets.head_end]), f"seed {seed}"
-        for dg, (*_, o_idx) in zip(step.groups, offsets.groups):
+        for dg, o in zip(step.groups, offsets.groups):
+            o_idx = o.indices
             n = int(dg.kv_indptr[-1])
             assert torch.equal(buf[o_idx : o_idx + n].cpu(), dg.kv_indices[:n]), f"seed {seed}"
