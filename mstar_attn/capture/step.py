@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from mstar_attn.capture.lease import HostEvent  # noqa: F401  (kept name: a CPU pool's event lives in lease.py)
 from mstar_attn.metadata.errors import PlanError, StaleStepError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 

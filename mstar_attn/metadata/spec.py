@@ -13,6 +13,7 @@ from mstar_attn.metadata._arrays import INT32_MAX, positive_int
 from mstar_attn.metadata.backends import AUTO, AUTO_DEFAULT, AUTO_MLA, BACKENDS, CASCADE_BACKENDS, FP8, FP8_MATH_BACKENDS
 from mstar_attn.metadata.errors import PlanError
 
+MLA_BACKEND = AUTO_MLA  # (kept name) what backend="auto" serves latent attention with
 XQA_PAGE_SIZES = (16, 32, 64, 128)  # the page sizes FlashInfer's XQA decode kernel compiles for (AttentionSpec.fp8_math)
 CASCADE_MODES = ("off", "auto", "always")  # AttentionSpec.cascade
 
