@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mstar_attn.metadata._arrays import fail_at, read_only
+from mstar_attn.metadata._arrays import read_only
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.spec import AttentionSpec
 
@@ -93,8 +93,8 @@ def scan_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.
 def read_pages(spec: AttentionSpec, batch, need: np.ndarray, page_limit: int,
                short: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The pages each request reads, the first need[i] (>= 1) of its list, after checking the lists:
-    page_indptr within page_indices, at least need[i] pages each (else PlanError `short`, which
-    also catches a decreasing indptr), page ids below page_limit. Returns (kv_indptr [B+1],
+    page_indptr within page_indices, at least need[i] pages each (else PlanError with the counts and
+    `short`; or naming where the indptr decreases), page ids below page_limit. Returns (kv_indptr [B+1],
     kv_indices, every listed page), the batch's own arrays when the lists are exact."""
     indptr, idx = batch.page_indptr, batch.page_indices
     n_listed = idx.shape[0]
@@ -104,7 +104,12 @@ def read_pages(spec: AttentionSpec, batch, need: np.ndarray, page_limit: int,
     spare = indptr[1:] - indptr[:-1]
     spare -= need
     if spare.min() < 0:
-        fail_at("page_indices", spare < 0, short)
+        i = int(np.flatnonzero(spare < 0)[0])
+        a, b = int(indptr[i]), int(indptr[i + 1])
+        if b < a:
+            raise PlanError(f"page_indptr: decreases at request {i} ({a} then {b}) (request {i})")
+        raise PlanError(f"page_indptr: request {i} lists {b - a} pages (page_indptr[{i}:{i + 2}] = {a}, {b}), {short}: "
+                        f"{int(need[i])} pages of {spec.page_size} tokens for kv_len {int(batch.kv_lens[i])} (request {i})")
     listed = idx[: indptr[-1]]
     check_page_ids(spec, "page_indices", indptr, listed, page_limit)
     if spare.max() == 0:

@@ -130,7 +130,7 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     q_max = check_lengths(q, kv, ps)
     need = (kv + (ps - 1)) // ps
     kv_indptr, kv_indices, listed = read_pages(spec, batch, need, page_limit,
-                                               "fewer pages than the KV length needs (or page_indptr decreases)")
+                                               "fewer than its KV length needs")
     last_page_len = kv - need * ps
     last_page_len += ps
 
