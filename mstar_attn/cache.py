@@ -78,6 +78,9 @@ class PagedKVCache:
     def allocate(cls, spec: AttentionSpec, device: torch.device | str = "cpu", group: int | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0) -> PagedKVCache:
         """Zero-filled, spec.cache_shape, spec.kv_cache_dtype: finite from the start. group, scales: see the class doc."""
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise PlanError(f"PagedKVCache.allocate: device {device!r}, but this torch ({torch.__version__}) sees no CUDA "
+                            "device; allocate on 'cpu' (the reference backend serves it)")
         return cls(torch.zeros(spec.cache_shape, dtype=spec.kv_cache_dtype, device=device),
                    torch.zeros(spec.v_cache_shape, dtype=spec.kv_cache_dtype, device=device), finite=True, group=group,
                    k_scale=k_scale, v_scale=v_scale)
@@ -140,6 +143,14 @@ class PagedKVCache:
         k = self.k
         if (k.dtype != spec.kv_cache_dtype or k.shape[1:] != spec.cache_shape[1:] or k.shape[0] < spec.cache_shape[0]
                 or self.v.shape[1:] != spec.v_cache_shape[1:]):
-            raise PlanError(f"{where}: cache is {tuple(k.shape)} {k.dtype}; the spec needs at least "
-                            f"{spec.cache_shape} {spec.kv_cache_dtype} (num_pages + 1: the last page is the scratch page; "
-                            "PagedKVCache.allocate(spec) makes one)")
+            want = spec.cache_shape
+            why = (k.dtype != spec.kv_cache_dtype and f"dtype {k.dtype}, the spec's KV dtype is {spec.kv_cache_dtype}"
+                   or k.ndim != 4 and f"{k.ndim} dims, not 4 (pages, page_size, kv_heads, head_dim)"
+                   or k.shape[1] != want[1] and f"page size {k.shape[1]}, the spec's is {want[1]}"
+                   or k.shape[2] != want[2] and f"{k.shape[2]} KV heads, the spec has {want[2]}"
+                   or k.shape[3] != want[3] and f"head_dim {k.shape[3]}, the spec's is {want[3]}"
+                   or k.shape[0] < want[0] and f"{k.shape[0]} pages, fewer than num_pages + 1 = {want[0]} (the last page "
+                                               "is the scratch page)"
+                   or f"v is {tuple(self.v.shape)}, the spec needs {spec.v_cache_shape}")
+            raise PlanError(f"{where}: cache is {tuple(k.shape)} {k.dtype}, the spec needs {want} {spec.kv_cache_dtype}: "
+                            f"{why} (PagedKVCache.allocate(spec) makes one)")

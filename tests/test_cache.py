@@ -50,3 +50,47 @@ def test_a_v_of_another_width_fits_only_a_latent_attention_spec():
     spec = spec_for(page_size=4, num_pages=10)
     with pytest.raises(PlanError, match="the spec needs"):
         PagedKVCache(torch.zeros(11, 4, 2, 16), torch.zeros(11, 4, 2, 8)).check(spec, "run: cache")
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(page_size=8), "page size 8, the spec's is 4"),
+    (dict(dtype=torch.float16), "dtype torch.float16, the spec's KV dtype is torch.float32"),
+    (dict(heads=(4, 1)), "1 KV heads, the spec has 2"),
+    (dict(head_dim=32), "head_dim 32, the spec's is 16"),
+    (dict(num_pages=10), "11 pages, fewer than num_pages \\+ 1 = 17"),
+])
+def test_a_cache_that_does_not_fit_says_which_part_differs(change, words):
+    spec = spec_for(page_size=4, num_pages=16)
+    cache = PagedKVCache.allocate(spec_for(**{"page_size": 4, "num_pages": 16, **change}))
+    with pytest.raises(PlanError, match=f"run: cache is .*, the spec needs \\(17, 4, 2, 16\\) torch.float32: {words}"):
+        cache.check(spec, "run")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_a_cuda_cache_or_pool_on_a_machine_without_cuda_is_a_plan_error():
+    from mstar_attn.capture.pool import GraphBufferPool
+
+    spec = spec_for(page_size=4, num_pages=16)
+    with pytest.raises(PlanError, match="sees no CUDA device"):
+        PagedKVCache.allocate(spec, "cuda")
+    with pytest.raises(PlanError, match="sees no CUDA device; a CPU pool is device='cpu'"):
+        GraphBufferPool(spec, max_batch_size=4, max_num_tokens=8, max_num_pages=16, device="cuda")
+
+
+def test_a_backend_whose_package_is_missing_says_how_to_get_it():
+    from mstar_attn.metadata import backends
+
+    missing = [n for n, c in backends.BACKENDS.items() if c.package and not backends_installed(c.package)]
+    if not missing:
+        pytest.skip("every GPU package is installed here")
+    with pytest.raises(ImportError, match=f"backend '{missing[0]}' needs the .* package .*pip install -e '.\\[gpu\\]'"):
+        backends.load(missing[0])
+
+
+def backends_installed(package: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False

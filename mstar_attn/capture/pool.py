@@ -77,6 +77,9 @@ class GraphBufferPool:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise PlanError(f"device: {device!r} is not a torch device ({e})") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise PlanError(f"device: {device!r}, but this torch ({torch.__version__}) sees no CUDA device; a CPU pool "
+                            "is device='cpu' (with backend='reference')")
         max_batch = positive_int("max_batch_size", max_batch_size)
         self.max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         self.max_num_pages = positive_int("max_num_pages", max_num_pages)

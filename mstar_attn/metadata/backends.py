@@ -107,5 +107,14 @@ def capabilities(name: str) -> Capabilities:
 def load(name: str) -> ModuleType:
     """The module implementing backend `name`, imported on first use (GPU packages load only here).
     Later calls cost one dict lookup in sys.modules."""
-    module = capabilities(name).module
-    return sys.modules.get(module) or importlib.import_module(module)
+    caps = capabilities(name)
+    module = sys.modules.get(caps.module)
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module(caps.module)
+    except ImportError as e:
+        if caps.package is None:
+            raise
+        raise ImportError(f"backend {name!r} needs the {caps.package.split('.')[0]} package ({e}); install the GPU "
+                          "extras (pip install -e '.[gpu]'), or choose backend='reference' (any device)") from e
