@@ -5,15 +5,25 @@ kernel scheduling) -> `write_kv` and `run` per layer, eagerly or by replaying ca
 Layers, bottom up: metadata (pure) < cache < capture (state) < kernels (backends, found by name).
 """
 
+from importlib import metadata as _metadata
+
 from mstar_attn.cache import PagedKVCache
-from mstar_attn.kernels import get_backend
+from mstar_attn.capture import DeviceStep, GraphBufferPool
+from mstar_attn.capture.graphs import DecodeGraphs, RoundGraphs
+from mstar_attn.kernels import get_backend, run, write_kv
 from mstar_attn.metadata import (
     BACKENDS, AttentionPlan, AttentionSpec, CrossRows, GroupPages, GroupPlan, Kind, LayerGroup, Mode, PlanError, StaleStepError, StepBatch,
     build_plan,
 )
+from mstar_attn.metadata.batch import StepRows
+from mstar_attn.metadata.draft import DraftRound, build_round
 
 __all__ = [
-    "AttentionPlan", "AttentionSpec", "BACKENDS", "CrossRows", "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache",
-    "PlanError", "StaleStepError", "StepBatch", "build_plan", "get_backend",
+    "AttentionPlan", "AttentionSpec", "BACKENDS", "CrossRows", "DecodeGraphs", "DeviceStep", "DraftRound", "GraphBufferPool",
+    "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache", "PlanError", "RoundGraphs", "StaleStepError",
+    "StepBatch", "StepRows", "build_plan", "build_round", "get_backend", "run", "write_kv",
 ]
-__version__ = "0.2.0"
+try:  # (one version: the installed distribution's, from pyproject.toml)
+    __version__ = _metadata.version("mstar-attn")
+except _metadata.PackageNotFoundError:  # (run from a source tree that is not installed)
+    __version__ = "0+unknown"

@@ -181,7 +181,7 @@ class AttentionPlan:
         return self.spec.groups[0].causal
 
     def group_for_layer(self, layer: int) -> GroupPlan:
-        return self.groups[self.spec.layer_groups[layer]]
+        return self.groups[self.spec.group_of(layer)]
 
     def slots_of(self, group: int) -> np.ndarray | None:
         """slot_mapping [T] int64 of layer group `group`: its own (own_pages) or the plan's."""

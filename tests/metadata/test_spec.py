@@ -53,3 +53,17 @@ def test_scratch_page_and_cache_shape():
     spec = AttentionSpec(8, 2, 64, 16, 100, backend="reference")
     assert spec.scratch_page == 100 and spec.cache_shape == (101, 16, 2, 64)
     assert AttentionSpec(8, 2, 64, np.int64(16), 100).page_size == 16
+
+
+def test_group_of_maps_every_layer_of_a_one_group_spec_and_refuses_past_a_longer_list():
+    from mstar_attn import AttentionSpec, LayerGroup, PlanError
+
+    one = AttentionSpec(4, 2, 16, 4, 16, backend="reference")
+    assert [one.group_of(i) for i in (0, 1, 31)] == [0, 0, 0]
+    two = AttentionSpec(4, 2, 16, 4, 16, backend="reference", groups=(LayerGroup(), LayerGroup("window", window=8)),
+                        layer_groups=(0, 1, 0))
+    assert [two.group_of(i) for i in range(3)] == [0, 1, 0]
+    with pytest.raises(PlanError, match="layer: 3 is past spec.layer_groups, which names 3 layers"):
+        two.group_of(3)
+    with pytest.raises(PlanError, match="layer: expected a layer index"):
+        two.group_of(-1)
