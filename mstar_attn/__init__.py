@@ -5,8 +5,6 @@ kernel scheduling) -> `write_kv` and `run` per layer, eagerly or by replaying ca
 Layers, bottom up: metadata (pure) < cache < capture (state) < kernels (backends, found by name).
 """
 
-from importlib import metadata as _metadata
-
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.capture import DeviceStep, GraphBufferPool
 from mstar_attn.capture.graphs import DecodeGraphs, RoundGraphs
@@ -23,7 +21,4 @@ __all__ = [
     "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache", "PlanError", "RoundGraphs", "StaleStepError",
     "StepBatch", "StepRows", "build_plan", "build_round", "get_backend", "run", "write_kv",
 ]
-try:  # (one version: the installed distribution's, from pyproject.toml)
-    __version__ = _metadata.version("mstar-attn")
-except _metadata.PackageNotFoundError:  # (run from a source tree that is not installed)
-    __version__ = "0+unknown"
+__version__ = "0.2.0"  # the one version: pyproject.toml reads it (tool.setuptools.dynamic)

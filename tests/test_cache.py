@@ -83,7 +83,7 @@ def test_a_backend_whose_package_is_missing_says_how_to_get_it():
     missing = [n for n, c in backends.BACKENDS.items() if c.package and not backends_installed(c.package)]
     if not missing:
         pytest.skip("every GPU package is installed here")
-    with pytest.raises(ImportError, match=f"backend '{missing[0]}' needs the .* package .*pip install -e '.\\[gpu\\]'"):
+    with pytest.raises(ImportError, match=f"backend '{missing[0]}' needs the .* package .*pip install 'mstar_attn\\[gpu\\]'"):
         backends.load(missing[0])
 
 

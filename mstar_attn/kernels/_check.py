@@ -31,7 +31,7 @@ def step_plan(step, where: str, plans_ok: bool = False) -> AttentionPlan:
 
 def group_index(group, plan: AttentionPlan, where: str) -> int:
     if type(group) is not int and (isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer))):
-        raise PlanError(f"{where}: group must be a layer-group index (spec.layer_groups[layer]), got {group!r}")
+        raise PlanError(f"{where}: group must be a layer-group index (spec.group_of(layer)), got {group!r}")
     if not 0 <= group < len(plan.spec.groups):
         raise PlanError(f"{where}: group {group} is out of range: the spec has {len(plan.spec.groups)} layer groups")
     return int(group)
@@ -44,7 +44,7 @@ def layer_group(group, plan: AttentionPlan, where: str) -> int:
         own = plan.spec.own_page_groups
         if own:
             raise PlanError(f"{where}: layer group {own[0]} keeps its own page list (own_pages), so each layer reads "
-                            "and writes its group's pages: pass group=spec.layer_groups[layer]")
+                            "and writes its group's pages: pass group=spec.group_of(layer)")
         return 0
     return group_index(group, plan, where)
 

@@ -117,4 +117,5 @@ def load(name: str) -> ModuleType:
         if caps.package is None:
             raise
         raise ImportError(f"backend {name!r} needs the {caps.package.split('.')[0]} package ({e}); install the GPU "
-                          "extras (pip install -e '.[gpu]'), or choose backend='reference' (any device)") from e
+                          "extras (pip install 'mstar_attn[gpu]', or -e '.[gpu]' in a checkout), or choose "
+                          "backend='reference' (any device)") from e

@@ -130,8 +130,8 @@ def _round(batch: StepBatch, spec: AttentionSpec, k: int, check_ownership: bool,
     if top > INT32_MAX - ps:
         fail_at("kv_lens", kv0 > INT32_MAX - ps - (k - 1), f"kv_len + {k - 1} is past the int32 range the kernels index")
     need = (kv0 + np.int32(k - 1) + (ps - 1)) // ps  # the pages of the round's last token
-    kv_indptr, kv_indices, listed = read_pages(spec, batch, need, page_limit, f"fewer than the round's {k} tokens need "
-                                               f"(kv_len + {k - 1} tokens)")
+    kv_indptr, kv_indices, listed = read_pages(spec, batch, need, page_limit, f"fewer than the round's {k} tokens need",
+                                               ahead=k - 1)
     if check_ownership:  # the pages of the round's k tokens: the last one, and (when they start a page earlier) the one before
         last_page = kv_indptr[1:] - 1
         first_page = kv_indptr[:-1] + (kv0 - 1) // ps

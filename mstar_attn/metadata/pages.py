@@ -90,11 +90,12 @@ def scan_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.
     )
 
 
-def read_pages(spec: AttentionSpec, batch, need: np.ndarray, page_limit: int,
-               short: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_pages(spec: AttentionSpec, batch, need: np.ndarray, page_limit: int, short: str,
+               ahead: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The pages each request reads, the first need[i] (>= 1) of its list, after checking the lists:
     page_indptr within page_indices, at least need[i] pages each (else PlanError with the counts and
-    `short`; or naming where the indptr decreases), page ids below page_limit. Returns (kv_indptr [B+1],
+    `short`; or naming where the indptr decreases), page ids below page_limit. ahead: tokens past
+    kv_len the pages must hold (a draft round's later steps), named in the error. Returns (kv_indptr [B+1],
     kv_indices, every listed page), the batch's own arrays when the lists are exact."""
     indptr, idx = batch.page_indptr, batch.page_indices
     n_listed = idx.shape[0]
@@ -107,9 +108,10 @@ def read_pages(spec: AttentionSpec, batch, need: np.ndarray, page_limit: int,
         i = int(np.flatnonzero(spare < 0)[0])
         a, b = int(indptr[i]), int(indptr[i + 1])
         if b < a:
-            raise PlanError(f"page_indptr: decreases at request {i} ({a} then {b}) (request {i})")
+            raise PlanError(f"page_indptr[{i + 1}]: decreases ({a} then {b}) (request {i})")
+        tokens = f"kv_len {int(batch.kv_lens[i])}" + (f" + {ahead}" if ahead else "")
         raise PlanError(f"page_indptr: request {i} lists {b - a} pages (page_indptr[{i}:{i + 2}] = {a}, {b}), {short}: "
-                        f"{int(need[i])} pages of {spec.page_size} tokens for kv_len {int(batch.kv_lens[i])} (request {i})")
+                        f"{int(need[i])} pages of {spec.page_size} tokens for {tokens} (request {i})")
     listed = idx[: indptr[-1]]
     check_page_ids(spec, "page_indices", indptr, listed, page_limit)
     if spare.max() == 0:

@@ -274,12 +274,13 @@ class AttentionSpec:
         return self.num_pages
 
     def group_of(self, layer: int) -> int:
-        """The layer group of model layer `layer`: layer_groups[layer], or with one entry (the default,
-        (0,)) that group for every layer; PlanError past a longer layer_groups."""
+        """The layer group of model layer `layer`: layer_groups[layer], or for a spec of one layer group
+        (the default groups and layer_groups) that group for every layer; PlanError past layer_groups
+        otherwise (a spec of several groups names every layer's)."""
         lg = self.layer_groups
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
             raise PlanError(f"layer: expected a layer index >= 0, got {layer!r}")
-        if len(lg) == 1:
+        if len(lg) == 1 and len(self.groups) == 1:
             return lg[0]
         if layer >= len(lg):
             raise PlanError(f"layer: {layer} is past spec.layer_groups, which names {len(lg)} layers (0..{len(lg) - 1})")

@@ -135,7 +135,7 @@ def test_own_page_lists_match_the_exact_attention(page_size, window):
         k, v = trace.new_kv(plan)
         q = trace.query(plan)
         for call in (lambda: reference.write_kv(plan, k, v, caches[1]), lambda: reference.run(plan, q, caches[1])):
-            with pytest.raises(PlanError, match="pass group=spec.layer_groups"):
+            with pytest.raises(PlanError, match="pass group=spec.group_of"):
                 call()
         with pytest.raises(PlanError, match="the cache serves layer group 1, the call names group 0"):
             reference.write_kv(plan, k, v, caches[1], group=0)  # the shared list's slots in the window layer's cache

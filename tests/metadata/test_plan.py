@@ -158,7 +158,7 @@ def batch(q, kv, pages, page_size=4):
         (batch([1, 4], [3, 2], [[0], [1]]), r"kv_lens\[1\].*smaller than q_len"),
         (batch([1, 1], [3, -1], [[0], [1]]), r"kv_lens\[1\]"),
         (batch([1, 1], [3, 9], [[0], [1, 2]]), r"page_indptr: request 1 lists 2 pages .*fewer than its KV length needs: 3 pages of 4 tokens for kv_len 9"),
-        (StepBatch.from_csr([1, 1], [3, 3], [0, 2, 1], [5, 6, 7], 4), r"page_indptr: decreases at request 1 \(2 then 1\)"),
+        (StepBatch.from_csr([1, 1], [3, 3], [0, 2, 1], [5, 6, 7], 4), r"page_indptr\[2\]: decreases \(2 then 1\) \(request 1\)"),
         (StepBatch.from_csr([1, 1], [3, 3], [1, 2, 3], [5, 6, 7], 4), r"page_indptr must start at 0"),
         (StepBatch.from_csr([1, 1], [3, 3], [0, 1, 5], [5, 6, 7], 4), r"page_indptr.*within page_indices"),
         (batch([1, 1], [3, 5], [[0], [1, 33]]), r"request 1 lists page 33, outside the pool"),

@@ -67,3 +67,7 @@ def test_group_of_maps_every_layer_of_a_one_group_spec_and_refuses_past_a_longer
         two.group_of(3)
     with pytest.raises(PlanError, match="layer: expected a layer index"):
         two.group_of(-1)
+    unnamed = AttentionSpec(4, 2, 16, 4, 16, backend="reference", groups=(LayerGroup(), LayerGroup("window", window=8)))
+    assert unnamed.group_of(0) == 0
+    with pytest.raises(PlanError, match="layer: 1 is past spec.layer_groups, which names 1 layers"):
+        unnamed.group_of(1)  # (two groups: which one layer 1 reads is the engine's to say)
