@@ -78,19 +78,11 @@ def test_a_cuda_cache_or_pool_on_a_machine_without_cuda_is_a_plan_error():
 
 
 def test_a_backend_whose_package_is_missing_says_how_to_get_it():
-    from mstar_attn.metadata import backends
+    from mstar_attn.metadata import backends, select
 
-    missing = [n for n, c in backends.BACKENDS.items() if c.package and not backends_installed(c.package)]
+    missing = [n for n, c in backends.BACKENDS.items() if c.package and not select.installed(n)]
     if not missing:
         pytest.skip("every GPU package is installed here")
     with pytest.raises(ImportError, match=f"backend '{missing[0]}' needs the .* package .*pip install 'mstar_attn\\[gpu\\]'"):
         backends.load(missing[0])
 
-
-def backends_installed(package: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):
-        return False

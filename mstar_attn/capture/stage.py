@@ -82,7 +82,7 @@ def stage_derived(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: in
     (see stage_table)."""
     B, at = plan.batch_size, offsets.kv_lens
     h[at : at + B] = plan.kv_lens
-    key = (plan.rows.tobytes(), rows, q_len)
+    key = (table.checked_rows, rows, q_len)  # (the plan's rows, as bytes: commit ran table.check_step on them)
     if key == held.rows and held.clean and not updates.shape[0]:
         return 0
     held.rows = ()  # (until the head is whole again: an exception below leaves no false memo)

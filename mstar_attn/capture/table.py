@@ -58,7 +58,7 @@ class PageTable:
         self._pending: list[np.ndarray] = []  # flat positions changed since the last take_updates
         self._stamp = np.zeros(self.max_requests, np.int32)  # check_step's distinct-rows check (a row past it: IndexError)
         self._arange = np.arange(self.max_requests + 1, dtype=np.int32)
-        self._distinct = b""  # the rows (bytes) of the last step check_step found distinct table rows
+        self.checked_rows = b""  # the rows (bytes) of the last step check_step passed: distinct table rows
 
     @property
     def pending(self) -> int:
@@ -186,9 +186,9 @@ class PageTable:
         check also proves the row holds enough pages."""
         rows, ps, B = plan.rows, self.spec.page_size, plan.batch_size
         key = rows.tobytes()
-        if key != self._distinct:  # (the rows of the last step checked: distinct table rows already)
+        if key != self.checked_rows:  # (the rows of the last step checked: distinct table rows already)
             self._check_distinct(rows, B)
-            self._distinct = key
+            self.checked_rows = key
         if plan.max_kv_len > self.width * ps:  # (the last token of the longest request sits past the width)
             i = int(np.argmax(plan.kv_lens))
             raise PlanError(f"kv_lens: request {i} needs more than max_pages_per_request {self.width} pages")

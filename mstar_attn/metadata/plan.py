@@ -16,7 +16,7 @@ from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan
 from mstar_attn.metadata.pages import gather_ranges, read_pages, scan_ownership
 from mstar_attn.metadata.select import resolve_backend
-from mstar_attn.metadata.record import ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, groups_of
+from mstar_attn.metadata.record import ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, decode_qo_indptr, groups_of
 from mstar_attn.metadata.spec import AttentionSpec
 
 __all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "scratch_plan"]
@@ -103,7 +103,7 @@ def _new_tokens(q: np.ndarray, kv: np.ndarray, q_max: int) -> tuple[Mode, int, n
     """The step's mode, token count T, qo_indptr [B+1] int32 and positions [T] int64."""
     B = q.shape[0]
     if q_max == 1:  # decode: one token per request, at position kv_len - 1
-        return Mode.DECODE, B, np.arange(B + 1, dtype=np.int32), np.subtract(kv, 1, dtype=np.int64)
+        return Mode.DECODE, B, decode_qo_indptr(B), np.subtract(kv, 1, dtype=np.int64)
     T = int(q.sum(dtype=np.int64))
     if T > INT32_MAX:
         raise PlanError(f"q_lens: {T} new tokens in all, more than int32 row offsets hold")

@@ -99,30 +99,26 @@ class AttentionPlan:
     # __init__, which leaves this False, so a hand-edited plan is never taken for a checked one
     sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
-    @property
-    def qo_indptr(self) -> np.ndarray:
-        return self._qo_indptr if self._qo_indptr is not None else self._lazy("qo_indptr")
+    qo_indptr = property(lambda self: self._array("qo_indptr"), doc="[B+1] int32 (see the class doc)")
+    kv_indptr = property(lambda self: self._array("kv_indptr"), doc="[B+1] int32")
+    kv_last_page_len = property(lambda self: self._array("kv_last_page_len"), doc="[B] int32")
+    positions = property(lambda self: self._array("positions"), doc="[T] int64")
+    groups = property(lambda self: self._array("groups"), doc="tuple[GroupPlan, ...], one per layer group")
 
     @property
-    def kv_indptr(self) -> np.ndarray:
-        return self._kv_indptr if self._kv_indptr is not None else self._lazy("kv_indptr")
-
-    @property
-    def kv_last_page_len(self) -> np.ndarray:
-        return self._kv_last_page_len if self._kv_last_page_len is not None else self._lazy("kv_last_page_len")
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self._positions if self._positions is not None else self._lazy("positions")
-
-    @property
-    def groups(self) -> tuple[GroupPlan, ...]:
-        return self._groups if self._groups is not None else self._lazy("groups")
+    def lazy(self) -> bool:
+        """Whether this plan was built without its arrays (a StepRows decode plan: they are derived on read)."""
+        return self._groups is None
 
     @property
     def arrays_derived(self) -> bool:
         """Whether every array is held: an eager plan, or a lazy one whose groups were read."""
         return self._groups is not None or "groups" in self._cache
+
+    def _array(self, name: str):
+        """Array `name`: as given at construction, else derived (`_lazy`)."""
+        given = getattr(self, "_" + name)
+        return given if given is not None else self._lazy(name)
 
     def _lazy(self, name: str):
         """A StepRows decode plan's array `name`, derived on first read (positions and qo_indptr alone,
@@ -153,14 +149,14 @@ class AttentionPlan:
         if not all(_same(getattr(self, n), getattr(other, n)) for n in _STORED):
             return False
         # a lazy plan's arrays are a pure function of the stored fields: compared only against an eager plan's
-        both_lazy = self._groups is None and other._groups is None
+        both_lazy = self.lazy and other.lazy
         return both_lazy or all(_same(getattr(self, n), getattr(other, n)) for n in _DERIVED)
 
     def kv_lens_of(self, group: int) -> np.ndarray:
         """kv_lens [B] of layer group `group` (its own for window, cross and own-list groups), without
         deriving a lazy plan's other arrays (a window group's lengths: computed alone)."""
         g = self.spec.groups[group]
-        if self._groups is not None or "groups" in self._cache:
+        if self.arrays_derived:
             return self.groups[group].kv_lens
         if g.kind is not Kind.WINDOW:  # (a lazy plan: StepRows decode, no own or cross groups)
             return self.kv_lens
