@@ -26,11 +26,16 @@ and layer group deriving its entries and copying only the pages it reads); elsew
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from mstar_attn.capture.expand import gather_csr
 from mstar_attn.capture.layout import Offsets
+
+if TYPE_CHECKING:
+    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.step import DeviceStep
 
 USE_TRITON = True  # the two-launch Triton path on CUDA (False: the torch ops, as on the CPU)
 
@@ -113,3 +118,31 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) 
     page = d.table[rows.long()[:, None] * d.width + pos.div(ps, rounding_mode="floor")]
     buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64).copy_((page.long() * ps + pos % ps).view(-1))
     gather_csr(d.table, d.width, rows, buf, offsets.groups, d.capacity)
+
+
+def rows_work(pool: GraphBufferPool, step: DeviceStep, scheduler, offsets: Offsets,
+              derived: bool) -> tuple[tuple, int, Callable[[], None]]:
+    """A StepRows commit's device work on the step's slot: copy the staged head, apply the table
+    updates, derive the step's arrays (derived: a bucketed step; else they were staged) or gather
+    the CSR page lists, then each backend's own arrays (scheduler.expand); a derived step on CUDA
+    ends with the fence node (the commit's generation back to pinned memory: capture/lease.py).
+    Returns (its graph key, the int32 elements the copy moves, the work: device ops of fixed sizes)."""
+    dev, host, table, U = pool.dev[step.slot], pool.host[step.slot], pool.table, offsets.update_capacity
+    end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)
+    fence = pool.leases.fence[step.slot : step.slot + 1] if derived and pool.cuda else None
+
+    def work():
+        dev[:end].copy_(host[:end], non_blocking=True)
+        if derived:
+            apply_updates(table.dev, dev, offsets, pool.derivation.kernels)
+            derive_rows(dev, offsets, step.q_len, pool.derivation)
+        else:
+            at = offsets.updates
+            table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
+            gather_csr(table.dev, table.width, step.table_rows, dev, offsets.groups, pool.layout.index_capacity)
+        if scheduler is not None:  # a backend's own arrays (dense page tables)
+            scheduler.expand(step)
+        if fence is not None:  # the last node
+            fence.copy_(dev[offsets.fence : offsets.fence + 1], non_blocking=True)
+
+    return ("derived" if derived else "staged", step.slot, step.rows, step.num_rows, step.plan.backend), end, work

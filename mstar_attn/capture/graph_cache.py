@@ -1,5 +1,7 @@
 """A commit's device work (copies, table scatter, derivations, gathers), captured as one CUDA graph per
-key and replayed by every later commit of that key: its host cost is then one graph launch."""
+key and replayed by every later commit of that key: its host cost is then one graph launch. A
+derived StepRows commit may leave its work for the step's first use (`defer`): a decode graph then
+replays it as its own first nodes (capture/graphs.py), and one launch per step serves both."""
 
 from __future__ import annotations
 
@@ -7,15 +9,24 @@ from typing import Callable
 
 import torch
 
+from mstar_attn.metadata.errors import PlanError
+
 
 class CommitGraphs:
     """One graph per key (keys name a pool slot, a bucketed shape and a kind of work, so they are
     bounded by the pool's constructor arguments), all in one CUDA memory pool. On the CPU, and for
-    steps no bucket serves, the work just runs."""
+    steps no bucket serves, the work just runs.
 
-    def __init__(self, device: torch.device):
+    pending[s]: (generation, key) of slot s's last commit while its work is deferred and not yet
+    launched, else None. Work is launched in commit order: a commit launches every pending work
+    before it stages anything (`launch_all`), so table updates reach the device in the order they
+    were made, and a slot's staging is never rewritten under a copy that has not run."""
+
+    def __init__(self, device: torch.device, num_slots: int):
         self.cuda = device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.works: dict[tuple, Callable[[], None]] = {}  # a deferred key's work (bounded like graphs)
+        self.pending: list[tuple[int, tuple] | None] = [None] * num_slots
         self.memory = None
 
     def run(self, key: tuple, bucketed: bool, work: Callable[[], None]) -> None:
@@ -33,3 +44,36 @@ class CommitGraphs:
             with torch.cuda.graph(graph, pool=self.memory):
                 work()
             self.graphs[key] = graph
+
+    def defer(self, slot: int, generation: int, key: tuple, work: Callable[[], None]) -> None:
+        """Leave the work of slot's commit `generation` (a bucketed key) for the step's first use."""
+        self.works.setdefault(key, work)
+        self.pending[slot] = (generation, key)
+
+    def pending_key(self, slot: int, generation: int) -> tuple | None:
+        """The key of the work commit `generation` of `slot` still has to launch, or None."""
+        p = self.pending[slot]
+        return p[1] if p is not None and p[0] == generation else None
+
+    def launch(self, slot: int, where: str) -> None:
+        """Launch slot's deferred work now, on the current stream (a no-op when none is pending).
+        PlanError inside a CUDA graph capture: the work would replay with every replay of that graph."""
+        p = self.pending[slot]
+        if p is None:
+            return
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            raise PlanError(f"{where}: this step was committed with defer=True and is first used inside a CUDA graph "
+                            "capture; its commit's device work must run once, outside the graph: call step.prepare() "
+                            "before capturing (DecodeGraphs does this for you)")
+        self.pending[slot] = None
+        self.run(p[1], True, self.works[p[1]])
+
+    def taken(self, slot: int) -> None:
+        """Slot's deferred work was launched by a graph that replays it as its first nodes (DecodeGraphs)."""
+        self.pending[slot] = None
+
+    def launch_all(self, where: str) -> None:
+        """Launch every slot's pending work (a commit does, before staging anything)."""
+        for s, p in enumerate(self.pending):
+            if p is not None:
+                self.launch(s, where)

@@ -62,6 +62,9 @@ class DecodeGraphs:
         self.memory = None  # the graphs' shared memory pool, made at the first capture
         # (slot, bucket, q_len, backend, cascade) -> (graph, its output)
         self.graphs: dict[tuple[int, int, int, str, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # the same keys -> the graph that first runs a deferred commit's device work (commit(defer=True)),
+        # captured at the first such step of the key: then one launch per step does both
+        self.prepared: dict[tuple[int, int, int, str, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _check_capture(self, buckets, q_lens, backends) -> None:
         pool = self.pool
@@ -119,7 +122,7 @@ class DecodeGraphs:
             raise PlanError(f"DecodeGraphs: step must be a DeviceStep, got {type(step).__name__}")
         if step.pool is not self.pool:
             raise PlanError("DecodeGraphs: the step was committed to another pool than the one these graphs read")
-        step.check("DecodeGraphs")
+        step.check("DecodeGraphs", launch=False)  # (a deferred commit's work: run below, in the graph if it can be)
         if step.plan.draft_step is not None:
             raise PlanError("DecodeGraphs: this step is part of a draft round (commit_round); replay rounds with "
                             "RoundGraphs, or run its steps eagerly")
@@ -127,7 +130,8 @@ class DecodeGraphs:
             return self.fn(step, inputs)
         if inputs.keys() != self.inputs.keys():
             raise PlanError(f"DecodeGraphs: inputs {sorted(inputs)} differ from the captured {sorted(self.inputs)}")
-        graph, out = self.graphs[_key(step)]
+        key = _key(step)
+        graph, out = self.graphs[key]
         for name, t in inputs.items():
             buf = self.inputs[name]
             if not isinstance(t, torch.Tensor) or t.dtype != buf.dtype or t.device != buf.device or t.shape[1:] != buf.shape[1:]:
@@ -138,8 +142,30 @@ class DecodeGraphs:
                 raise PlanError(f"DecodeGraphs: inputs[{name!r}] has {t.shape[0]} rows; this step takes {step.rows_expected()}")
         for name, t in inputs.items():
             self.inputs[name][: t.shape[0]].copy_(t)
+        work = self.pool.device_work
+        pending = work.pending_key(step.slot, step.generation)
+        if pending is not None:
+            full = self.prepared.get(key)
+            if full is not None:  # the commit's work, then the forward: one launch
+                work.taken(step.slot)
+                graph, out = full
+            else:  # the key's first deferred step: its work launched alone, then that graph captured for next time
+                work.launch(step.slot, "DecodeGraphs")
+                graph.replay()
+                self.prepared[key] = self._capture_prepared(step, work.works[pending])
+                return out[: step.plan.num_tokens]
         graph.replay()
         return out[: step.plan.num_tokens]
+
+    def _capture_prepared(self, step: DeviceStep, commit_work) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of commit_work (the step's commit's device work, captured, not run) then fn on the
+        step: every kernel it launches has run by now (the forward graph's warm-up, the commit's work)."""
+        static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory):
+            commit_work()
+            out = self.fn(step, static)
+        return graph, out
 
 
 class RoundGraphs:

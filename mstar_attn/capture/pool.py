@@ -26,7 +26,6 @@ import torch
 from mstar_attn.capture import cross, derive, rounds
 from mstar_attn.capture.layout import Layout, slot_views
 from mstar_attn.capture.lease import SlotLeases
-from mstar_attn.capture.expand import gather_csr
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
 from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
@@ -126,7 +125,7 @@ class GraphBufferPool:
             spec, max_requests, self.max_pages_per_request, self.device)
         self.cross_table = None if max_requests is None or not spec.has_cross else PageTable(
             spec, max_requests, self.max_pages_per_request, self.device, "cross table")
-        self.device_work = CommitGraphs(self.device)  # the commits' device work, one graph per bucketed key
+        self.device_work = CommitGraphs(self.device, slots)  # the commits' device work, one graph per bucketed key
         self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
             self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
             derive.triton_kernels() if cuda and derive.USE_TRITON else None)
@@ -213,7 +212,8 @@ class GraphBufferPool:
             raise PlanError(f"{where}: stream must be a torch.cuda.Stream on {self.device}, got {stream!r}")
         return stream
 
-    def commit(self, plan: AttentionPlan, *, stream: torch.cuda.Stream | None = None, slot: int | None = None) -> DeviceStep:
+    def commit(self, plan: AttentionPlan, *, stream: torch.cuda.Stream | None = None, slot: int | None = None,
+               defer: bool = False) -> DeviceStep:
         """Copy `plan` into the next slot (in place, non-blocking) and schedule its backend. No device sync.
 
         Runs on the caller's current stream, or on `stream`: then the stream that runs the step
@@ -221,6 +221,11 @@ class GraphBufferPool:
         changes: a commit that raises PlanError leaves the pool and its live steps as they were.
         The step of the slot this commit reuses (two commits ago with two slots) becomes stale.
         slot: commit into this slot instead of the next one (graph capture does, once per slot).
+        defer: a bucketed StepRows step on the current stream whose backend plans nothing on the
+        host leaves its device work (the staged copy, table updates, derivations) for its first
+        use: a DecodeGraphs replay runs it as the decode graph's first nodes (one launch per step),
+        a first run / write_kv launches it, and so does the next commit. Such a step must not be
+        first used inside a CUDA graph capture of the caller's own: call step.prepare() first.
         """
         bucket = self.validate(plan)  # the plan's bucket (None: unpadded)
         stream = self.check_stream(stream, "commit")
@@ -246,7 +251,7 @@ class GraphBufferPool:
         table = self.table if xg is None else self.cross_table
         updates = None if plan.rows is None and xg is None else table.take_updates()  # (put back if the commit fails)
         h, offsets = self.host_np[s], views[0]
-        lazy = derived and scheduler is not None and scheduler.lazy_host_arrays
+        lazy = derived and (scheduler is None or scheduler.lazy_host_arrays)  # (no scheduler: none reads them)
         if not derived:  # (other steps write the head in their own layouts: a derived step stages it whole next)
             self.held[s] = StagedHead()
         if derived:  # the rows and lengths alone; the pinned O(rows) arrays only if a scheduler asks (stage_host)
@@ -283,17 +288,19 @@ class GraphBufferPool:
                         self.device_work.run(("cross", s, rows, num_rows), bucket is not None, lambda: cross.device_work(
                             table, dev, offsets, xg, table_rows, self.layout.index_capacity))
                         cross.record(table, plan, xg)
-                else:
-                    if left:  # more table updates than the step's region holds (admissions): sent first
-                        self.last_commit_bytes += table.send(updates)
-                    self._rows_device_work(step, scheduler, offsets, derived)
+                elif left:  # more table updates than the step's region holds (admissions): sent first
+                    self.last_commit_bytes += table.send(updates)
                 sent = self.last_commit_bytes
+                if plan.rows is not None and not lazy:
+                    self._rows_device_work(step, scheduler, offsets, derived, None)
                 if scheduler is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
                     object.__setattr__(step, "scheduled", scheduler.schedule(step))
-                # the commit graph's fence proves every copy out of the staging ran, unless the scheduler
-                # planned from it (staged the host arrays) or uploaded anything after the graph
-                fenced = lazy and here is not None and side is None and self.unstaged[s] == self.generations[s] \
-                    and self.last_commit_bytes == sent
+                # a lazy derived commit's graph writes back a fence that proves every copy out of the staging
+                # ran, unless the scheduler planned from it (staged the host arrays) or uploaded anything
+                fenced = lazy and side is None and self.unstaged[s] == self.generations[s] and self.last_commit_bytes == sent
+                if lazy:  # (after the scheduler's copies: their order does not matter, the arrays are the same)
+                    self._rows_device_work(step, scheduler, offsets, derived, (defer and fenced) or None)
+                fenced = fenced and here is not None
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
                 if side is None and here is not None:
@@ -314,31 +321,15 @@ class GraphBufferPool:
         until the slot is committed again. See capture/rounds.py."""
         return rounds.commit(self, draft, slot)
 
-    def _rows_device_work(self, step: DeviceStep, scheduler, offsets, derived: bool) -> None:
-        """A StepRows commit's device work: copy the staged head, apply the table updates, derive the
-        step's arrays (a bucketed step: capture/derive.py; else they were staged) and gather the CSR
-        page lists, then each backend's own arrays (`expand`). A bucketed CUDA step replays it as one
-        graph (captured at the first commit of its slot, rows, token rows and backend), so its host
-        cost is one launch."""
-        dev, host, table, U = self.dev[step.slot], self.host[step.slot], self.table, offsets.update_capacity
-        end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)
-
-        def work():
-            dev[:end].copy_(host[:end], non_blocking=True)
-            if derived:
-                derive.apply_updates(table.dev, dev, offsets, self.derivation.kernels)
-                derive.derive_rows(dev, offsets, step.q_len, self.derivation)
-            else:
-                at = offsets.updates
-                table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
-                gather_csr(table.dev, table.width, step.table_rows, dev, offsets.groups, self.layout.index_capacity)
-            if scheduler is not None:  # a backend's own arrays (dense page tables)
-                scheduler.expand(step)
-            if derived and self.cuda:  # the last node: the commit's generation back to the host (lease.py)
-                self.leases.fence[step.slot : step.slot + 1].copy_(dev[offsets.fence : offsets.fence + 1], non_blocking=True)
-
-        self.device_work.run(("derived" if derived else "staged", step.slot, step.rows, step.num_rows, step.plan.backend),
-                             derived, work)
+    def _rows_device_work(self, step: DeviceStep, scheduler, offsets, derived: bool, defer: bool | None) -> None:
+        """A StepRows commit's device work (derive.rows_work): replayed as one graph for a bucketed CUDA step
+        (captured at the first commit of its key), so its host cost is one launch; with `defer`, not even
+        that: the step's first use launches it."""
+        key, end, work = derive.rows_work(self, step, scheduler, offsets, derived)
+        if defer:
+            self.device_work.defer(step.slot, step.generation, key, work)
+        else:
+            self.device_work.run(key, derived, work)
         self.last_commit_bytes += end * 4
 
     def stage_host(self, step: DeviceStep) -> None:
@@ -363,8 +354,10 @@ class GraphBufferPool:
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
             raise PlanError(f"{where}: slot {slot!r} is not one of the pool's {self.num_slots} slots")
 
-    def free_slot(self, slot: int | None) -> int:  # the slot a commit fills, once its last copies have run
+    def free_slot(self, slot: int | None, where: str = "commit") -> int:
+        """The slot a commit fills, once every deferred device work is launched and its last copies have run."""
         s = self.next_slot if slot is None else slot
+        self.device_work.launch_all(where)
         self.leases.free(s)
         return s
 

@@ -74,9 +74,14 @@ class DeviceStep:
         """False once the slot has been committed again (this step's buffers hold another step)."""
         return self.pool.generations[self.slot] == self.generation
 
-    def check(self, where: str) -> None:
-        """StaleStepError if stale; PlanError if committed on a side stream and not waited for. O(1)."""
-        if self.pool.generations[self.slot] != self.generation:
+    def check(self, where: str, launch: bool = True) -> None:
+        """StaleStepError if stale; PlanError if committed on a side stream and not waited for. O(1).
+        With `launch`, the step's deferred device work (commit(defer=True)) is launched first if it
+        has not been (every backend's run and write_kv check their step so)."""
+        pool = self.pool
+        if launch and pool.device_work.pending[self.slot] is not None and pool.generations[self.slot] == self.generation:
+            pool.device_work.launch(self.slot, where)
+        if pool.generations[self.slot] != self.generation:
             raise StaleStepError(f"{where}: this step is stale: pool slot {self.slot} has been committed again since "
                                  f"(commit {self.generation} of that slot, now {self.pool.generations[self.slot]}); "
                                  "use the step the latest commit returned")
@@ -94,6 +99,9 @@ class DeviceStep:
         self.check_live("wait")
         pool = self.pool
         stream = pool.check_stream(stream, "wait")
+        if pool.device_work.pending_key(self.slot, self.generation) is not None:  # (on the commit's stream, then
+            with torch.cuda.stream(pool.leases.streams[self.slot]):  # the event below follows it)
+                pool.device_work.launch(self.slot, "wait")
         if pool.device.type == "cuda":
             if stream is None:
                 stream = torch.cuda.current_stream(pool.device.index)
@@ -102,6 +110,13 @@ class DeviceStep:
             pool.leases.claim_consumer(self.slot, stream, "wait")
             stream.wait_event(pool.leases.event_of(self.slot))
         self._waited[0] = True
+
+    def prepare(self) -> None:
+        """Launch this step's deferred device work (commit(defer=True)) now, on the current stream, if it
+        has not been: before capturing a CUDA graph of your own over the step. A no-op otherwise."""
+        self.check_live("prepare")
+        if self.pool.device_work.pending_key(self.slot, self.generation) is not None:
+            self.pool.device_work.launch(self.slot, "prepare")
 
     def check_live(self, where: str) -> None:
         if not self.live:
