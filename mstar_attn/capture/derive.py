@@ -121,12 +121,13 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) 
 
 
 def rows_work(pool: GraphBufferPool, step: DeviceStep, scheduler, offsets: Offsets,
-              derived: bool) -> tuple[tuple, int, Callable[[], None]]:
+              derived: bool) -> Callable[[], None]:
     """A StepRows commit's device work on the step's slot: copy the staged head, apply the table
     updates, derive the step's arrays (derived: a bucketed step; else they were staged) or gather
     the CSR page lists, then each backend's own arrays (scheduler.expand); a derived step on CUDA
     ends with the fence node (the commit's generation back to pinned memory: capture/lease.py).
-    Returns (its graph key, the int32 elements the copy moves, the work: device ops of fixed sizes)."""
+    Returns the work: device ops of fixed sizes (its copy moves the head up to offsets.draft, derived, or
+    offsets.head_end int32 elements)."""
     dev, host, table, U = pool.dev[step.slot], pool.host[step.slot], pool.table, offsets.update_capacity
     end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)
     fence = pool.leases.fence[step.slot : step.slot + 1] if derived and pool.cuda else None
@@ -145,4 +146,4 @@ def rows_work(pool: GraphBufferPool, step: DeviceStep, scheduler, offsets: Offse
         if fence is not None:  # the last node
             fence.copy_(dev[offsets.fence : offsets.fence + 1], non_blocking=True)
 
-    return ("derived" if derived else "staged", step.slot, step.rows, step.num_rows, step.plan.backend), end, work
+    return work

@@ -25,8 +25,9 @@ class CommitGraphs:
     def __init__(self, device: torch.device, num_slots: int):
         self.cuda = device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.works: dict[tuple, Callable[[], None]] = {}  # a deferred key's work (bounded like graphs)
+        self.works: dict[tuple, Callable[[], None]] = {}  # a captured or deferred key's work (bounded like graphs)
         self.pending: list[tuple[int, tuple] | None] = [None] * num_slots
+        self.waiting = False  # whether any slot may have pending work
         self.memory = None
 
     def run(self, key: tuple, bucketed: bool, work: Callable[[], None]) -> None:
@@ -43,12 +44,15 @@ class CommitGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory):
                 work()
-            self.graphs[key] = graph
+            self.graphs[key], self.works[key] = graph, work
 
-    def defer(self, slot: int, generation: int, key: tuple, work: Callable[[], None]) -> None:
-        """Leave the work of slot's commit `generation` (a bucketed key) for the step's first use."""
-        self.works.setdefault(key, work)
+    def defer(self, slot: int, generation: int, key: tuple, make: Callable[[], Callable[[], None]]) -> None:
+        """Leave the work of slot's commit `generation` (a bucketed key; make() returns it: called unless
+        the key's graph is captured already) for the step's first use."""
+        if key not in self.graphs:  # (on the CPU, or until captured: the latest step's own work runs)
+            self.works[key] = make()
         self.pending[slot] = (generation, key)
+        self.waiting = True
 
     def pending_key(self, slot: int, generation: int) -> tuple | None:
         """The key of the work commit `generation` of `slot` still has to launch, or None."""
@@ -74,6 +78,8 @@ class CommitGraphs:
 
     def launch_all(self, where: str) -> None:
         """Launch every slot's pending work (a commit does, before staging anything)."""
-        for s, p in enumerate(self.pending):
-            if p is not None:
-                self.launch(s, where)
+        if self.waiting:
+            for s, p in enumerate(self.pending):
+                if p is not None:
+                    self.launch(s, where)
+            self.waiting = False

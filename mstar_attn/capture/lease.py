@@ -32,6 +32,25 @@ class HostEvent:
         return True
 
 
+class CurrentStream:
+    """torch.cuda.current_stream(index) of one device, as the same Stream object while the current stream
+    does not change: making a torch Stream object costs a few µs per call, reading the current one's id
+    less than one (through torch's own binding; without it, a Stream each call)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.ident = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream id, device index, device type)
+        self.key, self.stream = None, None
+
+    def __call__(self) -> torch.cuda.Stream:
+        if self.ident is None:
+            return torch.cuda.current_stream(self.index)
+        key = self.ident(self.index)
+        if key != self.key:
+            self.stream, self.key = torch.cuda.current_stream(self.index), key
+        return self.stream
+
+
 class SlotLeases:
     """num_slots slots of a pool on `device` (cuda: events and a pinned fence array; else host events).
 

@@ -25,7 +25,7 @@ import torch
 
 from mstar_attn.capture import cross, derive, rounds
 from mstar_attn.capture.layout import Layout, slot_views
-from mstar_attn.capture.lease import SlotLeases
+from mstar_attn.capture.lease import CurrentStream, SlotLeases
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
 from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
@@ -110,6 +110,7 @@ class GraphBufferPool:
         self.dev = [torch.zeros(self.layout.size, dtype=torch.int32, device=self.device) for _ in range(slots)]
         # each slot's commit count, when its staging may be rewritten, the stream its step runs on
         self.leases = SlotLeases(slots, cuda)
+        self.current_stream = CurrentStream(self.device.index) if cuda else None  # the device's current stream, cached
         self.generations = self.leases.generations  # commits per slot: a DeviceStep is live while its count is current
         self.unstaged = [-1] * slots  # the generation of a derived step whose pinned O(rows) arrays are not written yet
         self.held = [StagedHead() for _ in range(slots)]  # what each slot's head holds from its last derived commit
@@ -245,7 +246,7 @@ class GraphBufferPool:
         num_rows = rows * q_len if bucket else T
         views = self.views_of(s, rows, num_rows, bucket is not None)
 
-        here = torch.cuda.current_stream(self.device.index) if self.cuda else None  # (an int index: no device lookup)
+        here = self.current_stream() if self.cuda else None
         side = stream if stream is not None and self.cuda and stream != here else None
         self.last_commit_bytes = 0
         table = self.table if xg is None else self.cross_table
@@ -325,12 +326,13 @@ class GraphBufferPool:
         """A StepRows commit's device work (derive.rows_work): replayed as one graph for a bucketed CUDA step
         (captured at the first commit of its key), so its host cost is one launch; with `defer`, not even
         that: the step's first use launches it."""
-        key, end, work = derive.rows_work(self, step, scheduler, offsets, derived)
+        key = ("derived" if derived else "staged", step.slot, step.rows, step.num_rows, step.plan.backend)
+        make = lambda: derive.rows_work(self, step, scheduler, offsets, derived)  # noqa: E731
         if defer:
-            self.device_work.defer(step.slot, step.generation, key, work)
+            self.device_work.defer(step.slot, step.generation, key, make)
         else:
-            self.device_work.run(key, derived, work)
-        self.last_commit_bytes += end * 4
+            self.device_work.run(key, derived, make())
+        self.last_commit_bytes += (offsets.draft if derived else offsets.head_end) * 4  # (what the work's copy moves)
 
     def stage_host(self, step: DeviceStep) -> None:
         """Write a derived step's O(rows) arrays (stage_requests) into its slot's pinned staging for a scheduler

@@ -85,7 +85,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     pool.generations[s] += 1  # from here on the slot's previous steps are stale
     pool.next_slot = (s + 1) % pool.num_slots
     cuda = pool.device.type == "cuda"
-    here = torch.cuda.current_stream(pool.device.index) if cuda else None
+    here = pool.current_stream() if cuda else None
     host, dev = pool.host[s], pool.dev[s]
     try:
         pool.leases.after_consumer(s, here)

@@ -59,6 +59,11 @@ class PageTable:
         self._stamp = np.zeros(self.max_requests, np.int32)  # check_step's distinct-rows check (a row past it: IndexError)
         self._arange = np.arange(self.max_requests + 1, dtype=np.int32)
         self.checked_rows = b""  # the rows (bytes) of the last step check_step passed: distinct table rows
+        # per row, the tokens a decode step may write (tokens held alone, from the one after the last shared page):
+        # kv_len (after the step) in low[r] .. low[r] + span[r] - 1 (span: uint32, 0 for none)
+        self.low = np.ones(self.max_requests + 1, np.int32)
+        self.span = np.zeros(self.max_requests + 1, np.uint32)
+        self._ranges = (b"", None, None)  # (rows, low[rows], span[rows]) of the last decode check, until a change
 
     @property
     def pending(self) -> int:
@@ -99,6 +104,9 @@ class PageTable:
         self.owner[p] = own - 1 if shared else row
         self.host[row, c : c + n] = p
         self.counts[row] = c + n
+        if shared:  # (a decode step writes past the last shared page only)
+            self.low[row] = (c + n) * self.spec.page_size + 1
+        self._held(row)
         self._pending.append(np.arange(row * self.width + c, row * self.width + c + n, dtype=np.int32))
 
     def append(self, rows, pages) -> None:
@@ -133,6 +141,8 @@ class PageTable:
         pos = r * self.width + c
         self.flat[pos] = p
         self.counts[r] = c + 1
+        self.span[r] += self.spec.page_size
+        self._ranges = (b"", None, None)
         self._pending.append(pos)
 
     def release(self, row: int, keep: int = 0) -> np.ndarray:
@@ -147,9 +157,16 @@ class PageTable:
         self.owner[p] = np.where(own >= 0, FREE, np.where(own == FREE - 1, FREE, own + 1))
         self.host[row, keep:c] = self.spec.scratch_page
         self.counts[row] = keep
+        self.low[row] = min(int(self.low[row]), keep * self.spec.page_size + 1)
+        self._held(row)
         self.stored[row] = min(int(self.stored[row]), keep * self.spec.page_size)
         self._pending.append(np.arange(row * self.width + keep, row * self.width + c, dtype=np.int32))
         return p
+
+    def _held(self, row: int) -> None:
+        """Row's decode range after its pages changed: kv_len low[row] .. counts[row] * page_size."""
+        self.span[row] = max(int(self.counts[row]) * self.spec.page_size - int(self.low[row]) + 1, 0)
+        self._ranges = (b"", None, None)
 
     def pages(self, row: int) -> np.ndarray:
         """A read-only copy of row's pages."""
@@ -193,7 +210,15 @@ class PageTable:
             i = int(np.argmax(plan.kv_lens))
             raise PlanError(f"kv_lens: request {i} needs more than max_pages_per_request {self.width} pages")
         if plan.mode is Mode.DECODE:  # (from the lengths: a lazy plan's positions are not derived)
-            row_t, pos = rows, plan.kv_lens - 1
+            if not slots:  # each row holds alone the page its token lands on iff its kv_len is in its range
+                key_, low, span = self._ranges
+                if key_ != key:
+                    low, span = self.low[rows], self.span[rows]
+                    self._ranges = (key, low, span)
+                ok = np.subtract(plan.kv_lens, low).view(np.uint32) < span
+                if ok.all():
+                    return None
+            row_t, pos = rows, plan.kv_lens - 1  # (the exact check: its message, or a row past a shared page)
         else:
             row_t, pos = np.repeat(rows, plan.q_lens), plan.positions
         page, bad = self.written(row_t, pos)
@@ -243,4 +268,4 @@ class PageTable:
     def host_bytes(self) -> int:
         """Host (not pinned) bytes: the mirror, counts and the page owners."""
         return (self.host.nbytes + self.counts.nbytes + self.stored.nbytes + self.owner.nbytes + self._stamp.nbytes
-                + self._arange.nbytes)
+                + self._arange.nbytes + self.low.nbytes + self.span.nbytes)

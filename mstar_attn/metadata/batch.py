@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
 import attrs
@@ -15,7 +16,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the batch sizes a pool p
 
 def bucket_of(batch_size: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int | None:
     """The smallest of the ascending `buckets` that holds batch_size requests, or None past the largest."""
-    return next((b for b in buckets if b >= batch_size), None)
+    i = bisect_left(buckets, batch_size)
+    return buckets[i] if i < len(buckets) else None
 
 
 _ONES = np.ones(1 << 16, np.int32)

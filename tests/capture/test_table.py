@@ -209,3 +209,40 @@ def test_a_decode_step_rows_commit_copies_o_of_batch_bytes():
     assert pool.last_commit_bytes <= 16 << 10, pool.last_commit_bytes
     assert pool.memory_report().components["page table"] == ((300 + 1) * 256 * 4 + 4, 0)
     print(f"B=256 decode StepRows commit: {pool.last_commit_bytes} bytes")
+
+
+def test_the_decode_range_check_agrees_with_the_page_owners():
+    """check_step's decode fast path (each row's kv_len inside the tokens it holds alone past its last
+    shared page) against the exact check (the owner of the page the token lands on), on random
+    tables changed by assign (shared and alone), append and release, and random decode lengths:
+    the same steps pass, the same fail."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=4, num_pages=600)
+    table = table_pool(spec, max_requests=12, width=24).table
+    free = list(rng.permutation(spec.num_pages).astype(np.int32))
+    for it in range(400):
+        r = int(rng.integers(12))
+        op = rng.choice(["own", "shared", "append", "release"])
+        c = int(table.counts[r])
+        if op == "own" and c < 20:
+            table.assign(r, [free.pop() for _ in range(int(rng.integers(1, 4)))])
+        elif op == "shared" and c < 20:
+            shared = [free.pop() for _ in range(int(rng.integers(1, 3)))]
+            table.assign(r, shared, shared=True)
+            table.assign(int((r + 1) % 12), shared, shared=True) if table.counts[(r + 1) % 12] < 20 else None
+        elif op == "append" and c < 24:
+            table.append([r], [free.pop()])
+        elif op == "release" and c:
+            free += [int(p) for p in table.release(r, int(rng.integers(0, c + 1))) if table.owner[p] == -1]
+        rows = rng.choice(12, int(rng.integers(1, 6)), replace=False).astype(np.int32)
+        kv = rng.integers(1, 24 * 4 + 1, rows.shape[0]).astype(np.int32)
+        _, bad = table.written(rows, kv - 1)
+        plan = build_plan(StepRows.decode(rows, kv), spec)
+        for _ in range(2):  # (the second time: the rows' ranges from the memo)
+            try:
+                table.check_step(plan, slots=False)
+                passed = True
+            except PlanError:
+                passed = False
+            assert passed == (not bad.any()), (seed, it, rows.tolist(), kv.tolist())
