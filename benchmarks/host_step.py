@@ -2,9 +2,11 @@
 
 (a) host µs per decode step at B = 1, 8, 64, 256 (~2k tokens, page 16, 32/8 heads, d 128), interleaved
     rounds on the same lengths: FlashInfer's own plan(); the StepRows path (StepRows.decode +
-    build_plan + commit, the pages already in the table: `rows_step`), the same with the engine's
-    table.append for the requests starting a page (`rows_step_append`), the StepBatch path; host-to-device
-    bytes per step.
+    build_plan + commit(defer=True), the pages already in the table: `rows_step`), the same with the
+    engine's table.append for the requests starting a page (`rows_step_append`), the same committed
+    without defer (the commit launches its own device graph: `rows_step_no_defer`), the StepBatch path;
+    host-to-device bytes per step. Every StepRows step is then run by a one-layer decode graph,
+    untimed (a deferred commit's device work runs inside it).
 (b) kernel time of a replayed decode with a per-step split-KV plan vs the fixed schedule (planned
     once, split-KV off) on decode shapes B x context, interleaved rounds.
 (c) exposed host time: a 32-layer decode-attention graph (write_kv + run per layer) replayed back to
@@ -29,7 +31,7 @@ from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import FLOAT_WORKSPACE_BYTES, GraphBufferPool
 from mstar_attn.kernels import flashinfer as fi
-from mstar_attn.metadata.batch import StepRows
+from mstar_attn.metadata.batch import StepRows, bucket_of
 from mstar_attn.tuning import event_median_us
 
 import flashinfer  # noqa: E402
@@ -47,10 +49,11 @@ class Engine:
     """A decode batch of B requests on a table pool: each step every request gains a token, and the
     ones starting a page get one (table.append). step() is all the host work of one step."""
 
-    def __init__(self, pool, B: int, context: int, seed: int = 0, room: int = 0):
-        """room: tokens of pages given to each request up front beyond its context (then step_only needs no append)."""
+    def __init__(self, pool, B: int, context: int, seed: int = 0, room: int = 0, defer: bool = True):
+        """room: tokens of pages given to each request up front beyond its context (then step_only needs no append).
+        defer: commit(defer=True), the step's device work left for the decode graph that runs it."""
         rng = np.random.default_rng(seed)
-        self.pool, self.table = pool, pool.table
+        self.pool, self.table, self.defer = pool, pool.table, defer
         self.rows = rng.permutation(pool.table.max_requests)[:B].astype(np.int32)
         self.kv = rng.integers(context - 256, context + 256, B).astype(np.int32)
         self.free = list(rng.permutation(pool.spec.num_pages).astype(np.int32))
@@ -62,7 +65,7 @@ class Engine:
     def step_only(self):
         """A step whose pages are in the table already (room): StepRows.decode + build_plan + commit."""
         self.kv += 1
-        return self.pool.commit(build_plan(StepRows.decode(self.rows, self.kv), self.pool.spec))
+        return self.pool.commit(build_plan(StepRows.decode(self.rows, self.kv), self.pool.spec), defer=self.defer)
 
     def step(self):
         self.kv += 1
@@ -70,25 +73,38 @@ class Engine:
         if start.any():
             rows = self.rows[start]
             self.table.append(rows, [self.free.pop() for _ in range(rows.shape[0])])
-        return self.pool.commit(build_plan(StepRows.decode(self.rows, self.kv), self.pool.spec))
+        return self.pool.commit(build_plan(StepRows.decode(self.rows, self.kv), self.pool.spec), defer=self.defer)
 
     def csr(self):
         pages = [self.table.pages(int(r))[: -(-int(k) // PS)] for r, k in zip(self.rows, self.kv)]
         return StepBatch.from_pages(np.ones(len(pages), np.int32), self.kv, pages, PS)
 
 
-def host_us(fn, n=400, warmup=40, sync_every=50) -> list[float]:
+def host_us(fn, n=400, warmup=40, sync_every=50, after=None) -> list[float]:
+    """Host µs of each of n calls of fn; after(fn's result), if given, runs untimed after each call."""
     for _ in range(warmup):
-        fn()
+        r = fn()
+        if after is not None:
+            after(r)
     torch.cuda.synchronize()
     out = []
     for i in range(n):
         t0 = time.perf_counter()
-        fn()
+        r = fn()
         out.append((time.perf_counter() - t0) * 1e6)
+        if after is not None:
+            after(r)
         if i % sync_every == 0:
             torch.cuda.synchronize()
     return out
+
+
+def one_layer(pool, cache) -> DecodeGraphs:
+    """A decode graph of one attention layer over `cache` (what runs each step in part (a), untimed)."""
+    q = torch.zeros(max(pool.buckets), 32, 128, device="cuda", dtype=torch.bfloat16)
+    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": q})
+    graphs.capture()
+    return graphs
 
 
 def spread(xs):
@@ -98,14 +114,22 @@ def spread(xs):
 
 def part_a(spec, ws) -> list[dict]:
     rows = []
+    cache = PagedKVCache.allocate(spec, "cuda")
+    for t in (cache.k, cache.v):
+        t.normal_()
     for B in (1, 8, 64, 256):
-        pool = table_pool(spec)
+        pool = table_pool(spec, buckets=(bucket_of(B),))
         eng = Engine(pool, B, 2048, seed=B)
-        lean_pool = table_pool(spec)
+        lean_pool = table_pool(spec, buckets=(bucket_of(B),))
         lean = Engine(lean_pool, B, 2048, seed=B, room=1500)  # (the rounds below decode 1,360 tokens)
-        for _ in range(3):  # each slot's first commit of the bucket captures its device graph
-            eng.step()
-            lean.step_only()
+        eager_pool = table_pool(spec, buckets=(bucket_of(B),))
+        eager = Engine(eager_pool, B, 2048, seed=B, room=1500, defer=False)  # the commit launches its device work
+        q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
+        run = {id(p): one_layer(p, cache) for p in (pool, lean_pool, eager_pool)}
+        after = lambda step: run[id(step.pool)](step, q=q)  # noqa: E731  (each step runs, untimed)
+        for _ in range(3):  # each slot's first commit of the bucket captures its device graph, the first run its folded graph
+            for e in (eng, lean, eager):
+                after(e.step() if e is eng else e.step_only())
         batch = eng.csr()
         plan = build_plan(batch, spec)
         args = (torch.from_numpy(plan.kv_indptr.copy()), torch.from_numpy(plan.kv_indices.copy()).to("cuda"),
@@ -115,13 +139,14 @@ def part_a(spec, ws) -> list[dict]:
         raw_plan = lambda: raw.plan(*args, 32, 8, 128, PS, **kw)  # noqa: E731
         old_pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages)
         old = lambda: old_pool.commit(build_plan(batch, spec))  # noqa: E731
-        t = {"flashinfer_plan": [], "rows_step": [], "rows_step_append": [], "batch_step": []}
+        t = {"flashinfer_plan": [], "rows_step": [], "rows_step_append": [], "rows_step_no_defer": [], "batch_step": []}
         for _ in range(3):  # interleaved rounds: the host's noise hits every side
             t["flashinfer_plan"] += host_us(raw_plan)
-            t["rows_step"] += host_us(lean.step_only)
-            t["rows_step_append"] += host_us(eng.step)
+            t["rows_step"] += host_us(lean.step_only, after=after)
+            t["rows_step_append"] += host_us(eng.step, after=after)
+            t["rows_step_no_defer"] += host_us(eager.step_only, after=after)
             t["batch_step"] += host_us(old)
-        lean.step_only()
+        after(lean.step_only())
         rows_bytes = lean_pool.last_commit_bytes
         old()
         med = {k: statistics.median(v) for k, v in t.items()}
@@ -133,7 +158,7 @@ def part_a(spec, ws) -> list[dict]:
                          rows_h2d_bytes=rows_bytes, batch_h2d_bytes=old_pool.last_commit_bytes,
                          fixed_schedule=bool(sched.fixed), split_kv_plans=len(sched.fast)))
         print(rows[-1], flush=True)
-        del pool, old_pool, lean_pool
+        del pool, old_pool, lean_pool, eager_pool, run
     return rows
 
 

@@ -117,7 +117,7 @@ class PoolAttention(StepAttention):
         return self.pool.cross_table
 
     def prepare(self, plan: AttentionPlan):
-        return self.pool.commit(plan)
+        return self.pool.commit(plan, defer=True)  # (a StepRows decode step: its device work runs in the graph)
 
     def rows(self, ctx) -> int:
         return ctx.num_rows  # decode: the bucket (padded); other modes: the step's tokens

@@ -233,9 +233,10 @@ class StepRows:
     @classmethod
     def decode(cls, rows, kv_lens) -> StepRows:
         """A decode step: one new token per request."""
-        kv = int_array("kv_lens", kv_lens, 1)
-        step = cls(rows, _ones(kv.shape[0]), kv)
-        object.__setattr__(step, "decode_step", True)
+        kv, rows = int_array("kv_lens", kv_lens, 1), int_array("rows", rows, 1)  # (read-only copies, as the fields'
+        step = cls.__new__(cls)  # converters make: set without converting again)
+        for name, value in (("rows", rows), ("q_lens", _ones(kv.shape[0])), ("kv_lens", kv), ("decode_step", True)):
+            object.__setattr__(step, name, value)
         return step
 
     @property

@@ -25,8 +25,10 @@ from mstar_attn.kernels import flashinfer as fi  # noqa: E402
 B, PAGES, PS = 64, 32, 16  # 64 requests x 8 KV heads: the fixed schedule (planned once: every commit fenced)
 
 
-def _run_behind(seed: int, steps: int):
-    """Decode `steps` steps, each queued behind ~10 ms of GPU sleep; returns (pool, [(plan, csr plan, output)])."""
+def _run_behind(seed: int, steps: int, defer: bool = False, churn: bool = False, graphs_out: list | None = None):
+    """Decode `steps` steps, each queued behind ~10 ms of GPU sleep; returns (pool, [(plan, csr plan, output)]).
+    defer: commit(defer=True) (the decode graph runs each commit's device work); churn: each step one
+    request's pages past the one it writes replaced by free ones (table updates the steps then read)."""
     rng = np.random.default_rng(seed)
     spec = AttentionSpec(32, 8, 128, PS, B * PAGES + 8)
     cache = random_cache(spec, seed)
@@ -38,16 +40,26 @@ def _run_behind(seed: int, steps: int):
     free = rng.permutation(spec.num_pages).astype(np.int32)
     rows = rng.permutation(B).astype(np.int32)
     for r in range(B):
-        pool.table.assign(r, free[r * PAGES : (r + 1) * PAGES])
-    kv = rng.integers(50, PAGES * PS - 3 * steps, B).astype(np.int32)
+        pool.table.assign(r, free[r * PAGES : (r + 1) * PAGES - 2])  # (two spare pages per row for churn)
+    spare = list(free[B * PAGES - 2 * B :])
+    kv = rng.integers(50, (PAGES - 2) * PS - 3 * steps, B).astype(np.int32)
+    if graphs_out is not None:
+        graphs_out.append(graphs)
     q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     out = []
     for _ in range(steps):
         kv = kv + rng.integers(1, 4, B).astype(np.int32)
         torch.cuda._sleep(20_000_000)  # the GPU falls behind the host
+        if churn:  # a request's pages past the one its next token lands on, replaced (read by later steps)
+            i = int(rng.integers(B))
+            r, keep = int(rows[i]), -(-int(kv[i]) // PS)
+            if keep < pool.table.counts[r]:
+                spare += [int(p) for p in pool.table.release(r, keep)]
+                rng.shuffle(spare)
+                pool.table.assign(r, [spare.pop() for _ in range(PAGES - 2 - keep)])
         plan = build_plan(StepRows.decode(rows, kv), spec)
-        step = pool.commit(plan)
+        step = pool.commit(plan, defer=defer)
         pages = [pool.table.pages(int(r))[: -(-int(k) // PS)] for r, k in zip(rows, kv)]
         csr = build_plan(StepBatch.from_pages(np.ones(B, np.int32), kv, pages, PS), spec)
         out.append((plan, csr, graphs(step, q=q)[:B].clone()))
@@ -62,6 +74,52 @@ def test_fenced_commits_wait_for_the_gpu_and_every_step_is_right():
     assert [int(f) for f in pool.leases.fence_np] == [g & lease.FENCE_MASK for g in pool.generations], f"seed {seed}"
     for i, (plan, csr, got) in enumerate(out):
         assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}, step {i}")
+
+
+def test_deferred_commits_run_inside_the_decode_graph_and_every_step_is_right():
+    """commit(defer=True) with pages changing under the walk: from each slot's second step on, the decode
+    graph that first runs the commit's device work replays (one launch per step); commits still wait on
+    fences, and every step is right per request."""
+    seed = fresh_seed()
+    graphs = []
+    pool, cache, q, out = _run_behind(seed, 8, defer=True, churn=True, graphs_out=graphs)
+    assert len(graphs[0].prepared) == pool.num_slots and all(pool.leases.fenced) and pool.stalls >= 1, f"seed {seed}"
+    assert all(p is None for p in pool.device_work.pending), f"seed {seed}"
+    for i, (plan, csr, got) in enumerate(out):
+        assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}, step {i}")
+
+
+def test_a_decode_graph_without_the_commit_work_is_caught(monkeypatch):
+    """The negative control: a folded graph captured without the commit's device work replays steps over
+    the arrays of an earlier commit of the slot; some step's output is then wrong."""
+    seed = fresh_seed()
+
+    def forward_only(self, step, commit_work):
+        static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory):
+            out = self.fn(step, static)
+        return graph, out
+
+    monkeypatch.setattr(DecodeGraphs, "_capture_prepared", forward_only)
+    _, cache, q, out = _run_behind(seed, 8, defer=True, churn=True)
+    wrong = 0
+    for plan, csr, got in out:
+        try:
+            assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}")
+        except AssertionError:
+            wrong += 1
+    assert wrong > 0, f"seed {seed}"
+
+
+def test_the_kept_current_stream_follows_stream_changes():
+    spec = AttentionSpec(32, 8, 128, PS, 64)
+    pool = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=16, max_num_pages=64, buckets=(4,), max_requests=4)
+    side = torch.cuda.Stream()
+    assert pool.current_stream() == torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        assert pool.current_stream() == side
+    assert pool.current_stream() == torch.cuda.current_stream() and pool.current_stream() != side
 
 
 def test_slots_reused_without_waiting_are_caught(monkeypatch):
