@@ -5,8 +5,8 @@
     build_plan + commit(defer=True), the pages already in the table: `rows_step`), the same with the
     engine's table.append for the requests starting a page (`rows_step_append`), the same committed
     without defer (the commit launches its own device graph: `rows_step_no_defer`), the StepBatch path;
-    host-to-device bytes per step. Every StepRows step is then run by a one-layer decode graph,
-    untimed (a deferred commit's device work runs inside it).
+    host-to-device bytes per step. Every StepRows step is then run by a one-layer decode graph and
+    the GPU drained, untimed (a deferred commit's device work runs inside that graph).
 (b) kernel time of a replayed decode with a per-step split-KV plan vs the fixed schedule (planned
     once, split-KV off) on decode shapes B x context, interleaved rounds.
 (c) exposed host time: a 32-layer decode-attention graph (write_kv + run per layer) replayed back to
@@ -126,7 +126,10 @@ def part_a(spec, ws) -> list[dict]:
         eager = Engine(eager_pool, B, 2048, seed=B, room=1500, defer=False)  # the commit launches its device work
         q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
         run = {id(p): one_layer(p, cache) for p in (pool, lean_pool, eager_pool)}
-        after = lambda step: run[id(step.pool)](step, q=q)  # noqa: E731  (each step runs, untimed)
+        def after(step):  # each step runs, untimed, and the GPU drains: a timed commit never waits for a slot
+            run[id(step.pool)](step, q=q)
+            torch.cuda.synchronize()
+
         for _ in range(3):  # each slot's first commit of the bucket captures its device graph, the first run its folded graph
             for e in (eng, lean, eager):
                 after(e.step() if e is eng else e.step_only())

@@ -41,7 +41,7 @@ def _run_behind(seed: int, steps: int, defer: bool = False, churn: bool = False,
     rows = rng.permutation(B).astype(np.int32)
     for r in range(B):
         pool.table.assign(r, free[r * PAGES : (r + 1) * PAGES - 2])  # (two spare pages per row for churn)
-    spare = list(free[B * PAGES - 2 * B :])
+    spare = [int(p) for r in range(B) for p in free[(r + 1) * PAGES - 2 : (r + 1) * PAGES]]
     kv = rng.integers(50, (PAGES - 2) * PS - 3 * steps, B).astype(np.int32)
     if graphs_out is not None:
         graphs_out.append(graphs)
