@@ -90,8 +90,10 @@ def test_deferred_commits_run_inside_the_decode_graph_and_every_step_is_right():
 
 
 def test_a_decode_graph_without_the_commit_work_is_caught(monkeypatch):
-    """The negative control: a folded graph captured without the commit's device work replays steps over
-    the arrays of an earlier commit of the slot; some step's output is then wrong."""
+    """The negative control: a folded graph captured without the commit's device work would replay steps
+    over the arrays of an earlier commit of the slot; it never writes the slot's fence either, so the
+    next commit into that slot raises instead of rewriting the staging (or, failing that, some step's
+    output is wrong)."""
     seed = fresh_seed()
 
     def forward_only(self, step, commit_work):
@@ -102,7 +104,12 @@ def test_a_decode_graph_without_the_commit_work_is_caught(monkeypatch):
         return graph, out
 
     monkeypatch.setattr(DecodeGraphs, "_capture_prepared", forward_only)
-    _, cache, q, out = _run_behind(seed, 8, defer=True, churn=True)
+    monkeypatch.setattr(lease, "SPIN_SECONDS", 0.05)
+    try:
+        _, cache, q, out = _run_behind(seed, 8, defer=True, churn=True)
+    except RuntimeError as e:
+        assert "did not write fence" in str(e), f"seed {seed}: {e}"
+        return
     wrong = 0
     for plan, csr, got in out:
         try:
