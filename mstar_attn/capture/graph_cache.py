@@ -17,8 +17,8 @@ class CommitGraphs:
     bounded by the pool's constructor arguments), all in one CUDA memory pool. On the CPU, and for
     steps no bucket serves, the work just runs.
 
-    pending[s]: (generation, key) of slot s's last commit while its work is deferred and not yet
-    launched, else None. Work is launched in commit order: a commit launches every pending work
+    pending[s]: (generation, key, stream) of slot s's last commit while its work is deferred and not
+    yet launched, else None. Work is launched in commit order: a commit launches every pending work
     before it stages anything (`launch_all`), so table updates reach the device in the order they
     were made, and a slot's staging is never rewritten under a copy that has not run."""
 
@@ -26,7 +26,7 @@ class CommitGraphs:
         self.cuda = device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.works: dict[tuple, Callable[[], None]] = {}  # a captured or deferred key's work (bounded like graphs)
-        self.pending: list[tuple[int, tuple] | None] = [None] * num_slots
+        self.pending: list[tuple | None] = [None] * num_slots
         self.waiting = False  # whether any slot may have pending work
         self.memory = None
 
@@ -46,13 +46,18 @@ class CommitGraphs:
                 work()
             self.graphs[key], self.works[key] = graph, work
 
-    def defer(self, slot: int, generation: int, key: tuple, make: Callable[[], Callable[[], None]]) -> None:
+    def defer(self, slot: int, generation: int, key: tuple, make: Callable[[], Callable[[], None]], stream) -> None:
         """Leave the work of slot's commit `generation` (a bucketed key; make() returns it: called unless
-        the key's graph is captured already) for the step's first use."""
+        the key's graph is captured already) for the step's first use, on `stream` (the commit's; None
+        on the CPU)."""
         if key not in self.graphs:  # (on the CPU, or until captured: the latest step's own work runs)
             self.works[key] = make()
-        self.pending[slot] = (generation, key)
+        self.pending[slot] = (generation, key, stream)
         self.waiting = True
+
+    def drop(self, slot: int) -> None:
+        """Forget slot's pending work unlaunched (its commit failed after deferring it)."""
+        self.pending[slot] = None
 
     def pending_key(self, slot: int, generation: int) -> tuple | None:
         """The key of the work commit `generation` of `slot` still has to launch, or None."""
@@ -60,7 +65,7 @@ class CommitGraphs:
         return p[1] if p is not None and p[0] == generation else None
 
     def launch(self, slot: int, where: str) -> None:
-        """Launch slot's deferred work now, on the current stream (a no-op when none is pending).
+        """Launch slot's deferred work now, on its commit's stream (a no-op when none is pending).
         PlanError inside a CUDA graph capture: the work would replay with every replay of that graph."""
         p = self.pending[slot]
         if p is None:
@@ -70,7 +75,11 @@ class CommitGraphs:
                             "capture; its commit's device work must run once, outside the graph: call step.prepare() "
                             "before capturing (DecodeGraphs does this for you)")
         self.pending[slot] = None
-        self.run(p[1], True, self.works[p[1]])
+        if p[2] is None:
+            self.run(p[1], True, self.works[p[1]])
+        else:
+            with torch.cuda.stream(p[2]):
+                self.run(p[1], True, self.works[p[1]])
 
     def taken(self, slot: int) -> None:
         """Slot's deferred work was launched by a graph that replays it as its first nodes (DecodeGraphs)."""

@@ -40,15 +40,16 @@ class CurrentStream:
     def __init__(self, index: int):
         self.index = index
         self.ident = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream id, device index, device type)
-        self.key, self.stream = None, None
+        self.kept: tuple = (None, None)  # (the id, its Stream), one tuple: never a stream beside another's id
 
     def __call__(self) -> torch.cuda.Stream:
         if self.ident is None:
             return torch.cuda.current_stream(self.index)
         key = self.ident(self.index)
-        if key != self.key:
-            self.stream, self.key = torch.cuda.current_stream(self.index), key
-        return self.stream
+        kept = self.kept
+        if key != kept[0]:
+            kept = self.kept = (key, torch.cuda.current_stream(self.index))
+        return kept[1]
 
 
 class SlotLeases:

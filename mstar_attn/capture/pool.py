@@ -225,8 +225,9 @@ class GraphBufferPool:
         defer: a bucketed StepRows step on the current stream whose backend plans nothing on the
         host leaves its device work (the staged copy, table updates, derivations) for its first
         use: a DecodeGraphs replay runs it as the decode graph's first nodes (one launch per step),
-        a first run / write_kv launches it, and so does the next commit. Such a step must not be
-        first used inside a CUDA graph capture of the caller's own: call step.prepare() first.
+        a first run / write_kv launches it (on the commit's stream), and so does the next commit.
+        A graph of the caller's own never launches it: call step.prepare() before capturing or
+        replaying one over the step.
         """
         bucket = self.validate(plan)  # the plan's bucket (None: unpadded)
         stream = self.check_stream(stream, "commit")
@@ -293,14 +294,14 @@ class GraphBufferPool:
                     self.last_commit_bytes += table.send(updates)
                 sent = self.last_commit_bytes
                 if plan.rows is not None and not lazy:
-                    self._rows_device_work(step, scheduler, offsets, derived, None)
+                    self._rows_device_work(step, scheduler, offsets, derived, False, on)
                 if scheduler is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
                     object.__setattr__(step, "scheduled", scheduler.schedule(step))
                 # a lazy derived commit's graph writes back a fence that proves every copy out of the staging
                 # ran, unless the scheduler planned from it (staged the host arrays) or uploaded anything
                 fenced = lazy and side is None and self.unstaged[s] == self.generations[s] and self.last_commit_bytes == sent
                 if lazy:  # (after the scheduler's copies: their order does not matter, the arrays are the same)
-                    self._rows_device_work(step, scheduler, offsets, derived, (defer and fenced) or None)
+                    self._rows_device_work(step, scheduler, offsets, derived, defer and fenced, on)
                 fenced = fenced and here is not None
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
@@ -309,6 +310,7 @@ class GraphBufferPool:
             except BaseException:
                 if updates is not None:  # they may not have reached the device: send them again next time
                     table.restore_updates(updates)
+                self.device_work.drop(s)  # (a deferred work of this commit: never launched)
                 fenced = False
                 raise
             finally:
@@ -322,14 +324,14 @@ class GraphBufferPool:
         until the slot is committed again. See capture/rounds.py."""
         return rounds.commit(self, draft, slot)
 
-    def _rows_device_work(self, step: DeviceStep, scheduler, offsets, derived: bool, defer: bool | None) -> None:
+    def _rows_device_work(self, step: DeviceStep, scheduler, offsets, derived: bool, defer: bool, on) -> None:
         """A StepRows commit's device work (derive.rows_work): replayed as one graph for a bucketed CUDA step
         (captured at the first commit of its key), so its host cost is one launch; with `defer`, not even
-        that: the step's first use launches it."""
+        that: the step's first use launches it, on the commit's stream `on` (None: the CPU)."""
         key = ("derived" if derived else "staged", step.slot, step.rows, step.num_rows, step.plan.backend)
         make = lambda: derive.rows_work(self, step, scheduler, offsets, derived)  # noqa: E731
         if defer:
-            self.device_work.defer(step.slot, step.generation, key, make)
+            self.device_work.defer(step.slot, step.generation, key, make, on)
         else:
             self.device_work.run(key, derived, make())
         self.last_commit_bytes += (offsets.draft if derived else offsets.head_end) * 4  # (what the work's copy moves)

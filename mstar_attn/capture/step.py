@@ -99,9 +99,8 @@ class DeviceStep:
         self.check_live("wait")
         pool = self.pool
         stream = pool.check_stream(stream, "wait")
-        if pool.device_work.pending_key(self.slot, self.generation) is not None:  # (on the commit's stream, then
-            with torch.cuda.stream(pool.leases.streams[self.slot]):  # the event below follows it)
-                pool.device_work.launch(self.slot, "wait")
+        if pool.device_work.pending_key(self.slot, self.generation) is not None:  # (on the commit's stream: the
+            pool.device_work.launch(self.slot, "wait")  # event below follows it)
         if pool.device.type == "cuda":
             if stream is None:
                 stream = torch.cuda.current_stream(pool.device.index)
@@ -112,8 +111,8 @@ class DeviceStep:
         self._waited[0] = True
 
     def prepare(self) -> None:
-        """Launch this step's deferred device work (commit(defer=True)) now, on the current stream, if it
-        has not been: before capturing a CUDA graph of your own over the step. A no-op otherwise."""
+        """Launch this step's deferred device work (commit(defer=True)) now, on its commit's stream, if it
+        has not been: before capturing or replaying a CUDA graph of your own over the step. A no-op otherwise."""
         self.check_live("prepare")
         if self.pool.device_work.pending_key(self.slot, self.generation) is not None:
             self.pool.device_work.launch(self.slot, "prepare")
