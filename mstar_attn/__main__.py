@@ -1,4 +1,4 @@
-"""Command line: `python -m mstar_attn demo|bench` (also installed as `mstar-attn`)."""
+"""Command line: `python -m mstar_attn demo|warmup|bench` (also installed as `mstar-attn`)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding: draft rounds of K tokens (one graph each on CUDA), target verify steps")
     d.add_argument("--draft", choices=["small", "self"], default="small",
                    help="with --speculate: the target's first half of the layers (default), or the target itself")
+    w = sub.add_parser("warmup", help="build every kernel a demo model's steps can reach, with cold and warm times")
+    w.add_argument("--model", choices=["llama", "gemma2", "bart"], default="llama", help="the demo's model (default: llama)")
+    w.add_argument("--backend", choices=[*sorted(BACKENDS), AUTO], default=None,
+                   help="default: flashinfer with CUDA, else reference (with --list: flashinfer)")
+    w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 for GPU backends")
+    w.add_argument("--hidden", type=int, default=None, help="as the demo's --hidden")
+    w.add_argument("--page-size", type=int, default=4, help="tokens per KV page (default: 4)")
+    w.add_argument("--window", type=int, default=8, help="gemma2's sliding window (default: 8)")
+    w.add_argument("--cascade", choices=["off", "auto", "always"], default="off", help="as the demo's --cascade")
+    w.add_argument("--list", action="store_true", help="print what warm-up would run and exit (no GPU, no compiler)")
     sub.add_parser("bench", add_help=False, help="per-shape GPU microbenchmark of the backends (needs CUDA); "
                                                  "its arguments go to mstar_attn.tuning (bench --help)")
     return p
@@ -62,6 +72,44 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if result.matched else 1
 
 
+def warmup(args: argparse.Namespace) -> int:
+    """`warmup --list`: the kinds of step warm-up runs for a demo model, with its layer groups, no GPU needed;
+    without --list: run them (mstar_attn.warmup) and print each one's cold and warm time."""
+    import torch
+
+    from mstar_attn.demo import DemoConfig, DemoError
+    from mstar_attn.demo.config import DTYPES
+    from mstar_attn.demo.run import FAMILIES, model_spec
+    from mstar_attn.warmup import kinds
+    from mstar_attn.warmup import warmup as run_warmup
+
+    backend = args.backend or ("flashinfer" if args.list or torch.cuda.is_available() else "reference")
+    gpu = backend != "reference"
+    cfg = DemoConfig(backend=backend, device="cpu" if args.list or not gpu else "cuda",
+                     dtype=args.dtype or ("bfloat16" if gpu else "float32"), hidden=args.hidden, page_size=args.page_size,
+                     model=args.model, window=args.window, cascade=args.cascade).resolve()
+    try:
+        family = FAMILIES[cfg.model]
+        with torch.device("meta"):  # (the config's shapes only: no weights)
+            model = family.build_model(cfg, DTYPES[cfg.dtype], torch.device("meta"))
+        spec = model_spec(cfg, family, model, 1024, backend)
+        todo = kinds(spec)
+        groups = ", ".join(f"{g.kind.value}" + (f" {g.window}" if g.window else "") for g in spec.groups)
+        print(f"{cfg.model}: {spec.num_qo_heads}/{spec.num_kv_heads} heads, head_dim {spec.head_dim}, {cfg.dtype}, "
+              f"page {spec.page_size}, soft_cap {spec.soft_cap}, layer groups: {groups}; {len(todo)} kinds of step")
+        if args.list:
+            for k in todo:
+                print(f"  {k.name}")
+            return 0
+        report = run_warmup(spec, device=cfg.device, progress=lambda i, n, t: print(
+            f"  [{i}/{n}] {t.kind.name}: {t.cold_s:.2f} s cold, {t.warm_s * 1e3:.2f} ms warm", file=sys.stderr, flush=True))
+    except (DemoError, PlanError) as e:
+        print(f"mstar-attn warmup: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
+
+
 def bench(argv: list[str]) -> int:
     """Forward argv (everything after `bench`) to mstar_attn.tuning.bench_main; its return code is ours."""
     try:
@@ -77,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # its own parser, in mstar_attn.tuning: pass every argument through untouched
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
-    return demo(args)
+    return warmup(args) if args.command == "warmup" else demo(args)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,18 @@ from mstar_attn.demo.check import check_request, decoder_logits
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError
 from mstar_attn.demo.engine import Engine, PageAllocator, drop_passed, grow_pages, make_trace, share_prefix
 from mstar_attn.demo.report import DemoResult, PagesHeld, Progress, summary, write
+from mstar_attn.dense import build_dense_plan
+from mstar_attn.warmup import kinds, warmup, warmup_dense
 
 FAMILIES = {"llama": llama, "gemma2": gemma2, "bart": bart}
 DENSE = {"reference": "reference", "flash_attn": "flash_attn_varlen"}  # the encoder's dense backend (else flashinfer_ragged)
+
+
+def model_spec(cfg: DemoConfig, family, model, num_pages: int, backend: str) -> AttentionSpec:
+    """The AttentionSpec of a demo model (cfg resolved; family: one of FAMILIES' modules)."""
+    fields = family.spec_fields(model)
+    return AttentionSpec(cfg.heads, fields.pop("num_kv_heads", cfg.kv_heads), cfg.hidden // cfg.heads, cfg.page_size,
+                         num_pages, dtype=DTYPES[cfg.dtype], backend=backend, cascade=cfg.cascade, **fields)
 
 
 def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None = None, out: TextIO | None = None,
@@ -51,9 +60,16 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
     bar = Progress(progress, len(reqs))
     with torch.inference_mode():
         model = family.build_model(cfg, dtype, device)
-        fields = family.spec_fields(model)
-        spec = AttentionSpec(cfg.heads, fields.pop("num_kv_heads", cfg.kv_heads), cfg.hidden // cfg.heads, ps, num_pages,
-                             dtype=dtype, backend=attn.name, cascade=cfg.cascade, **fields)
+        spec = model_spec(cfg, family, model, num_pages, attn.name)
+        if cfg.gpu:  # every kernel the trace can reach, compiled now: none inside the timed steps
+            bar.note(f"warming up {len(kinds(spec))} kinds of step ...")
+            warm = warmup(spec, device=device)
+            cold = warm.cold_s
+            if spec.has_cross:  # the encoder's dense kernel too
+                H, D = spec.num_qo_heads, spec.head_dim
+                cold += warmup_dense(build_dense_plan([3, 5], H, H, D, causal=False, dtype=dtype,
+                                                      backend=DENSE.get(attn.name, "flashinfer_ragged")), device).cold_s
+            bar.note(f"warm-up: {cold:.1f} s cold (compiling), {warm.warm_s * 1e3:.1f} ms warm")
         xg = next((g for g, group in enumerate(spec.groups) if group.cross), None)  # the cross-attention group
         own_groups = [g for g in spec.own_page_groups if g != xg]  # each on the one own list the engine keeps
         windows = [spec.groups[g].window for g in own_groups]

@@ -47,14 +47,15 @@ def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_owners
 
 
 def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: str | None = None,
-                 cascade: bool = False) -> AttentionPlan:
+                 cascade: bool = False, prefill: bool = False) -> AttentionPlan:
     """A plan of `batch_size` requests that read and write only the scratch page: a decode step
-    (q_len 1, kv_len 1) or a verify step (q_len new tokens after one cached token). Graph capture
-    warms up and records on it, so capturing never touches a request's KV. backend: the backend
-    to plan for (default: the spec's, or with "auto" the dispatcher's pick). cascade (a spec with
-    cascade on): every request reads one whole cached scratch page first, all in one prefix group."""
+    (q_len 1, kv_len 1), a verify step (q_len new tokens after one cached token), or with `prefill`
+    q_len new tokens and no cached ones. Graph capture and warm-up run on it, so neither touches a
+    request's KV. backend: the backend to plan for (default: the spec's, or with "auto" the
+    dispatcher's pick). cascade (a spec with cascade on): every request reads one whole cached
+    scratch page first, all in one prefix group."""
     ps = spec.page_size
-    kv = (1 if q_len == 1 else q_len + 1) + (ps if cascade else 0)
+    kv = (q_len if prefill else 1 if q_len == 1 else q_len + 1) + (ps if cascade else 0)
     per = -(-kv // ps)
     q_lens, kv_lens = np.full(batch_size, q_len, np.int32), np.full(batch_size, kv, np.int32)
     indptr = np.arange(batch_size + 1, dtype=np.int32) * per

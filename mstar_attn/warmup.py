@@ -1,0 +1,173 @@
+"""Warm-up: build (JIT-compile) and run once every kernel a spec's steps can reach, before serving.
+
+FlashInfer compiles a module at its first use of each (kernel, dtype, head dim, window, soft-cap)
+and FlashAttention-4 compiles per configuration too: minutes, which must not fall inside serving.
+`kinds(spec)` lists what warm-up runs, as data and without a GPU, per backend the spec's steps may
+take: decode (one token per request), verify (a few, over a cached one: the tensor-core decode
+kernels), prefill (the paged prefill kernels, which extend and mixed steps share), shared-prefix
+steps (cascade specs), each over every layer group. `warmup(spec)` runs each kind twice on a pool
+and cache of its own, a few pages large (the compiled kernels do not depend on the cache's size, so
+the engine's own pool then finds them built): the first time (cold, compiling) and again (warm).
+Scratch plans only (metadata.plan.scratch_plan): warm-up never touches a request's KV.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import attrs
+import torch
+
+from mstar_attn.cache import PagedKVCache
+from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.dense import DenseAttention, DensePlan
+from mstar_attn.kernels import run
+from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, Mode, scratch_plan
+from mstar_attn.metadata.select import table_backends
+from mstar_attn.metadata.spec import AttentionSpec
+
+WARMUP_PAGES = 8  # the warm-up pool's cache: a few pages (kernels are compiled per shape class, not per size)
+BATCH = 2  # requests per warm-up step (a cascade step needs two)
+VERIFY_Q_LEN = 2
+
+
+@attrs.frozen
+class WarmupKind:
+    """One kind of step warm-up runs: a backend, a mode, q_len new tokens per request, and whether it is
+    a shared-prefix (cascade) step. Every layer group of the spec runs it."""
+
+    backend: str
+    mode: Mode
+    q_len: int
+    cascade: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend} {self.mode.value}" + (f" q_len {self.q_len}" if self.q_len > 1 else "") + (
+            " cascade" if self.cascade else "")
+
+
+@attrs.frozen
+class WarmupTime:
+    """Seconds of one kind's first run (compiling what it needs) and of its second run."""
+
+    kind: WarmupKind
+    cold_s: float
+    warm_s: float
+
+
+@attrs.frozen
+class WarmupReport:
+    times: tuple[WarmupTime, ...]
+
+    @property
+    def cold_s(self) -> float:
+        return sum(t.cold_s for t in self.times)
+
+    @property
+    def warm_s(self) -> float:
+        return sum(t.warm_s for t in self.times)
+
+    def __str__(self) -> str:
+        rows = [f"{t.kind.name:<40} cold {t.cold_s:8.2f} s  warm {t.warm_s * 1e3:8.2f} ms" for t in self.times]
+        return "\n".join(rows + [f"{'total':<40} cold {self.cold_s:8.2f} s  warm {self.warm_s * 1e3:8.2f} ms"])
+
+
+def backends_of(spec: AttentionSpec) -> tuple[str, ...]:
+    """The backends a spec's steps may take: its own, or with "auto" every one the dispatch table may pick."""
+    return (spec.backend,) if spec.backend != AUTO else table_backends(spec)
+
+
+def kinds(spec: AttentionSpec, backends: tuple[str, ...] | None = None) -> tuple[WarmupKind, ...]:
+    """Every kind of step warm-up runs for `spec` (default backends: backends_of(spec)). Pure: no GPU."""
+    if not isinstance(spec, AttentionSpec):
+        raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+    out = []
+    for name in backends_of(spec) if backends is None else backends:
+        caps = BACKENDS.get(name)
+        if caps is None:
+            raise PlanError(f"backend: unknown backend {name!r} (known: {sorted(BACKENDS)})")
+        caps.check(spec, name)
+        if caps.prefix_free:  # (attention over the step's new K/V only: prefill steps without a cached prefix)
+            out.append(WarmupKind(name, Mode.PREFILL, VERIFY_Q_LEN))
+            continue
+        if "decode" in caps.modes:
+            out.append(WarmupKind(name, Mode.DECODE, 1))
+        if "verify" in caps.modes and all(g.causal for g in spec.groups):
+            out.append(WarmupKind(name, Mode.VERIFY, min(VERIFY_Q_LEN, MAX_VERIFY_Q_LEN)))
+        if caps.modes & {"prefill", "extend", "mixed"}:
+            out.append(WarmupKind(name, Mode.PREFILL, VERIFY_Q_LEN))
+        if spec.cascade_groups and caps.cascade:
+            out.append(WarmupKind(name, Mode.DECODE, 1, cascade=True))
+    return tuple(out)
+
+
+def warmup(spec: AttentionSpec, *, backends: tuple[str, ...] | None = None, device: torch.device | str = "cuda",
+           progress: Callable[[int, int, WarmupTime], None] | None = None) -> WarmupReport:
+    """Run every kind of kinds(spec, backends) twice, on a pool and caches of WARMUP_PAGES pages of
+    their own on `device`; returns each kind's cold and warm seconds. progress(i, n, time): called
+    after each kind (i from 1). Raises PlanError for a spec a backend cannot serve."""
+    todo = kinds(spec, backends)
+    if spec.mla:
+        raise PlanError("warmup: latent attention (mla) specs are not warmed up yet; their kernels compile at first use")
+    small = attrs.evolve(spec, num_pages=WARMUP_PAGES)
+    pool = GraphBufferPool(small, max_batch_size=BATCH, max_num_tokens=BATCH * (VERIFY_Q_LEN + 1),
+                           max_num_pages=WARMUP_PAGES, device=device, buckets=(BATCH,), max_encoder_tokens=BATCH * 4)
+    caches = [PagedKVCache.allocate(small, pool.device, group=g) for g in range(len(small.groups))]
+    gen = torch.Generator(device=pool.device).manual_seed(0)
+    for c in caches:  # (finite values of the cache's dtype)
+        for t in (c.k, c.v):
+            t.copy_(torch.randn(t.shape, generator=gen, device=pool.device).to(t.dtype))
+    out = []
+    for i, kind in enumerate(todo, 1):
+        times = [_timed(pool, caches, kind, gen) for _ in range(2)]
+        out.append(WarmupTime(kind, *times))
+        if progress is not None:
+            progress(i, len(todo), out[-1])
+    return WarmupReport(tuple(out))
+
+
+def _timed(pool: GraphBufferPool, caches: list[PagedKVCache], kind: WarmupKind, gen: torch.Generator) -> float:
+    """Seconds to commit one step of `kind` and run every layer group on it, the device drained."""
+    spec = pool.spec
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
+    t0 = time.perf_counter()
+    plan = scratch_plan(spec, BATCH, kind.q_len, backend=kind.backend, cascade=kind.cascade,
+                        prefill=kind.mode is Mode.PREFILL)
+    step = pool.commit(plan)
+    rows = step.num_rows
+
+    def randn(heads: int) -> torch.Tensor:
+        return torch.randn(rows, heads, spec.head_dim, generator=gen, device=pool.device).to(spec.dtype)
+
+    q = randn(spec.num_qo_heads)
+    k, v = randn(spec.num_kv_heads), randn(spec.num_kv_heads)
+    for g, cache in enumerate(caches):
+        run(step, q, cache, group=g, k=k, v=v) if BACKENDS[kind.backend].prefix_free else run(step, q, cache, group=g)
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
+    return time.perf_counter() - t0
+
+
+def warmup_dense(plan: DensePlan, device: torch.device | str = "cuda") -> WarmupTime:
+    """Run the dense path (mstar_attn.dense: no KV cache) twice on random q, k, v of `plan`'s shapes,
+    so its kernel is built before serving (an encoder's: build_dense_plan(..., causal=False))."""
+    dense = DenseAttention(plan, device)
+    gen = torch.Generator(device=dense.device).manual_seed(0)
+    T = int(plan.cu_seqlens[-1])
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        q, k, v = (torch.randn(T, h, plan.head_dim, generator=gen, device=dense.device).to(plan.dtype)
+                   for h in (plan.num_qo_heads, plan.num_kv_heads, plan.num_kv_heads))
+        dense(q, k, v)
+        if dense.device.type == "cuda":
+            torch.cuda.synchronize(dense.device)
+        return time.perf_counter() - t0
+
+    cold = once()
+    return WarmupTime(WarmupKind(plan.backend, Mode.PREFILL, T), cold, once())

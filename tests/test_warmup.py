@@ -1,0 +1,96 @@
+"""mstar_attn/warmup.py: the kinds of step warm-up runs, per backend and spec (pure, no GPU); warm-up
+itself on the CPU reference backend; `python -m mstar_attn warmup --list` for every demo model; and on
+the H100, warm-up of a FlashInfer spec with window and soft-capped groups, then the same kinds served
+by the engine's own pool, per request against the reference."""
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import AttentionSpec, LayerGroup, Mode, PlanError
+from mstar_attn.__main__ import main
+from mstar_attn.warmup import kinds, warmup
+
+GROUPS = (LayerGroup(), LayerGroup("window", window=8))
+
+
+def _names(spec, backends=None):
+    return [k.name for k in kinds(spec, backends)]
+
+
+def test_kinds_follow_the_backends_modes_and_the_specs_groups():
+    spec = AttentionSpec(8, 2, 64, 4, 100, groups=GROUPS, layer_groups=(0, 1))
+    assert _names(spec) == ["flashinfer decode", "flashinfer verify q_len 2", "flashinfer prefill q_len 2"]
+    cross = AttentionSpec(8, 8, 64, 4, 100, groups=(LayerGroup(), LayerGroup("cross")), layer_groups=(0, 1))
+    assert _names(cross) == ["flashinfer decode", "flashinfer prefill q_len 2"]  # (no verify: cross is not causal)
+    shared = AttentionSpec(8, 2, 64, 4, 100, cascade="auto")
+    assert "flashinfer decode cascade" in _names(shared) and "flash_attn decode cascade" not in _names(shared, ("flash_attn",))
+    assert _names(spec, ("flashinfer_ragged",)) == ["flashinfer_ragged prefill q_len 2"]  # (new K/V only)
+    ref = AttentionSpec(4, 2, 16, 4, 100, dtype=torch.float32, backend="reference")
+    assert [k.mode for k in kinds(ref)] == [Mode.DECODE, Mode.VERIFY, Mode.PREFILL]
+
+
+def test_kinds_refuse_what_a_backend_cannot_serve():
+    with pytest.raises(PlanError, match="unknown backend"):
+        kinds(AttentionSpec(8, 2, 64, 4, 100), ("nope",))
+    with pytest.raises(PlanError, match="spec.dtype"):
+        kinds(AttentionSpec(8, 2, 64, 4, 100, dtype=torch.float32))  # (FlashInfer serves half dtypes)
+    with pytest.raises(PlanError, match="spec"):
+        kinds("not a spec")
+
+
+def test_warmup_runs_every_kind_on_the_cpu_reference_backend():
+    spec = AttentionSpec(4, 2, 16, 4, 100, dtype=torch.float32, backend="reference", groups=GROUPS, layer_groups=(0, 1))
+    seen = []
+    report = warmup(spec, device="cpu", progress=lambda i, n, t: seen.append((i, n, t.kind.name)))
+    assert [t.kind for t in report.times] == list(kinds(spec))
+    assert seen == [(i + 1, 3, k.name) for i, k in enumerate(kinds(spec))]
+    assert all(t.cold_s > 0 and t.warm_s > 0 for t in report.times) and "total" in str(report)
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma2", "bart"])
+def test_the_warmup_list_runs_anywhere(model):
+    pytest.importorskip("transformers")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["warmup", "--list", "--model", model]) == 0
+    text = out.getvalue()
+    assert f"{model}:" in text and "flashinfer decode" in text and "flashinfer prefill q_len 2" in text, text
+    assert ("window 8" in text) == (model == "gemma2") and ("cross" in text) == (model == "bart"), text
+
+
+@pytest.mark.gpu
+def test_warmup_then_serving_the_same_kinds_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("flashinfer")
+    from mstar_attn import GraphBufferPool, PagedKVCache, StepBatch, build_plan, run
+    from mstar_attn.kernels import reference
+    from tests.helpers import assert_close_per_request, fresh_seed
+
+    spec = AttentionSpec(8, 2, 64, 4, 64, soft_cap=30.0, groups=GROUPS, layer_groups=(0, 1))
+    report = warmup(spec)
+    assert [t.kind for t in report.times] == list(kinds(spec))
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    pool = GraphBufferPool(spec, max_batch_size=8, max_num_tokens=64, max_num_pages=spec.num_pages)
+    caches = [PagedKVCache.allocate(spec, "cuda", group=g) for g in range(2)]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for c in caches:
+        for t in (c.k, c.v):
+            t.copy_(torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype))
+    pages = rng.permutation(spec.num_pages).astype(np.int32)
+    for q_len in (1, 2, 5):  # decode, verify, a prefix-extending chunk
+        kv = rng.integers(q_len + 1, 40, 4).astype(np.int32)
+        need = -(-kv // 4)
+        lists = np.split(pages[: need.sum()], np.cumsum(need)[:-1])
+        plan = build_plan(StepBatch.from_pages(np.full(4, q_len, np.int32), kv, lists, 4), spec)
+        step = pool.commit(plan)
+        q = torch.randn(plan.num_tokens, 8, 64, generator=gen, device="cuda").to(torch.bfloat16)
+        for g, c in enumerate(caches):
+            got = run(step, q, c, group=g)
+            ref = reference.run(plan, q.float(), c, group=g)
+            assert_close_per_request(got, ref, plan, torch.bfloat16, f"seed {seed}, q_len {q_len}, group {g}")
