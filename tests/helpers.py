@@ -407,3 +407,13 @@ def replay_or_run(graphs, step, x: dict, eager, context) -> tuple[torch.Tensor, 
     out = graphs(step, **x).clone()
     assert torch.equal(out, eager(step, x)), context
     return out, True
+
+
+def smoke_first(cases, pick=None) -> list:
+    """`cases` (an iterable of parametrize values: single values or tuples) with the ones pick(case) selects
+    (default: the first) marked smoke: the quick tier, `pytest -m smoke`, one case per backend and feature."""
+    import pytest
+
+    cases = list(cases)
+    chosen = (lambda c: c == cases[0]) if pick is None else pick
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.smoke) if chosen(c) else c for c in cases]

@@ -126,6 +126,7 @@ def test_gpu_dense_matches_the_reference(backend, lens, heads, causal, dtype, so
     assert rel_err(out, want) < TOL, (seed, backend, lens)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("backend", gpu_backends())
 def test_gpu_dense_replays_in_a_cuda_graph(backend):
     """DenseAttention's call launches kernels only: captured once, replayed on new inputs, equal to eager."""

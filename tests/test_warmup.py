@@ -62,6 +62,7 @@ def test_the_warmup_list_runs_anywhere(model):
     assert ("window 8" in text) == (model == "gemma2") and ("cross" in text) == (model == "bart"), text
 
 
+@pytest.mark.smoke
 @pytest.mark.gpu
 def test_warmup_then_serving_the_same_kinds_on_the_gpu():
     if not torch.cuda.is_available():

@@ -76,6 +76,7 @@ def test_fenced_commits_wait_for_the_gpu_and_every_step_is_right():
         assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}, step {i}")
 
 
+@pytest.mark.smoke
 def test_deferred_commits_run_inside_the_decode_graph_and_every_step_is_right():
     """commit(defer=True) with pages changing under the walk: from each slot's second step on, the decode
     graph that first runs the commit's device work replays (one launch per step); commits still wait on

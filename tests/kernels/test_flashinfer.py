@@ -9,6 +9,7 @@ import torch
 from mstar_attn import AttentionSpec, LayerGroup, StepBatch, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import (
+    smoke_first,
     GPU_GROUPS, MODES, assert_close_per_request, check_modes, check_replay, fresh_seed, gpu_pool, make_step,
     many_steps, no_sync_on_the_step_path, random_batch, random_cache, table_steps,
 )
@@ -58,17 +59,18 @@ def _owner(fn):
     return getattr(flashinfer, fn.__qualname__.split(".")[0])
 
 
-@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("combo", smoke_first(COMBOS))
 @pytest.mark.parametrize("q_lens, kv_lens, mode", MODES, ids=[m[2] for m in MODES])
 def test_every_mode_matches_the_reference(combo, q_lens, kv_lens, mode):
     check_modes(fi, gpu_step, COMBOS[combo], q_lens, kv_lens, mode, fresh_seed())
 
 
-@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("combo", smoke_first(COMBOS))
 def test_decode_and_verify_replay_equal_eager(combo):
     check_replay(fi, gpu_step, COMBOS[combo], fresh_seed())
 
 
+@pytest.mark.smoke
 def test_ragged_prefill_matches_the_reference():
     seed = fresh_seed()
     spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [64, 300, 7], [64, 300, 7], backend="flashinfer_ragged")
@@ -212,6 +214,7 @@ def test_replay_follows_new_plans_on_the_public_plan_path():
     assert not pool.scheduler_for("flashinfer").fast
 
 
+@pytest.mark.smoke
 def test_page_table_steps_eager_and_replayed():
     """StepRows steps over the pool's page table (pages gathered on the device, one graph per
     bucket), arrivals, growth, departures and a shared prefix, against the reference per request.
@@ -295,7 +298,7 @@ def test_draft_rounds_eager_and_replayed(page_size):
     assert any(replayed for _, replayed in ran) and any(not replayed for _, replayed in ran), ran
 
 
-@pytest.mark.parametrize("page_size, rows", [(1, True), (16, False), (64, True)])
+@pytest.mark.parametrize("page_size, rows", smoke_first([(1, True), (16, False), (64, True)]))
 def test_cross_attention_eager_and_replayed(page_size, rows):
     """Encoder-decoder cross attention: encoder K/V (1 to 3,000 tokens) stored once, read by every
     decoder step, decode replayed, every request of both groups against the exact attention."""
@@ -304,6 +307,7 @@ def test_cross_attention_eager_and_replayed(page_size, rows):
     gpu_cross(fi, "flashinfer", fresh_seed(), page_size, rows)
 
 
+@pytest.mark.smoke
 def test_fp8_kv_eager_and_replayed():
     """An FP8 (e4m3) cache with per-tensor scales: decode and verify steps replayed, prefill, extend
     and mixed eager, every request against the reference over the same quantized cache (which reads

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, StepBatch, build_plan
-from tests.helpers import fresh_seed, random_batch, random_cache, random_pages
+from tests.helpers import smoke_first, fresh_seed, random_batch, random_cache, random_pages
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -104,7 +104,7 @@ def check(out, plan, q, caches, windows, context) -> float:
     return worst
 
 
-@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("page_size", smoke_first([16, 64]))
 def test_fp8_math_decode_eager_replayed_and_rounds(page_size):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)

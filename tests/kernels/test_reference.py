@@ -62,6 +62,7 @@ def test_long_context(page_size):
     check_against_naive(fresh_seed(), [1, 9], [4100, 5000], page_size)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_and_soft_cap(dtype):
     check_against_naive(fresh_seed(), [1, 12, 3], [70, 12, 40], 16, dtype=dtype, soft_cap=5.0, heads=(8, 2))
