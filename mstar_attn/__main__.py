@@ -79,9 +79,8 @@ def warmup(args: argparse.Namespace) -> int:
 
     from mstar_attn.demo import DemoConfig, DemoError
     from mstar_attn.demo.config import DTYPES
-    from mstar_attn.demo.run import FAMILIES, model_spec
-    from mstar_attn.warmup import kinds
-    from mstar_attn.warmup import warmup as run_warmup
+    from mstar_attn.demo.run import FAMILIES, dense_backend, model_spec
+    from mstar_attn.warmup import kinds, warmup_model
 
     backend = args.backend or ("flashinfer" if args.list or torch.cuda.is_available() else "reference")
     gpu = backend != "reference"
@@ -100,8 +99,10 @@ def warmup(args: argparse.Namespace) -> int:
         if args.list:
             for k in todo:
                 print(f"  {k.name}")
+            if spec.has_cross:
+                print(f"  {dense_backend(backend)} dense (the encoder, non-causal)")
             return 0
-        report = run_warmup(spec, device=cfg.device, progress=lambda i, n, t: print(
+        report = warmup_model(spec, dense_backend(backend), device=cfg.device, progress=lambda i, n, t: print(
             f"  [{i}/{n}] {t.kind.name}: {t.cold_s:.2f} s cold, {t.warm_s * 1e3:.2f} ms warm", file=sys.stderr, flush=True))
     except (DemoError, PlanError) as e:
         print(f"mstar-attn warmup: {e}", file=sys.stderr)

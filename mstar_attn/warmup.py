@@ -3,12 +3,18 @@
 FlashInfer compiles a module at its first use of each (kernel, dtype, head dim, window, soft-cap)
 and FlashAttention-4 compiles per configuration too: minutes, which must not fall inside serving.
 `kinds(spec)` lists what warm-up runs, as data and without a GPU, per backend the spec's steps may
-take: decode (one token per request), verify (a few, over a cached one: the tensor-core decode
-kernels), prefill (the paged prefill kernels, which extend and mixed steps share), shared-prefix
-steps (cascade specs), each over every layer group. `warmup(spec)` runs each kind twice on a pool
+take: decode (one token per request; and a batch past 256 requests, past every bucket), verify (a
+few tokens over a cached one: the tensor-core decode kernels), prefill (the paged prefill kernels,
+which extend and mixed steps share; short, and longer than one query tile: FA4 compiles the two
+apart), shared-prefix steps (cascade specs), each over every layer group. `warmup(spec)` runs each kind twice on a pool
 and cache of its own, a few pages large (the compiled kernels do not depend on the cache's size, so
 the engine's own pool then finds them built): the first time (cold, compiling) and again (warm).
 Scratch plans only (metadata.plan.scratch_plan): warm-up never touches a request's KV.
+
+Not covered: a page-table pool's Triton derive kernels (compiled at a pool's first StepRows commit
+of each bucket, about a second each), draft rounds (their tensor-core decode kernels are the verify
+kind's where the spec has a verify kind), latent attention (MLA) specs, and what a backend's
+scheduler compiles when the pool is made (XQA: outside the timed kinds).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.capture.pool import GraphBufferPool
-from mstar_attn.dense import DenseAttention, DensePlan
+from mstar_attn.dense import DenseAttention, DensePlan, build_dense_plan
 from mstar_attn.kernels import run
 from mstar_attn.metadata.backends import AUTO, BACKENDS
 from mstar_attn.metadata.errors import PlanError
@@ -32,6 +38,8 @@ from mstar_attn.metadata.spec import AttentionSpec
 WARMUP_PAGES = 8  # the warm-up pool's cache: a few pages (kernels are compiled per shape class, not per size)
 BATCH = 2  # requests per warm-up step (a cascade step needs two)
 VERIFY_Q_LEN = 2
+LONG_Q_LEN = 129  # a prefill longer than one query tile (FA4 compiles short and long steps apart: flash_attn.py)
+WIDE_BATCH = 257  # a decode batch past 256 requests (another FA4 kernel), past every bucket: eager
 
 
 @attrs.frozen
@@ -43,11 +51,12 @@ class WarmupKind:
     mode: Mode
     q_len: int
     cascade: bool = False
+    batch: int = BATCH
 
     @property
     def name(self) -> str:
         return f"{self.backend} {self.mode.value}" + (f" q_len {self.q_len}" if self.q_len > 1 else "") + (
-            " cascade" if self.cascade else "")
+            " cascade" if self.cascade else "") + (f" batch {self.batch}" if self.batch != BATCH else "")
 
 
 @attrs.frozen
@@ -91,15 +100,15 @@ def kinds(spec: AttentionSpec, backends: tuple[str, ...] | None = None) -> tuple
         if caps is None:
             raise PlanError(f"backend: unknown backend {name!r} (known: {sorted(BACKENDS)})")
         caps.check(spec, name)
-        if caps.prefix_free:  # (attention over the step's new K/V only: prefill steps without a cached prefix)
-            out.append(WarmupKind(name, Mode.PREFILL, VERIFY_Q_LEN))
-            continue
-        if "decode" in caps.modes:
-            out.append(WarmupKind(name, Mode.DECODE, 1))
-        if "verify" in caps.modes and all(g.causal for g in spec.groups):
+        if caps.prefix_free and spec.has_cross:
+            raise PlanError(f"backend: {name!r} attends over the step's new K/V only; the spec's cross-attention layers "
+                            "read the encoder's K/V from the cache (use a paged backend)")
+        if not caps.prefix_free and "decode" in caps.modes:
+            out += [WarmupKind(name, Mode.DECODE, 1), WarmupKind(name, Mode.DECODE, 1, batch=WIDE_BATCH)]
+        if not caps.prefix_free and "verify" in caps.modes and all(g.causal for g in spec.groups):
             out.append(WarmupKind(name, Mode.VERIFY, min(VERIFY_Q_LEN, MAX_VERIFY_Q_LEN)))
-        if caps.modes & {"prefill", "extend", "mixed"}:
-            out.append(WarmupKind(name, Mode.PREFILL, VERIFY_Q_LEN))
+        if caps.modes & {"prefill", "extend", "mixed"}:  # (prefix-free backends: prefill steps without a cached prefix)
+            out += [WarmupKind(name, Mode.PREFILL, VERIFY_Q_LEN), WarmupKind(name, Mode.PREFILL, LONG_Q_LEN)]
         if spec.cascade_groups and caps.cascade:
             out.append(WarmupKind(name, Mode.DECODE, 1, cascade=True))
     return tuple(out)
@@ -114,8 +123,9 @@ def warmup(spec: AttentionSpec, *, backends: tuple[str, ...] | None = None, devi
     if spec.mla:
         raise PlanError("warmup: latent attention (mla) specs are not warmed up yet; their kernels compile at first use")
     small = attrs.evolve(spec, num_pages=WARMUP_PAGES)
-    pool = GraphBufferPool(small, max_batch_size=BATCH, max_num_tokens=BATCH * (VERIFY_Q_LEN + 1),
-                           max_num_pages=WARMUP_PAGES, device=device, buckets=(BATCH,), max_encoder_tokens=BATCH * 4)
+    reads = max(WIDE_BATCH, BATCH * -(-LONG_Q_LEN // spec.page_size)) + 2 * BATCH  # (page entries a step lists)
+    pool = GraphBufferPool(small, max_batch_size=WIDE_BATCH, max_num_tokens=max(WIDE_BATCH, BATCH * LONG_Q_LEN),
+                           max_num_pages=reads, device=device, buckets=(BATCH,), max_encoder_tokens=BATCH * 4)
     caches = [PagedKVCache.allocate(small, pool.device, group=g) for g in range(len(small.groups))]
     gen = torch.Generator(device=pool.device).manual_seed(0)
     for c in caches:  # (finite values of the cache's dtype)
@@ -136,7 +146,7 @@ def _timed(pool: GraphBufferPool, caches: list[PagedKVCache], kind: WarmupKind, 
     if pool.device.type == "cuda":
         torch.cuda.synchronize(pool.device)
     t0 = time.perf_counter()
-    plan = scratch_plan(spec, BATCH, kind.q_len, backend=kind.backend, cascade=kind.cascade,
+    plan = scratch_plan(spec, kind.batch, kind.q_len, backend=kind.backend, cascade=kind.cascade,
                         prefill=kind.mode is Mode.PREFILL)
     step = pool.commit(plan)
     rows = step.num_rows
@@ -171,3 +181,15 @@ def warmup_dense(plan: DensePlan, device: torch.device | str = "cuda") -> Warmup
 
     cold = once()
     return WarmupTime(WarmupKind(plan.backend, Mode.PREFILL, T), cold, once())
+
+
+def warmup_model(spec: AttentionSpec, dense_backend: str | None, device: torch.device | str = "cuda",
+                 progress: Callable[[int, int, WarmupTime], None] | None = None) -> WarmupReport:
+    """warmup(spec), and for a spec with cross-attention layers (an encoder-decoder) the encoder's dense
+    path too (warmup_dense on `dense_backend`, non-causal, spec's heads and head_dim): one report."""
+    report = warmup(spec, device=device, progress=progress)
+    if not spec.has_cross or dense_backend is None:
+        return report
+    H, D = spec.num_qo_heads, spec.head_dim
+    plan = build_dense_plan([3, 5], H, H, D, causal=False, dtype=spec.dtype, backend=dense_backend)
+    return WarmupReport(report.times + (warmup_dense(plan, device),))

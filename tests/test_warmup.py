@@ -23,14 +23,16 @@ def _names(spec, backends=None):
 
 def test_kinds_follow_the_backends_modes_and_the_specs_groups():
     spec = AttentionSpec(8, 2, 64, 4, 100, groups=GROUPS, layer_groups=(0, 1))
-    assert _names(spec) == ["flashinfer decode", "flashinfer verify q_len 2", "flashinfer prefill q_len 2"]
+    every = ["flashinfer decode", "flashinfer decode batch 257", "flashinfer verify q_len 2", "flashinfer prefill q_len 2",
+             "flashinfer prefill q_len 129"]
+    assert _names(spec) == every
     cross = AttentionSpec(8, 8, 64, 4, 100, groups=(LayerGroup(), LayerGroup("cross")), layer_groups=(0, 1))
-    assert _names(cross) == ["flashinfer decode", "flashinfer prefill q_len 2"]  # (no verify: cross is not causal)
+    assert _names(cross) == [n for n in every if "verify" not in n]  # (no verify: cross layers are not causal)
     shared = AttentionSpec(8, 2, 64, 4, 100, cascade="auto")
     assert "flashinfer decode cascade" in _names(shared) and "flash_attn decode cascade" not in _names(shared, ("flash_attn",))
-    assert _names(spec, ("flashinfer_ragged",)) == ["flashinfer_ragged prefill q_len 2"]  # (new K/V only)
+    assert _names(spec, ("flashinfer_ragged",)) == ["flashinfer_ragged prefill q_len 2", "flashinfer_ragged prefill q_len 129"]
     ref = AttentionSpec(4, 2, 16, 4, 100, dtype=torch.float32, backend="reference")
-    assert [k.mode for k in kinds(ref)] == [Mode.DECODE, Mode.VERIFY, Mode.PREFILL]
+    assert [k.mode for k in kinds(ref)] == [Mode.DECODE, Mode.DECODE, Mode.VERIFY, Mode.PREFILL, Mode.PREFILL]
 
 
 def test_kinds_refuse_what_a_backend_cannot_serve():
@@ -40,6 +42,9 @@ def test_kinds_refuse_what_a_backend_cannot_serve():
         kinds(AttentionSpec(8, 2, 64, 4, 100, dtype=torch.float32))  # (FlashInfer serves half dtypes)
     with pytest.raises(PlanError, match="spec"):
         kinds("not a spec")
+    cross = AttentionSpec(8, 8, 64, 4, 100, groups=(LayerGroup(), LayerGroup("cross")), layer_groups=(0, 1))
+    with pytest.raises(PlanError, match="new K/V only"):
+        kinds(cross, ("flashinfer_ragged",))
 
 
 def test_warmup_runs_every_kind_on_the_cpu_reference_backend():
@@ -47,7 +52,7 @@ def test_warmup_runs_every_kind_on_the_cpu_reference_backend():
     seen = []
     report = warmup(spec, device="cpu", progress=lambda i, n, t: seen.append((i, n, t.kind.name)))
     assert [t.kind for t in report.times] == list(kinds(spec))
-    assert seen == [(i + 1, 3, k.name) for i, k in enumerate(kinds(spec))]
+    assert seen == [(i + 1, len(kinds(spec)), k.name) for i, k in enumerate(kinds(spec))]
     assert all(t.cold_s > 0 and t.warm_s > 0 for t in report.times) and "total" in str(report)
 
 
@@ -60,6 +65,7 @@ def test_the_warmup_list_runs_anywhere(model):
     text = out.getvalue()
     assert f"{model}:" in text and "flashinfer decode" in text and "flashinfer prefill q_len 2" in text, text
     assert ("window 8" in text) == (model == "gemma2") and ("cross" in text) == (model == "bart"), text
+    assert ("flashinfer_ragged dense" in text) == (model == "bart"), text  # (the encoder's dense path)
 
 
 @pytest.mark.smoke

@@ -21,11 +21,15 @@ from mstar_attn.demo.check import check_request, decoder_logits
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError
 from mstar_attn.demo.engine import Engine, PageAllocator, drop_passed, grow_pages, make_trace, share_prefix
 from mstar_attn.demo.report import DemoResult, PagesHeld, Progress, summary, write
-from mstar_attn.dense import build_dense_plan
-from mstar_attn.warmup import kinds, warmup, warmup_dense
+from mstar_attn.warmup import kinds, warmup_model
 
 FAMILIES = {"llama": llama, "gemma2": gemma2, "bart": bart}
 DENSE = {"reference": "reference", "flash_attn": "flash_attn_varlen"}  # the encoder's dense backend (else flashinfer_ragged)
+
+
+def dense_backend(backend: str) -> str:
+    """The backend of the encoder's dense path (no KV cache) beside the demo's `backend`."""
+    return DENSE.get(backend, "flashinfer_ragged")
 
 
 def model_spec(cfg: DemoConfig, family, model, num_pages: int, backend: str) -> AttentionSpec:
@@ -63,13 +67,8 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         spec = model_spec(cfg, family, model, num_pages, attn.name)
         if cfg.gpu:  # every kernel the trace can reach, compiled now: none inside the timed steps
             bar.note(f"warming up {len(kinds(spec))} kinds of step ...")
-            warm = warmup(spec, device=device)
-            cold = warm.cold_s
-            if spec.has_cross:  # the encoder's dense kernel too
-                H, D = spec.num_qo_heads, spec.head_dim
-                cold += warmup_dense(build_dense_plan([3, 5], H, H, D, causal=False, dtype=dtype,
-                                                      backend=DENSE.get(attn.name, "flashinfer_ragged")), device).cold_s
-            bar.note(f"warm-up: {cold:.1f} s cold (compiling), {warm.warm_s * 1e3:.1f} ms warm")
+            warm = warmup_model(spec, dense_backend(attn.name), device)  # (an encoder's dense kernel too)
+            bar.note(f"warm-up: {warm.cold_s:.1f} s cold (compiling or loading kernels), {warm.warm_s * 1e3:.1f} ms warm")
         xg = next((g for g, group in enumerate(spec.groups) if group.cross), None)  # the cross-attention group
         own_groups = [g for g in spec.own_page_groups if g != xg]  # each on the one own list the engine keeps
         windows = [spec.groups[g].window for g in own_groups]
@@ -125,7 +124,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
             plan = build_plan(step_batch, spec)
             t2 = time.perf_counter_ns()
             encode = None if xg is None else lambda ctx: family.encode(  # noqa: E731
-                model, attn, ctx, caches, [r.encoder for r in batch if r.cached == 0], DENSE.get(attn.name, "flashinfer_ragged"))
+                model, attn, ctx, caches, [r.encoder for r in batch if r.cached == 0], dense_backend(attn.name))
             logits = engine(plan, [t for r in batch for t in r.tokens[r.cached :]], encode).float()
             last = logits[torch.from_numpy(plan.qo_indptr[1:] - 1).to(device).long()].argmax(-1).tolist()
             rows = logits.cpu()

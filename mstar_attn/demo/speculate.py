@@ -28,6 +28,7 @@ from mstar_attn.demo.check import Check, check_request
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError, seeded_model, transformers_classes
 from mstar_attn.demo.engine import PageAllocator, make_trace, step_inputs
 from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, build_round
+from mstar_attn.warmup import warmup
 
 
 @attrs.define
@@ -150,6 +151,8 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small") -> SpecResult
         tokens_max = sum(len(r.prompt) for r in reqs) + B * (k + 1)
         t = _Model(cfg, target, num_pages, rows, tokens_max, k, device)
         d = _Model(attrs.evolve(cfg, layers=drafter.config.num_hidden_layers), drafter, num_pages, rows, tokens_max, k, device)
+        if cfg.gpu:  # the kernels of every kind of step (a round's steps decode on the verify kind's), before the trace
+            warmup(t.spec, device=device)
         if cfg.graphs:
             static = {n: torch.zeros(max(d.attn.pool.buckets), dtype=torch.int64, device=device) for n in ("ids", "positions")}
             res.round_graphs = d.attn.capture_round(d.round_fn, static, k)

@@ -55,6 +55,9 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
     dispatcher's pick). cascade (a spec with cascade on): every request reads one whole cached
     scratch page first, all in one prefix group."""
     ps = spec.page_size
+    if prefill and q_len < 2:
+        raise PlanError(f"scratch_plan: a prefill step has 2+ new tokens per request (q_len 1 and no cached ones is a "
+                        f"decode step), got q_len {q_len}")
     kv = (q_len if prefill else 1 if q_len == 1 else q_len + 1) + (ps if cascade else 0)
     per = -(-kv // ps)
     q_lens, kv_lens = np.full(batch_size, q_len, np.int32), np.full(batch_size, kv, np.int32)
