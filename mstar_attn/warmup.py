@@ -193,3 +193,27 @@ def warmup_model(spec: AttentionSpec, dense_backend: str | None, device: torch.d
     H, D = spec.num_qo_heads, spec.head_dim
     plan = build_dense_plan([3, 5], H, H, D, causal=False, dtype=spec.dtype, backend=dense_backend)
     return WarmupReport(report.times + (warmup_dense(plan, device),))
+
+
+def cache_key() -> str:
+    """What compiled kernels depend on here, as one line: FlashInfer's and FA4's versions, torch's and its
+    CUDA's, and the GPU architecture (sm_XY; "cpu" without CUDA). A kernel cache built under another
+    key is stale (benchmarks/jit_cache.sh refuses to load it)."""
+    import importlib
+    import importlib.metadata as md
+
+    def version(dist: str, module: str) -> str:  # (installed, or only importable: a PYTHONPATH bundle)
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            try:
+                return str(getattr(importlib.import_module(module), "__version__", "unknown"))
+            except ImportError:
+                return "none"
+
+    arch = "cpu"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm_{major}{minor}"
+    return (f"flashinfer {version('flashinfer-python', 'flashinfer')} flash-attn-4 {version('flash-attn-4', 'flash_attn')} torch {torch.__version__} "
+            f"cuda {torch.version.cuda or 'none'} {arch}")

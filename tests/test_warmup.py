@@ -101,3 +101,12 @@ def test_warmup_then_serving_the_same_kinds_on_the_gpu():
             got = run(step, q, c, group=g)
             ref = reference.run(plan, q.float(), c, group=g)
             assert_close_per_request(got, ref, plan, torch.bfloat16, f"seed {seed}, q_len {q_len}, group {g}")
+
+
+def test_the_cache_key_names_what_compiled_kernels_depend_on():
+    from mstar_attn.warmup import cache_key
+
+    key = cache_key()
+    assert f"torch {torch.__version__}" in key and "flashinfer " in key and "flash-attn-4 " in key, key
+    arch = "cpu" if not torch.cuda.is_available() else "sm_%d%d" % torch.cuda.get_device_capability()
+    assert key.endswith(arch), key
