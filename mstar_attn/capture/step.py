@@ -64,6 +64,16 @@ class DeviceStep:
     stream: torch.cuda.Stream | None = attrs.field(default=None, eq=False, repr=False)
     scheduled: tuple = attrs.field(default=(), eq=False, repr=False)  # backend state, one per group
     _waited: list = attrs.field(factory=lambda: [False], eq=False, repr=False, alias="_waited")
+    _stored: list = attrs.field(factory=lambda: [False], eq=False, repr=False, alias="_stored")
+
+    @property
+    def kv_stored(self) -> bool:
+        """Whether a write_kv has stored new K/V of this step (any layer): what run's misuse check reads."""
+        return self._stored[0]
+
+    def mark_stored(self) -> None:
+        """Called by every backend's write_kv on a committed step."""
+        self._stored[0] = True
 
     @property
     def mode(self) -> Mode:

@@ -332,6 +332,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     # XQA reads whole 64-token tiles (masking logits, not values): the rows past a length must be finite
     _check.cache_fits(cache, plan, "run", finite=isinstance(w, XqaDecode), step=step, group=group)
     _check.query(q, step, plan, cache, "run")
+    if plan.backend != "flashinfer_ragged":  # (k and v are read from the cache: stored first)
+        _check.stored_first(step, k, v, "run")
     if isinstance(w, XqaDecode):
         return _xqa(step, q, cache, group, w)
     if isinstance(w, _cascade.Levels):

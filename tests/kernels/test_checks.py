@@ -97,3 +97,28 @@ def test_fa4_checks_before_its_kernel(monkeypatch):
     ]:
         with pytest.raises(PlanError, match=match):
             call()
+
+
+def test_run_with_k_and_v_before_any_write_kv_is_refused():
+    """run(step, q, cache, k=k, v=v) on a backend that reads the cache, with no write_kv on the step:
+    k and v would be ignored (and the step attend over stale slots), so it is a PlanError naming
+    write_kv; after write_kv the same call runs, equal to run without k and v; plans (the reference
+    oracle) are not committed steps and are not checked."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=4, num_pages=64)
+    plan = build_plan(random_batch(rng, [1, 3], [5, 9], 4, 64), spec)
+    pool = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=16, max_num_pages=64, device="cpu")
+    cache = PagedKVCache.allocate(spec, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    q = torch.randn(plan.num_tokens, 4, 16, generator=gen)
+    k, v = (torch.randn(plan.num_tokens, 2, 16, generator=gen) for _ in range(2))
+    step = pool.commit(plan)
+    with pytest.raises(PlanError, match="write_kv"):
+        kernels.run(step, q, cache, 0, k, v)
+    kernels.write_kv(step, k, v, cache)
+    out = kernels.run(step, q, cache, 0, k, v)
+    assert torch.equal(out, kernels.run(step, q, cache, 0)), seed
+    assert torch.equal(reference.run(plan, q, cache, 0, k, v), out), seed  # (a plan: no check)
