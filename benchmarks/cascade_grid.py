@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import torch
 
-from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.metadata.batch import DEFAULT_BUCKETS
@@ -106,7 +106,8 @@ def main(out_dir: str, heldout: bool = False, only: tuple[int, ...] = ()) -> Non
         q_all = torch.randn(256, KVH * gqa, D, generator=gen, device="cuda").bfloat16()
         pools, graphs = {}, {}
         for c, spec in specs.items():
-            pools[c] = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=256, max_num_pages=listed, buckets=BUCKETS)
+            pools[c] = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=256, max_num_pages=listed,
+                                                        buckets=BUCKETS))
             graphs[c] = DecodeGraphs(pools[c], lambda step, x, cache=cache: fi.run(step, x["q"], cache),
                                      {"q": torch.zeros_like(q_all)})
             graphs[c].capture()

@@ -8,7 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.cascade_grid import D, KVH, PS, batch_of
-from mstar_attn import AttentionSpec, PagedKVCache, build_plan
+from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, build_plan
 from mstar_attn.capture.pool import GraphBufferPool
 
 
@@ -21,7 +21,7 @@ def main(gqa: int = 4) -> None:
     cache = PagedKVCache.allocate(spec, "cuda")
     cache.k.normal_()
     cache.v.normal_()
-    pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=256, max_num_pages=40000)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=256, max_num_pages=40000))
     for s in shapes:
         batch, _ = batch_of(s, 1)
         step = pool.commit(build_plan(batch, spec))

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from benchmarks.host_step import host_us, spread
-from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs, RoundGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flash_attn as fa, flashinfer as fi
@@ -53,8 +53,8 @@ def batches(B: int, context: int, rounds: int, seed: int) -> list[tuple[list[Ste
 VARIANTS = (("flashinfer", True), ("flashinfer", False), ("flash_attn", None))  # (backend, FlashInfer draft_fixed)
 
 
-def _pool(spec, fixed, **kw):
-    pool = GraphBufferPool(spec, max_draft_steps=K, **kw)
+def _pool(spec, fixed, **bounds):
+    pool = GraphBufferPool(spec, PoolLimits(max_draft_steps=K, **bounds))
     if fixed is not None:
         pool.scheduler_for("flashinfer").draft_fixed = fixed
     return pool
@@ -178,8 +178,9 @@ def part_c() -> list[dict]:
             cache = PagedKVCache.allocate(spec, "cuda")
             for t in (cache.k, cache.v):
                 t.normal_()
-            pool = GraphBufferPool(spec, max_batch_size=B, max_num_tokens=B * 8, max_num_pages=spec.num_pages,
-                                   buckets=(B,), max_pages_per_request=2048 // PS + 80)
+            pool = GraphBufferPool(spec, PoolLimits(max_batch_size=B, max_num_tokens=B * 8,
+                                                    max_num_pages=spec.num_pages, buckets=(B,),
+                                                    max_pages_per_request=2048 // PS + 80))
             static = {"q": torch.randn(B * (K + 1), 32, 128, device="cuda", dtype=torch.bfloat16)}
             graphs = DecodeGraphs(pool, lambda s, x: mod.run(s, x["q"], cache), static)
             graphs.capture(q_lens=(1, K + 1))

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import torch
 
-from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flashinfer as fi
@@ -55,8 +55,8 @@ def run_case(B: int, context: int) -> dict:
         spec = AttentionSpec(H, KVH, D, PS, pages, kv_dtype=kv_dtype, fp8_math=math8)
         cache = PagedKVCache.allocate(spec, "cuda", **scales)
         fill(cache, gen)
-        pool = GraphBufferPool(spec, max_batch_size=B, max_num_tokens=B, max_num_pages=pages, buckets=(B,),
-                               max_pages_per_request=context // PS + 8)
+        pool = GraphBufferPool(spec, PoolLimits(max_batch_size=B, max_num_tokens=B, max_num_pages=pages, buckets=(B,),
+                                                max_pages_per_request=context // PS + 8))
         q = torch.randn(B, H, D, generator=gen, device="cuda").bfloat16()
         graphs = DecodeGraphs(pool, lambda s, x, c=cache: fi.run(s, x["q"], c), {"q": torch.zeros_like(q)})
         graphs.capture()

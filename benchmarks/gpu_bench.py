@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from benchmarks import cases
-from mstar_attn import PagedKVCache, StepBatch, build_plan
+from mstar_attn import PagedKVCache, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import FLOAT_WORKSPACE_BYTES, GraphBufferPool
 from mstar_attn.kernels import flashinfer as fi
@@ -82,7 +82,8 @@ def main(out_dir: str) -> None:
     for t in (cache.k, cache.v):
         t.normal_()
     ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
-    pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=32768, max_num_pages=cases.NUM_PAGES - 256)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=32768,
+                                            max_num_pages=cases.NUM_PAGES - 256))
     for name, k in (("fast_replan", pool.scheduler_for("flashinfer").use_fast),):
         results[name] = k
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from benchmarks import cases
-from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import FLOAT_WORKSPACE_BYTES, GraphBufferPool
 from mstar_attn.kernels import flashinfer as fi
@@ -39,10 +39,11 @@ import flashinfer  # noqa: E402
 PS = cases.PAGE
 
 
-def table_pool(spec, **kw) -> GraphBufferPool:
-    """The part (a) pool: a page table of 1,024 rows x 512 pages, buckets up to 256 requests."""
-    return GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
-                           max_requests=1024, max_pages_per_request=512, **kw)
+def table_pool(spec, buckets=None) -> GraphBufferPool:
+    """The part (a) pool: a page table of 1,024 rows x 512 pages, buckets up to 256 requests (or `buckets`)."""
+    return GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
+                                            max_requests=1024, max_pages_per_request=512,
+                                            **({} if buckets is None else {"buckets": buckets})))
 
 
 class Engine:
@@ -140,7 +141,8 @@ def part_a(spec, ws) -> list[dict]:
         raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
         kw = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.sm_scale)
         raw_plan = lambda: raw.plan(*args, 32, 8, 128, PS, **kw)  # noqa: E731
-        old_pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages)
+        old_pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=4096,
+                                                    max_num_pages=spec.num_pages))
         old = lambda: old_pool.commit(build_plan(batch, spec))  # noqa: E731
         t = {"flashinfer_plan": [], "rows_step": [], "rows_step_append": [], "rows_step_no_defer": [], "batch_step": []}
         for _ in range(3):  # interleaved rounds: the host's noise hits every side
@@ -180,8 +182,9 @@ def part_b(spec_for) -> list[dict]:
                 times = {}
                 steps = {}
                 for name, ctas in (("split", 1 << 30), ("fixed", 0)):
-                    pool = GraphBufferPool(spec, max_batch_size=B, max_num_tokens=B, max_num_pages=spec.num_pages,
-                                           buckets=(B,), max_requests=B, max_pages_per_request=ctx // PS + 40)
+                    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=B, max_num_tokens=B,
+                                                            max_num_pages=spec.num_pages, buckets=(B,),
+                                                            max_requests=B, max_pages_per_request=ctx // PS + 40))
                     pool.scheduler_for("flashinfer").fixed_min_ctas = ctas
                     eng = Engine(pool, B, ctx, seed=ctx)
                     graphs = DecodeGraphs(pool, lambda s, x, c=cache: fi.run(s, x["q"], c), {"q": torch.zeros_like(q)})
@@ -232,8 +235,8 @@ def part_c(spec_for) -> list[dict]:
         cache = PagedKVCache.allocate(spec, "cuda")
         for t in (cache.k, cache.v):
             t.normal_()
-        pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=256, max_num_pages=spec.num_pages,
-                               max_requests=max(B, 8), max_pages_per_request=ctx // PS + 120)
+        pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=256, max_num_pages=spec.num_pages,
+                                                max_requests=max(B, 8), max_pages_per_request=ctx // PS + 120))
         eng = Engine(pool, B, ctx, room=n + 16)  # pages for the walk up front: both arms decode the same lengths
 
         def model(step, x):

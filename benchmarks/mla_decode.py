@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import torch
 
-from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flashinfer_mla as mla
@@ -42,8 +42,8 @@ def run_case(heads: int, B: int, context: int, ps: int = 64) -> dict:
     ids = np.random.default_rng(B).permutation(pages)[: B * context // ps].astype(np.int32)
     indptr = np.arange(B + 1, dtype=np.int32) * (context // ps)
     batch = StepBatch.from_csr(np.ones(B, np.int32), np.full(B, context, np.int32), indptr, ids, ps)
-    pool = GraphBufferPool(spec, max_batch_size=B, max_num_tokens=B, max_num_pages=pages, buckets=(B,),
-                           max_pages_per_request=context // ps + 4)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=B, max_num_tokens=B, max_num_pages=pages, buckets=(B,),
+                                            max_pages_per_request=context // ps + 4))
     q = torch.randn(B, heads, CKV + ROPE, generator=gen, device="cuda").bfloat16()
     graphs = DecodeGraphs(pool, lambda s, x: mla.run(s, x["q"], cache), {"q": torch.zeros_like(q)})
     graphs.capture()

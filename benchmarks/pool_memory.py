@@ -62,6 +62,7 @@ def measure(groups: int, tag: str) -> dict:
     from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, StepBatch, build_plan
     from mstar_attn.capture.graphs import DecodeGraphs
     from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn import PoolLimits
     from mstar_attn.kernels import flashinfer as fi
 
     layer_groups = (LayerGroup(), LayerGroup("window", window=4096))[:groups]
@@ -69,7 +70,8 @@ def measure(groups: int, tag: str) -> dict:
     cache = PagedKVCache.allocate(spec, "cuda")
     static = torch.zeros(256 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)
     base = _snapshot()
-    pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=8192, max_num_pages=NUM_PAGES, buckets=BUCKETS)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=8192, max_num_pages=NUM_PAGES,
+                                            buckets=BUCKETS))
     after_pool = _snapshot()
     graphs = DecodeGraphs(pool, lambda step, x: torch.stack([fi.run(step, x["q"], cache, group=g) for g in range(groups)]),
                           {"q": static})

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from mstar_attn import AttentionSpec, LayerGroup, PlanError, StepBatch, build_plan, kernels
+from mstar_attn import AttentionSpec, LayerGroup, PlanError, PoolLimits, StepBatch, build_plan, kernels
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
@@ -84,8 +84,8 @@ def main(out_dir: str, steps: int = 10000, check_every: int = 10, seed: int = 0)
     for backend in ("flashinfer", "flash_attn"):
         spec = AttentionSpec(32, 8, 128, 16, NUM_PAGES, groups=GROUPS, backend=backend)
         cache = random_cache(spec, seed)
-        pool = GraphBufferPool(spec, max_batch_size=160, max_num_tokens=40000, max_num_pages=NUM_PAGES, buckets=BUCKETS,
-                               max_pages_per_request=400)
+        pool = GraphBufferPool(spec, PoolLimits(max_batch_size=160, max_num_tokens=40000, max_num_pages=NUM_PAGES,
+                                                buckets=BUCKETS, max_pages_per_request=400))
         static = {n: torch.zeros(128 * MAX_VERIFY_Q_LEN, h, 128, device="cuda", dtype=torch.bfloat16) for n, h in (("q", 32), ("k", 8), ("v", 8))}
 
         def layer(step, x, cache=cache):  # -> [rows, groups, heads, head_dim]: rows first, as DecodeGraphs slices

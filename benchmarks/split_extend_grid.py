@@ -34,6 +34,7 @@ import torch
 
 from mstar_attn import kernels
 from mstar_attn.cache import PagedKVCache
+from mstar_attn.capture.limits import PoolLimits
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.plan import build_plan
@@ -139,17 +140,17 @@ def case(shape, seed, timer):
     reference.write_kv(plan0, k, v, cache)
     ref = reference.run(plan0, q.float(), cache)
     qo = np.concatenate([[0], np.cumsum(batch.q_lens)])
-    pool_kw = dict(max_batch_size=256, max_num_tokens=shape.max_tokens, max_num_pages=num_pages,
-                   max_pages_per_request=shape.max_pages_per_request, device=dev)
+    limits = PoolLimits(max_batch_size=256, max_num_tokens=shape.max_tokens, max_num_pages=num_pages,
+                        max_pages_per_request=shape.max_pages_per_request)
     fns, pools = {}, []
     for name in ("flashinfer", "flash_attn"):
         spec = AttentionSpec(**kw, backend=name)
-        pool = GraphBufferPool(spec, **pool_kw)
+        pool = GraphBufferPool(spec, limits, device=dev)
         pools.append(pool)
         step = pool.commit(build_plan(batch, spec))
         fns[name] = (lambda s=step: (kernels.write_kv(s, k, v, cache), kernels.run(s, q, cache, 0, k, v))[1])
     fi_spec = AttentionSpec(**kw, backend="flashinfer")
-    pools.append(GraphBufferPool(fi_spec, **pool_kw))  # the split variants' write_kv: a pool of its own
+    pools.append(GraphBufferPool(fi_spec, limits, device=dev))  # the split variants' write_kv: a pool of its own
     write_step = pools[-1].commit(build_plan(batch, fi_spec))
     fns.update(split_variants(batch, AttentionSpec(**kw), q, k, v, cache,
                               lambda: kernels.write_kv(write_step, k, v, cache)))

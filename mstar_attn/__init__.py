@@ -6,7 +6,7 @@ Layers, bottom up: metadata (pure) < cache < capture (state) < kernels (backends
 """
 
 from mstar_attn.cache import PagedKVCache
-from mstar_attn.capture import DeviceStep, GraphBufferPool
+from mstar_attn.capture import DeviceStep, GraphBufferPool, PoolLimits
 from mstar_attn.capture.graphs import DecodeGraphs, RoundGraphs
 from mstar_attn.kernels import get_backend, run, write_kv
 from mstar_attn.metadata import (
@@ -18,7 +18,7 @@ from mstar_attn.metadata.draft import DraftRound, build_round
 
 __all__ = [
     "AttentionPlan", "AttentionSpec", "BACKENDS", "CrossRows", "DecodeGraphs", "DeviceStep", "DraftRound", "GraphBufferPool",
-    "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache", "PlanError", "RoundGraphs", "StaleStepError",
+    "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache", "PlanError", "PoolLimits", "RoundGraphs", "StaleStepError",
     "StepBatch", "StepRows", "build_plan", "build_round", "get_backend", "run", "write_kv",
 ]
 __version__ = "0.2.0"  # the one version: pyproject.toml reads it (tool.setuptools.dynamic)

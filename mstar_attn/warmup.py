@@ -27,6 +27,7 @@ import torch
 
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.capture.pool import GraphBufferPool
+from mstar_attn.capture.limits import PoolLimits
 from mstar_attn.dense import DenseAttention, DensePlan, build_dense_plan
 from mstar_attn.kernels import run
 from mstar_attn.metadata.backends import AUTO, BACKENDS
@@ -124,8 +125,9 @@ def warmup(spec: AttentionSpec, *, backends: tuple[str, ...] | None = None, devi
         raise PlanError("warmup: latent attention (mla) specs are not warmed up yet; their kernels compile at first use")
     small = attrs.evolve(spec, num_pages=WARMUP_PAGES)
     reads = max(WIDE_BATCH, BATCH * -(-LONG_Q_LEN // spec.page_size)) + 2 * BATCH  # (page entries a step lists)
-    pool = GraphBufferPool(small, max_batch_size=WIDE_BATCH, max_num_tokens=max(WIDE_BATCH, BATCH * LONG_Q_LEN),
-                           max_num_pages=reads, device=device, buckets=(BATCH,), max_encoder_tokens=BATCH * 4)
+    pool = GraphBufferPool(small, PoolLimits(max_batch_size=WIDE_BATCH,
+                                             max_num_tokens=max(WIDE_BATCH, BATCH * LONG_Q_LEN), max_num_pages=reads,
+                                             buckets=(BATCH,), max_encoder_tokens=BATCH * 4), device=device)
     caches = [PagedKVCache.allocate(small, pool.device, group=g) for g in range(len(small.groups))]
     gen = torch.Generator(device=pool.device).manual_seed(0)
     for c in caches:  # (finite values of the cache's dtype)

@@ -153,13 +153,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def pool_of(spec, **kw):
+    """GraphBufferPool(spec, PoolLimits(...), ...) from one set of keywords: the PoolLimits fields go into
+    the record, the rest (device, num_slots, float_workspace_bytes) to the pool."""
+    from mstar_attn import GraphBufferPool, PoolLimits
+    from mstar_attn.capture.limits import NAMES
+
+    return GraphBufferPool(spec, PoolLimits(**{k: kw.pop(k) for k in NAMES if k in kw}), **kw)
+
+
 def gpu_pool(spec, **kw):
     """A GraphBufferPool on CUDA sized for the GPU tests' steps."""
-    from mstar_attn.capture.pool import GraphBufferPool
-
     kw.setdefault("max_pages_per_request", 5000)  # FA4's page tables: 4,100-token requests at page size 1
-    return GraphBufferPool(spec, max_batch_size=kw.pop("max_batch_size", 300), max_num_tokens=4096,
-                           max_num_pages=spec.num_pages, device="cuda", **kw)
+    return pool_of(spec, max_batch_size=kw.pop("max_batch_size", 300), max_num_tokens=4096,
+                   max_num_pages=spec.num_pages, device="cuda", **kw)
 
 
 def random_cache(spec, seed: int, device="cuda", group: int | None = None, k_scale: float = 1.0,
@@ -188,13 +195,12 @@ def many_steps(run, backend: str, seed: int, steps: int = 200, **pool_kw) -> Non
     the eager call bit for bit (same kernel, same inputs). seed: printed with every failure.
     """
     from mstar_attn.capture.graphs import DecodeGraphs
-    from mstar_attn.capture.pool import GraphBufferPool
 
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)  # q below: the printed seed replays the whole run
     spec = AttentionSpec(32, 8, 128, 16, 6000, groups=GPU_GROUPS[:2], backend=backend)
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32), **pool_kw)
+    pool = pool_of(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32), **pool_kw)
     q_static = torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)
     graphs = {g: DecodeGraphs(pool, lambda step, x, g=g: run(step, x["q"], cache, group=g), {"q": q_static}) for g in range(2)}
     for gr in graphs.values():
@@ -323,7 +329,6 @@ def table_steps(run, write_kv, backend: str, seed: int, steps: int = 30, heads=(
     StepBatch, and write_kv against the reference's; replays equal eager calls bit for bit.
     Returns how many steps of each bucket (None: eager) ran."""
     from mstar_attn.capture.graphs import DecodeGraphs
-    from mstar_attn.capture.pool import GraphBufferPool
     from mstar_attn.metadata.batch import StepRows
 
     rng = np.random.default_rng(seed)
@@ -331,8 +336,8 @@ def table_steps(run, write_kv, backend: str, seed: int, steps: int = 30, heads=(
     ps, hq, hkv = 16, heads[0], heads[1]
     spec = AttentionSpec(hq, hkv, 128, ps, 40000, groups=GPU_GROUPS[:2], backend=backend)
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=160, max_num_tokens=2048, max_num_pages=spec.num_pages,
-                           buckets=(1, 8, 32, 128), max_requests=200, max_pages_per_request=400, **pool_kw)
+    pool = pool_of(spec, max_batch_size=160, max_num_tokens=2048, max_num_pages=spec.num_pages,
+                   buckets=(1, 8, 32, 128), max_requests=200, max_pages_per_request=400, **pool_kw)
     table = pool.table
     static = {"q": torch.zeros(128 * 4, hq, 128, device="cuda", dtype=torch.bfloat16),
               "k": torch.zeros(128 * 4, hkv, 128, device="cuda", dtype=torch.bfloat16),

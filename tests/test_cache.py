@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mstar_attn import PagedKVCache, PlanError
+from mstar_attn import PagedKVCache, PlanError, PoolLimits
 from tests.helpers import spec_for
 
 
@@ -69,12 +69,12 @@ def test_a_cache_that_does_not_fit_says_which_part_differs(change, words):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_a_cuda_cache_or_pool_on_a_machine_without_cuda_is_a_plan_error():
     from mstar_attn.capture.pool import GraphBufferPool
-
+    
     spec = spec_for(page_size=4, num_pages=16)
     with pytest.raises(PlanError, match="sees no CUDA device"):
         PagedKVCache.allocate(spec, "cuda")
     with pytest.raises(PlanError, match="sees no CUDA device; a CPU pool is device='cpu'"):
-        GraphBufferPool(spec, max_batch_size=4, max_num_tokens=8, max_num_pages=16, device="cuda")
+        GraphBufferPool(spec, PoolLimits(max_batch_size=4, max_num_tokens=8, max_num_pages=16), device="cuda")
 
 
 def test_a_backend_whose_package_is_missing_says_how_to_get_it():

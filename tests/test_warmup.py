@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, LayerGroup, Mode, PlanError
+from mstar_attn import AttentionSpec, LayerGroup, Mode, PlanError, PoolLimits
 from mstar_attn.__main__ import main
 from mstar_attn.warmup import kinds, warmup
 
@@ -83,7 +83,7 @@ def test_warmup_then_serving_the_same_kinds_on_the_gpu():
     assert [t.kind for t in report.times] == list(kinds(spec))
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    pool = GraphBufferPool(spec, max_batch_size=8, max_num_tokens=64, max_num_pages=spec.num_pages)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=64, max_num_pages=spec.num_pages))
     caches = [PagedKVCache.allocate(spec, "cuda", group=g) for g in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     for c in caches:

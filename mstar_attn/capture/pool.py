@@ -25,6 +25,7 @@ import torch
 
 from mstar_attn.capture import cross, derive, rounds
 from mstar_attn.capture.layout import Layout, slot_views
+from mstar_attn.capture.limits import PoolLimits, limits_of
 from mstar_attn.capture.lease import CurrentStream, SlotLeases
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
@@ -32,7 +33,7 @@ from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import AUTO, BACKENDS, load
-from mstar_attn.metadata.batch import DEFAULT_BUCKETS, bucket_of
+from mstar_attn.metadata.batch import bucket_of
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, AttentionPlan, Mode
 from mstar_attn.metadata.select import table_backends
@@ -45,33 +46,25 @@ FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch, shared by ev
 class GraphBufferPool:
     """Persistent device buffers for every plan field the backends read, double-buffered.
 
-    spec: the model's AttentionSpec. max_batch_size, max_num_tokens, max_num_pages bound every
-    committed plan: commit raises PlanError beyond them (max_num_pages bounds the pages one layer
-    group of one step reads; the buffers also hold bucket padding and a whole capture-time
-    scratch plan, so a bucketed step may use that room too). buckets: decode / verify batch sizes
-    that captured graphs serve (those above max_batch_size are dropped); such a step is padded up
-    to the smallest bucket that holds it. num_slots: 2 (double buffering); with 1, every commit
-    waits until the copies of the one before it have run. max_pages_per_request: the most pages
-    one request may read through a backend that takes a dense page table (FlashAttention; commit
-    raises PlanError past it), default 2048 (32k tokens at page 16): set it to the longest context
-    / page_size. float_workspace_bytes: FlashInfer's float workspace (its split-KV partial outputs).
-    device: "cuda" (or a CUDA device); "cpu" runs the bookkeeping on the host (tests, the
-    reference backend). max_requests: give the pool a page table (`pool.table`, a PageTable of
-    max_requests rows x max_pages_per_request pages) and take StepRows plans; None: StepBatch plans
-    only. max_encoder_tokens: the most encoder tokens one step stores into cross-attention groups'
-    pages (default max_num_tokens). max_draft_steps: the most steps of a draft round `commit_round`
-    takes (1: none; each further step adds 4 * (2 + 2 * groups) bytes per request row to a slot). A
-    pool serves every backend its plans name (one Scheduler per backend module, made at the first
-    plan that needs it, or ahead with `scheduler_for`).
+    spec: the model's AttentionSpec. limits: a PoolLimits, the bounds of every committed step (and so
+    of the buffers; see PoolLimits). num_slots: 2 (double buffering); with 1, every commit waits
+    until the copies of the one before it have run. float_workspace_bytes: FlashInfer's float
+    workspace (its split-KV partial outputs). device: "cuda" (or a CUDA device); "cpu" runs the
+    bookkeeping on the host (tests, the reference backend). A pool serves every backend its plans
+    name (one Scheduler per backend module, made at the first plan that needs it, or ahead with
+    `scheduler_for`). The bounds as keyword arguments (max_batch_size=..., ...) still work, with a
+    DeprecationWarning.
     """
 
-    def __init__(self, spec: AttentionSpec, *, max_batch_size: int, max_num_tokens: int, max_num_pages: int,
-                 device: torch.device | str = "cuda", buckets: tuple[int, ...] = DEFAULT_BUCKETS, num_slots: int = 2,
-                 max_pages_per_request: int | None = None, float_workspace_bytes: int = FLOAT_WORKSPACE_BYTES,
-                 max_requests: int | None = None, max_encoder_tokens: int | None = None, max_draft_steps: int = 1):
+    def __init__(self, spec: AttentionSpec, limits: PoolLimits | None = None, *, device: torch.device | str = "cuda",
+                 num_slots: int = 2, float_workspace_bytes: int = FLOAT_WORKSPACE_BYTES, **bounds):
         if not isinstance(spec, AttentionSpec):
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-        self.spec = spec
+        self.spec, self.limits = spec, limits_of(limits, bounds)
+        lim = self.limits
+        max_batch_size, max_num_tokens, max_num_pages = lim.max_batch_size, lim.max_num_tokens, lim.max_num_pages
+        buckets, max_pages_per_request, max_requests = lim.buckets, lim.max_pages_per_request, lim.max_requests
+        max_encoder_tokens, max_draft_steps = lim.max_encoder_tokens, lim.max_draft_steps
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as e:

@@ -102,13 +102,14 @@ class PoolAttention(StepAttention):
         super().bind(spec, max_batch, max_tokens)
         try:
             from mstar_attn.capture.pool import GraphBufferPool
+            from mstar_attn.capture.limits import PoolLimits
 
             cross = spec.has_cross  # an encoder-decoder: encoder pages in the pool's cross table
-            self.pool = GraphBufferPool(spec, max_batch_size=max_batch, max_num_tokens=max_tokens,
-                                        max_num_pages=spec.num_pages, device=self.device,
-                                        max_requests=4 * max_batch if cross else None,
-                                        max_encoder_tokens=max_encoder_tokens if cross else None,
-                                        max_draft_steps=max_draft_steps)
+            self.pool = GraphBufferPool(spec, PoolLimits(max_batch_size=max_batch, max_num_tokens=max_tokens,
+                                                         max_num_pages=spec.num_pages,
+                                                         max_requests=4 * max_batch if cross else None,
+                                                         max_encoder_tokens=max_encoder_tokens if cross else None,
+                                                         max_draft_steps=max_draft_steps), device=self.device)
         except ImportError as e:
             raise DemoError(f"backend {self.name!r} cannot load here: {e}") from e
 

@@ -130,6 +130,7 @@ def _run_group(group: list[Shape], results: dict, timer, cfg: BenchConfig, log, 
 
     from mstar_attn import kernels
     from mstar_attn.cache import PagedKVCache
+    from mstar_attn.capture.limits import PoolLimits
     from mstar_attn.capture.pool import GraphBufferPool
     from mstar_attn.kernels import reference
     from mstar_attn.metadata.plan import build_plan
@@ -139,9 +140,9 @@ def _run_group(group: list[Shape], results: dict, timer, cfg: BenchConfig, log, 
     dtype = getattr(torch, dtype_name)
     num_pages = 1 + max(s.max_pages for s in group) + 8
     spec_kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, num_pages=num_pages, dtype=dtype)
-    pool_kw = dict(max_batch_size=max(256, max(s.max_requests for s in group)),
-                   max_num_tokens=max(s.max_tokens for s in group), max_num_pages=num_pages,
-                   max_pages_per_request=max(s.max_pages_per_request for s in group))
+    limits = PoolLimits(max_batch_size=max(256, max(s.max_requests for s in group)),
+                        max_num_tokens=max(s.max_tokens for s in group), max_num_pages=num_pages,
+                        max_pages_per_request=max(s.max_pages_per_request for s in group))
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     shape5 = (num_pages + 1, ps, hkv, d)  # + the scratch page
     cache = PagedKVCache(torch.randn(shape5, device=device, dtype=dtype, generator=gen),
@@ -152,7 +153,7 @@ def _run_group(group: list[Shape], results: dict, timer, cfg: BenchConfig, log, 
 
     def pool_for(name: str, spec):
         if name not in pools:
-            pools[name] = GraphBufferPool(spec, device=device, **pool_kw)
+            pools[name] = GraphBufferPool(spec, limits, device=device)
         return pools[name]
 
     try:

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, CrossRows, PlanError, StepBatch, build_plan
+from mstar_attn import AttentionSpec, CrossRows, PlanError, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
 from tests.cross_pages import GROUPS, CrossTrace, serve
-from tests.helpers import fresh_seed, random_cache
+from tests.helpers import fresh_seed, pool_of, random_cache
 
 
 def cpu_pool(spec, **kw):
-    return GraphBufferPool(spec, max_batch_size=32, max_num_tokens=1024, max_num_pages=spec.num_pages, device="cpu",
-                           buckets=(1, 4, 8), max_requests=64, max_pages_per_request=kw.pop("width", 256), **kw)
+    return pool_of(spec, max_batch_size=32, max_num_tokens=1024, max_num_pages=spec.num_pages, device="cpu",
+                   buckets=(1, 4, 8), max_requests=64, max_pages_per_request=kw.pop("width", 256), **kw)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -98,7 +98,7 @@ def test_cross_rows_are_checked_at_commit_and_a_failed_commit_keeps_the_table_up
     table.release(0)
     with pytest.raises(PlanError, match="holds none stored yet"):  # a released row holds nothing
         table.assign(0, [1, 2]) or commit([0], [20])
-    plain = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=64, max_num_pages=8000, device="cpu")
+    plain = GraphBufferPool(spec, PoolLimits(max_batch_size=4, max_num_tokens=64, max_num_pages=8000), device="cpu")
     assert plain.cross_table is None
     rows_batch = StepBatch.from_pages([1], [5], [[0]], 16, group_pages={1: CrossRows.of([0], [5])})
     with pytest.raises(PlanError, match="this pool has no cross table"):

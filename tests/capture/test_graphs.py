@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, LayerGroup, PlanError, build_plan
+from mstar_attn import AttentionSpec, LayerGroup, PlanError, PoolLimits, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
@@ -13,7 +13,8 @@ from tests.helpers import GPU_GROUPS, assert_close_per_request, fresh_seed, rand
 
 def cpu_graphs(groups=(LayerGroup(),), rows=64):
     spec = spec_for(page_size=4, num_pages=64, groups=groups)
-    pool = GraphBufferPool(spec, max_batch_size=16, max_num_tokens=64, max_num_pages=64, device="cpu", buckets=(4, 8))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=16, max_num_tokens=64, max_num_pages=64,
+                                            buckets=(4, 8)), device="cpu")
     return DecodeGraphs(pool, lambda step, x: x["q"], {"q": torch.zeros(rows, 4, 16)})
 
 
@@ -68,7 +69,8 @@ def test_capture_after_serving_leaves_every_requests_kv_untouched(backend):
     torch.manual_seed(seed)
     spec = AttentionSpec(32, 8, 128, 16, 2000, groups=GPU_GROUPS[:2], backend=backend)
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=32, max_num_tokens=512, max_num_pages=2000, buckets=(1, 8, 32))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=32, max_num_tokens=512, max_num_pages=2000,
+                                            buckets=(1, 8, 32)))
     plans = [build_plan(random_batch(rng, [1] * 6, rng.integers(2, 900, 6), 16, 2000), spec) for _ in range(2)]
     for plan in plans:  # serving has begun: these requests' KV is in the cache
         step = pool.commit(plan)
@@ -112,7 +114,8 @@ def test_commits_on_a_side_stream(backend):
     torch.manual_seed(seed)
     spec = AttentionSpec(32, 8, 128, 16, 8000, groups=GPU_GROUPS[:2], backend=backend)
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=1024, max_num_pages=8000, buckets=(8, 64))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=1024, max_num_pages=8000,
+                                            buckets=(8, 64)))
     side, compute = torch.cuda.Stream(), torch.cuda.current_stream()
     plans = [build_plan(random_batch(rng, [1] * int(b), rng.integers(2, 1500, int(b)), 16, 8000), spec)
              for b in rng.integers(1, 64, 9)]

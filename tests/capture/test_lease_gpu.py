@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, StepBatch, build_plan
+from mstar_attn import AttentionSpec, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture import lease
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.batch import StepRows
@@ -32,8 +32,8 @@ def _run_behind(seed: int, steps: int, defer: bool = False, churn: bool = False,
     rng = np.random.default_rng(seed)
     spec = AttentionSpec(32, 8, 128, PS, B * PAGES + 8)
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=B, max_num_tokens=256, max_num_pages=spec.num_pages, buckets=(B,),
-                           max_requests=B, max_pages_per_request=PAGES)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=B, max_num_tokens=256, max_num_pages=spec.num_pages,
+                                            buckets=(B,), max_requests=B, max_pages_per_request=PAGES))
     graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(B, 32, 128, device="cuda",
                                                                                         dtype=torch.bfloat16)})
     graphs.capture()
@@ -122,7 +122,8 @@ def test_a_decode_graph_without_the_commit_work_is_caught(monkeypatch):
 
 def test_the_kept_current_stream_follows_stream_changes():
     spec = AttentionSpec(32, 8, 128, PS, 64)
-    pool = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=16, max_num_pages=64, buckets=(4,), max_requests=4)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=4, max_num_tokens=16, max_num_pages=64, buckets=(4,),
+                                            max_requests=4))
     side = torch.cuda.Stream()
     assert pool.current_stream() == torch.cuda.current_stream()
     with torch.cuda.stream(side):
@@ -153,8 +154,8 @@ def _replanning_walk(seed: int, steps: int, monkeypatch):
     rng = np.random.default_rng(seed)
     spec = AttentionSpec(32, 8, 128, PS, 8 * 128 + 8)
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=8, max_num_tokens=64, max_num_pages=spec.num_pages, buckets=(8,),
-                           max_requests=8, max_pages_per_request=128)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=64, max_num_pages=spec.num_pages,
+                                            buckets=(8,), max_requests=8, max_pages_per_request=128))
     graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(8, 32, 128, device="cuda",
                                                                                         dtype=torch.bfloat16)})
     graphs.capture()

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import LayerGroup, PagedKVCache, PlanError, StaleStepError, build_plan, kernels
+from mstar_attn import LayerGroup, PagedKVCache, PlanError, PoolLimits, StaleStepError, build_plan, kernels
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
-from tests.helpers import fresh_seed, random_batch, spec_for
+from tests.helpers import fresh_seed, pool_of, random_batch, spec_for
 
 GROUPS = (LayerGroup(), LayerGroup("window", window=9))
 
@@ -20,7 +20,7 @@ def pool_for(spec, **kw):
     kw.setdefault("max_num_tokens", 512)
     kw.setdefault("max_num_pages", spec.num_pages)
     kw.setdefault("buckets", (1, 2, 4, 8, 16))
-    return GraphBufferPool(spec, device="cpu", **kw)
+    return pool_of(spec, device="cpu", **kw)
 
 
 def device_arrays(step):
@@ -180,8 +180,8 @@ def test_pool_arguments_are_checked():
         with pytest.raises(PlanError, match=match):
             pool_for(spec, **kw)
     with pytest.raises(PlanError, match="device: 'bogus'"):
-        GraphBufferPool(spec, max_batch_size=8, max_num_tokens=8, max_num_pages=8, device="bogus")
-    with pytest.raises(TypeError, match="scheduler_option_typo"):  # no catch-all options: a typo is named
+        GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=8, max_num_pages=8), device="bogus")
+    with pytest.raises(PlanError, match="scheduler_option_typo"):  # a typo is named (capture/limits.py)
         pool_for(spec, scheduler_option_typo=1)
 
 
@@ -281,7 +281,8 @@ def test_cascade_capture_plans_fit_a_pool_of_few_pages():
     from mstar_attn.metadata.plan import scratch_plan
 
     spec = spec_for(page_size=16, num_pages=32, cascade="always")
-    pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=64, max_num_pages=4, device="cpu", buckets=(2, 8, 64))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=64, max_num_pages=4,
+                                            buckets=(2, 8, 64)), device="cpu")
     for bucket in pool.buckets:
         for q_len in (1, 16):
             step = pool.commit(scratch_plan(spec, bucket, q_len, cascade=True))

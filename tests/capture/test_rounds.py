@@ -9,11 +9,10 @@ import torch
 
 from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, PlanError, StaleStepError, StepBatch, build_plan
 from mstar_attn.capture.graphs import RoundGraphs
-from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.draft import build_round
 from tests.draft_rounds import DraftTrace, serve_rounds
-from tests.helpers import fresh_seed
+from tests.helpers import pool_of, fresh_seed
 
 GROUPS = (LayerGroup(), LayerGroup("window", window=7))
 
@@ -23,8 +22,8 @@ def _spec(ps=4, dtype=torch.bfloat16, pages=4000):
 
 
 def _pool(spec, k=8, **kw):
-    return GraphBufferPool(spec, max_batch_size=16, max_num_tokens=128, max_num_pages=spec.num_pages, device="cpu",
-                           buckets=(1, 4, 8), max_draft_steps=k, **kw)
+    return pool_of(spec, max_batch_size=16, max_num_tokens=128, max_num_pages=spec.num_pages, device="cpu",
+                   buckets=(1, 4, 8), max_draft_steps=k, **kw)
 
 
 def _round(seed, B=5, k=4, ps=4):

@@ -8,20 +8,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar_attn import LayerGroup, PagedKVCache, PlanError, StepBatch, build_plan
+from mstar_attn import LayerGroup, PagedKVCache, PlanError, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.batch import StepRows
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
-from tests.helpers import assert_close_per_request, draw_lengths, fresh_seed, spec_for
+from tests.helpers import assert_close_per_request, draw_lengths, fresh_seed, pool_of, spec_for
 
 GROUPS = (LayerGroup(), LayerGroup("window", window=9))
 
 
 def table_pool(spec, max_requests=40, width=64, **kw):
-    return GraphBufferPool(spec, max_batch_size=32, max_num_tokens=600, max_num_pages=spec.num_pages, device="cpu",
-                           buckets=kw.pop("buckets", (1, 2, 4, 8, 16)), max_requests=max_requests,
-                           max_pages_per_request=width, **kw)
+    return pool_of(spec, max_batch_size=32, max_num_tokens=600, max_num_pages=spec.num_pages, device="cpu",
+                   buckets=kw.pop("buckets", (1, 2, 4, 8, 16)), max_requests=max_requests, max_pages_per_request=width, **kw)
 
 
 def admit(pool, rng, kv_lens, shared_prefix=0):
@@ -188,7 +187,7 @@ def test_commit_refuses_bad_rows_and_changes_nothing():
     assert pool.generations == [0, 0] and t.pending == pending == 8
     pool.commit(build_plan(StepRows.decode([3], [8]), spec))  # reads shared page 4, writes its own page 6
     assert t.pending == 0 and t.dev[4 * 64] == 7
-    no_table = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=8, max_num_pages=100, device="cpu")
+    no_table = GraphBufferPool(spec, PoolLimits(max_batch_size=4, max_num_tokens=8, max_num_pages=100), device="cpu")
     with pytest.raises(PlanError, match="needs a pool with a page table"):
         no_table.commit(build_plan(StepRows.decode([0], [5]), spec))
     with pytest.raises(PlanError, match="rows\\[1\\]: a page-table row is negative"):
@@ -198,8 +197,8 @@ def test_commit_refuses_bad_rows_and_changes_nothing():
 def test_a_decode_step_rows_commit_copies_o_of_batch_bytes():
     """B = 256 decode over 2k-token contexts: the copy holds O(B) arrays, no page list."""
     spec = spec_for(page_size=16, num_pages=40000)
-    pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=2048, max_num_pages=40000, device="cpu",
-                           max_requests=300, max_pages_per_request=256)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=2048, max_num_pages=40000,
+                                            max_requests=300, max_pages_per_request=256), device="cpu")
     rng = np.random.default_rng(0)
     kv = rng.integers(1800, 2300, 256)
     rows, _ = admit(pool, rng, kv)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, StepBatch, build_plan
+from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
 from mstar_attn.kernels._cascade import shared_batch, stage, staging_entries
@@ -38,8 +38,8 @@ def test_staged_levels_compute_the_flat_attention(ps, q_len, families, loners, k
     spec = AttentionSpec(4, 2, 16, ps, NUM_PAGES, dtype=torch.float64, backend="reference", cascade="always",
                          groups=(LayerGroup(kind),))
     flat_spec = AttentionSpec(4, 2, 16, ps, NUM_PAGES, dtype=torch.float64, backend="reference", groups=(LayerGroup(kind),))
-    pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=256, max_num_pages=NUM_PAGES, device="cpu",
-                           buckets=(8, 16, 32) if bucketed else (1,))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=256, max_num_pages=NUM_PAGES,
+                                            buckets=(8, 16, 32) if bucketed else (1,)), device="cpu")
     rng = np.random.default_rng(seed)
     q_lens, kv, pages = prefix_batch(rng, ps, q_len, NUM_PAGES, families, loners)
     batch = StepBatch.from_pages(q_lens, kv, pages, ps)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import LayerGroup, PagedKVCache, PlanError, build_plan, kernels
+from mstar_attn import LayerGroup, PagedKVCache, PlanError, PoolLimits, build_plan, kernels
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flash_attn as fa
 from mstar_attn.kernels import reference
@@ -21,7 +21,8 @@ GROUPS = (LayerGroup(), LayerGroup("window", window=5))
 def setup(dtype=torch.bfloat16, q_lens=(1, 1, 1), kv_lens=(5, 9, 20), backend="reference", head_dim=16):
     spec = spec_for(page_size=4, num_pages=64, groups=GROUPS, dtype=dtype, head_dim=head_dim, backend=backend)
     plan = build_plan(random_batch(np.random.default_rng(fresh_seed()), list(q_lens), list(kv_lens), 4, 64), spec)
-    pool = GraphBufferPool(spec, max_batch_size=16, max_num_tokens=64, max_num_pages=64, device="cpu", buckets=(4, 8))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=16, max_num_tokens=64, max_num_pages=64,
+                                            buckets=(4, 8)), device="cpu")
     cache = PagedKVCache.allocate(spec)
     T, Hq, Hkv, D = plan.num_tokens, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     q = torch.randn(T, Hq, D).to(dtype)
@@ -108,7 +109,7 @@ def test_run_with_k_and_v_before_any_write_kv_is_refused():
     rng = np.random.default_rng(seed)
     spec = spec_for(page_size=4, num_pages=64)
     plan = build_plan(random_batch(rng, [1, 3], [5, 9], 4, 64), spec)
-    pool = GraphBufferPool(spec, max_batch_size=4, max_num_tokens=16, max_num_pages=64, device="cpu")
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=4, max_num_tokens=16, max_num_pages=64), device="cpu")
     cache = PagedKVCache.allocate(spec, "cpu")
     gen = torch.Generator().manual_seed(seed)
     cache.k.copy_(torch.randn(cache.k.shape, generator=gen))

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from mstar_attn import AttentionSpec, LayerGroup, Mode, PagedKVCache, PlanError, build_plan
-from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flash_attn as fa
 from mstar_attn.kernels import reference
 from tests.helpers import (
+    pool_of,
     smoke_first,
     GPU_GROUPS, assert_close_per_request, check_modes, check_replay, fresh_seed, gpu_pool, make_step, many_steps,
     random_cache,
@@ -110,8 +110,8 @@ def cpu_pool(monkeypatch):
     monkeypatch.setattr(fa, "_varlen_func", lambda: fake_varlen)
 
     def make(spec, **kw):
-        return GraphBufferPool(spec, max_batch_size=kw.pop("max_batch_size", 64), max_num_tokens=1024,
-                               max_num_pages=spec.num_pages, device="cpu", **kw)
+        return pool_of(spec, max_batch_size=kw.pop("max_batch_size", 64), max_num_tokens=1024,
+                       max_num_pages=spec.num_pages, device="cpu", **kw)
 
     return make
 

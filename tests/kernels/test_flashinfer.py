@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, LayerGroup, StepBatch, build_plan
+from mstar_attn import AttentionSpec, LayerGroup, PoolLimits, StepBatch, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import (
     smoke_first,
@@ -162,7 +162,8 @@ def test_wrappers_share_the_slot_workspaces():
     torch.manual_seed(seed)
     spec = AttentionSpec(32, 8, 128, 16, 9000, groups=GPU_GROUPS[:2])
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=512, max_num_pages=9000, buckets=(4, 16, 64))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=512, max_num_pages=9000,
+                                            buckets=(4, 16, 64)))
     static = torch.zeros(256, 32, 128, device="cuda", dtype=torch.bfloat16)
     graphs = [DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g), {"q": static}) for g in range(2)]
     for gr in graphs:
@@ -200,7 +201,7 @@ def test_replay_follows_new_plans_on_the_public_plan_path():
     torch.manual_seed(seed)
     spec = AttentionSpec(32, 8, 128, 16, 2000)
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=16, max_num_tokens=256, max_num_pages=2000, buckets=(8, 16))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=16, max_num_tokens=256, max_num_pages=2000, buckets=(8, 16)))
     pool.scheduler_for("flashinfer").use_fast = False
     graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache), {"q": torch.zeros(16, 32, 128, device="cuda", dtype=torch.bfloat16)})
     graphs.capture()
@@ -253,8 +254,8 @@ def test_no_device_sync_on_the_page_table_path():
     seed = fresh_seed()
     spec = AttentionSpec(32, 8, 128, 16, 4000, groups=GPU_GROUPS[:2])
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=16, max_num_tokens=64, max_num_pages=4000, buckets=(8,),
-                           max_requests=32, max_pages_per_request=64)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=16, max_num_tokens=64, max_num_pages=4000, buckets=(8,),
+                                            max_requests=32, max_pages_per_request=64))
     graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(8, 32, 128, device="cuda",
                                                                                          dtype=torch.bfloat16)})
     graphs.capture()
@@ -326,7 +327,8 @@ def test_fp8_kv_eager_and_replayed():
     for a in range(0, n, 8192):  # every slot random (through the quantizing store)
         idx = torch.arange(a, min(a + 8192, n), device="cuda")
         cache.store(idx, *(torch.randn(idx.shape[0], 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(2)))
-    pool = GraphBufferPool(spec, max_batch_size=64, max_num_tokens=2048, max_num_pages=4000, buckets=(8, 32))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=2048, max_num_pages=4000,
+                                            buckets=(8, 32)))
     graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache),
                           {"q": torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)})
     graphs.capture(q_lens=(1, 4))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, LayerGroup, StepBatch, build_plan
+from mstar_attn import AttentionSpec, LayerGroup, PoolLimits, StepBatch, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import smoke_first, assert_close_per_request, fresh_seed, random_cache, replay_or_run
 from tests.prefix_batches import prefix_batch
@@ -52,7 +52,8 @@ def test_cascade_steps_eager_and_replayed(page_size, kind):
     flat_spec = AttentionSpec(32, 8, 128, ps, num_pages, groups=groups, layer_groups=(0, 1))
     cache = random_cache(spec, seed)
     # max_num_pages bounds the page entries one step lists (shared pages once per member)
-    pool, flat_pool = (GraphBufferPool(s, max_batch_size=64, max_num_tokens=512, max_num_pages=200_000 // ps, buckets=(8, 32))
+    pool, flat_pool = (GraphBufferPool(s, PoolLimits(max_batch_size=64, max_num_tokens=512,
+                                                     max_num_pages=200_000 // ps, buckets=(8, 32)))
                        for s in (spec, flat_spec))
     verify = all(g.causal for g in groups)
     graphs = [DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g),
@@ -100,7 +101,8 @@ def test_the_largest_verify_bucket_captures_and_replays():
     spec = AttentionSpec(32, 8, 128, 16, 20000, cascade="always")
     flat_spec = AttentionSpec(32, 8, 128, 16, 20000)
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=256, max_num_tokens=4096, max_num_pages=20000, buckets=(256,))
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=20000,
+                                            buckets=(256,)))
     graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache),
                           {"q": torch.zeros(256 * 16, 32, 128, device="cuda", dtype=torch.bfloat16)})
     graphs.capture(q_lens=(16,))

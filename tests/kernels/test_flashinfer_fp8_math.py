@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, StepBatch, build_plan
+from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, PoolLimits, StepBatch, build_plan
 from tests.helpers import smoke_first, fresh_seed, random_batch, random_cache, random_pages
 
 pytestmark = pytest.mark.gpu
@@ -113,8 +113,9 @@ def test_fp8_math_decode_eager_replayed_and_rounds(page_size):
     spec = AttentionSpec(H, KVH, D, page_size, 30000 // page_size * 8, groups=groups, layer_groups=(0, 1),
                          kv_dtype=torch.float8_e4m3fn, fp8_math=True, sm_scale=0.7 * D**-0.5)  # (a q_scale dropping it shows)
     caches = [random_cache(spec, seed + grp, group=grp, k_scale=K_SCALE, v_scale=V_SCALE) for grp in range(2)]
-    pool = GraphBufferPool(spec, max_batch_size=48, max_num_tokens=48 * 4, max_num_pages=spec.num_pages, buckets=(8, 32),
-                           max_pages_per_request=3000 // page_size + 2, max_draft_steps=4)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=48, max_num_tokens=48 * 4, max_num_pages=spec.num_pages,
+                                            buckets=(8, 32), max_pages_per_request=3000 // page_size + 2,
+                                            max_draft_steps=4))
 
     def layers(step, x):
         outs = []
@@ -167,8 +168,8 @@ def test_fp8_math_bound_sees_errors():
     rng = np.random.default_rng(seed)
     spec = AttentionSpec(H, KVH, D, 16, 4000, kv_dtype=torch.float8_e4m3fn, fp8_math=True)
     cache = random_cache(spec, seed, k_scale=K_SCALE, v_scale=V_SCALE)
-    pool = GraphBufferPool(spec, max_batch_size=16, max_num_tokens=16, max_num_pages=4000, buckets=(16,),
-                           max_pages_per_request=200)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=16, max_num_tokens=16, max_num_pages=4000, buckets=(16,),
+                                            max_pages_per_request=200))
     plan = build_plan(random_batch(rng, [1] * 16, rng.integers(500, 3000, 16), 16, 4000), spec)
     step = pool.commit(plan)
     q = 3 * torch.randn(16, H, D, generator=gen, device="cuda").bfloat16()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, build_plan
+from mstar_attn import AttentionSpec, PoolLimits, build_plan
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.batch import StepRows
 from tests.helpers import GPU_GROUPS, assert_close_per_request, fresh_seed, random_cache
@@ -26,8 +26,8 @@ from mstar_attn.kernels import flashinfer as fi  # noqa: E402
 def _table_graphs(spec, cache, max_batch: int):
     """A pool with a page table (8 rows of 128 pages, one bucket of 4: split-KV) and its captured
     decode graphs of fi.run over `cache`."""
-    pool = GraphBufferPool(spec, max_batch_size=max_batch, max_num_tokens=64, max_num_pages=spec.num_pages, buckets=(4,),
-                           max_requests=8, max_pages_per_request=128)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=max_batch, max_num_tokens=64, max_num_pages=spec.num_pages,
+                                            buckets=(4,), max_requests=8, max_pages_per_request=128))
     q = torch.zeros(4, spec.num_qo_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
     graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": q})
     graphs.capture()

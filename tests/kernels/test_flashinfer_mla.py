@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, build_plan
+from mstar_attn import AttentionSpec, PoolLimits, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import smoke_first, assert_close_per_request, fresh_seed, random_batch, random_cache
 
@@ -33,8 +33,8 @@ def test_mla_eager_and_replayed(page_size, heads):
     num_pages = 80000 // page_size
     spec = AttentionSpec(heads, 1, CKV, page_size, num_pages, mla_rope_dim=ROPE, sm_scale=192**-0.5, backend="flashinfer_mla")
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, max_batch_size=32, max_num_tokens=1024, max_num_pages=num_pages, buckets=(8, 32),
-                           max_pages_per_request=2400 // page_size + 2)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=32, max_num_tokens=1024, max_num_pages=num_pages,
+                                            buckets=(8, 32), max_pages_per_request=2400 // page_size + 2))
     graphs = DecodeGraphs(pool, lambda step, x: mla.run(step, x["q"], cache),
                           {"q": torch.zeros(32 * 4, heads, CKV + ROPE, device="cuda", dtype=torch.bfloat16)})
     graphs.capture(q_lens=(1, 4))
