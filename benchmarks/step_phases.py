@@ -61,7 +61,7 @@ def main(out_dir: str) -> None:
         args = (torch.from_numpy(csr.kv_indptr.copy()), torch.from_numpy(csr.kv_indices.copy()).cuda(),
                 torch.from_numpy(csr.kv_last_page_len.copy()))
 
-        o = views[0]  # (the floor writes what the slot's head already holds: its rows, then the lengths)
+        o = views.offsets  # (the floor writes what the slot's head already holds: its rows, then the lengths)
 
         def floor():
             kv.min(), kv.max()
@@ -107,8 +107,8 @@ def main(out_dir: str) -> None:
             "numpy kv.min()": kv.min,
             "pool.validate": lambda: pool.validate(plan),
             "pool.free_slot": lambda: pool.free_slot(None),
-            "stage_derived": lambda: stage_derived(h, plan, views[0], step.rows, 1, no_updates, table, StagedHead()),
-            "stage_derived, rows held": lambda: stage_derived(h, plan, views[0], step.rows, 1, no_updates, table, pool.held[0]),
+            "stage_derived": lambda: stage_derived(h, plan, views.offsets, step.rows, 1, no_updates, table, StagedHead()),
+            "stage_derived, rows held": lambda: stage_derived(h, plan, views.offsets, step.rows, 1, no_updates, table, pool.held[0]),
             "DeviceStep": lambda: DeviceStep(plan=plan, slot=0, rows=step.rows, num_rows=step.num_rows, bucket=step.bucket,
                                              q_len=1, qo_indptr=step.qo_indptr, host_qo_indptr=step.host_qo_indptr,
                                              slot_mapping=step.slot_mapping, table_rows=step.table_rows, groups=step.groups,

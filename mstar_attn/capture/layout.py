@@ -119,19 +119,48 @@ class Layout:
         return self.at(self.max_rows, self.max_tokens).end
 
 
-def slot_views(layout: Layout, dev: torch.Tensor, host: torch.Tensor, rows: int, num_rows: int) -> tuple:
-    """A pool slot's fixed views for `rows` requests and `num_rows` token rows: (offsets, qo_indptr
-    [rows+1] device, the same pinned, slot_mapping [num_rows] int64 device, table rows [rows] device,
-    per group (kv_indptr, last_page_len, kv_lens, first_page device, kv_indptr, last_page_len,
-    kv_lens pinned, the group's slot_mapping device)). dev, host: the slot's int32 buffers."""
+@attrs.frozen
+class GroupViews:
+    """One layer group's fixed views in a pool slot: int32 device views of kv_indptr [rows+1],
+    last_page_len, kv_lens, first_page [rows], pinned host views of the first three, and the group's
+    slot_mapping [num_rows or its own count] int64 device."""
+
+    kv_indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    kv_lens: torch.Tensor
+    first_page: torch.Tensor
+    host_kv_indptr: torch.Tensor
+    host_last_page_len: torch.Tensor
+    host_kv_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@attrs.frozen
+class SlotViews:
+    """A pool slot's fixed views for `rows` requests and `num_rows` token rows: the offsets, qo_indptr
+    [rows+1] (device, and pinned host), slot_mapping [num_rows] int64 device, the table rows [rows]
+    device, and each layer group's views."""
+
+    offsets: Offsets
+    qo_indptr: torch.Tensor
+    host_qo_indptr: torch.Tensor
+    slot_mapping: torch.Tensor
+    table_rows: torch.Tensor
+    groups: tuple[GroupViews, ...]
+
+
+def slot_views(layout: Layout, dev: torch.Tensor, host: torch.Tensor, rows: int, num_rows: int) -> SlotViews:
+    """A pool slot's SlotViews for `rows` requests and `num_rows` token rows. dev, host: the slot's
+    int32 buffers (device, pinned)."""
     offsets = layout.at(rows, num_rows)
     slots = dev[offsets.slots : offsets.slots + 2 * num_rows].view(torch.int64)
-    groups = tuple((dev[o.kv_indptr : o.kv_indptr + rows + 1], dev[o.last_page_len : o.last_page_len + rows],
-                    dev[o.kv_lens : o.kv_lens + rows], dev[o.first_page : o.first_page + rows],
-                    host[o.kv_indptr : o.kv_indptr + rows + 1], host[o.last_page_len : o.last_page_len + rows],
-                    host[o.kv_lens : o.kv_lens + rows],
-                    slots if at == offsets.slots else dev[at : at + 2 * (n if n > 0 else num_rows)].view(torch.int64))
-                   for o, at, n in zip(offsets.groups, offsets.group_slots, layout.slot_rows))
-    table_rows = dev[offsets.table_rows : offsets.table_rows + rows]
+    groups = tuple(GroupViews(
+        kv_indptr=dev[o.kv_indptr : o.kv_indptr + rows + 1], last_page_len=dev[o.last_page_len : o.last_page_len + rows],
+        kv_lens=dev[o.kv_lens : o.kv_lens + rows], first_page=dev[o.first_page : o.first_page + rows],
+        host_kv_indptr=host[o.kv_indptr : o.kv_indptr + rows + 1],
+        host_last_page_len=host[o.last_page_len : o.last_page_len + rows], host_kv_lens=host[o.kv_lens : o.kv_lens + rows],
+        slot_mapping=slots if at == offsets.slots else dev[at : at + 2 * (n if n > 0 else num_rows)].view(torch.int64))
+        for o, at, n in zip(offsets.groups, offsets.group_slots, layout.slot_rows))
     qo = offsets.qo
-    return offsets, dev[qo : qo + rows + 1], host[qo : qo + rows + 1], slots, table_rows, groups
+    return SlotViews(offsets=offsets, qo_indptr=dev[qo : qo + rows + 1], host_qo_indptr=host[qo : qo + rows + 1],
+                     slot_mapping=slots, table_rows=dev[offsets.table_rows : offsets.table_rows + rows], groups=groups)

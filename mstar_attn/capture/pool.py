@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mstar_attn.capture import cross, derive, rounds
-from mstar_attn.capture.layout import Layout, slot_views
+from mstar_attn.capture.layout import Layout, SlotViews, slot_views
 from mstar_attn.capture.limits import PoolLimits, limits_of
 from mstar_attn.capture.lease import CurrentStream, SlotLeases
 from mstar_attn.capture.graph_cache import CommitGraphs
@@ -245,7 +245,7 @@ class GraphBufferPool:
         self.last_commit_bytes = 0
         table = self.table if xg is None else self.cross_table
         updates = None if plan.rows is None and xg is None else table.take_updates()  # (put back if the commit fails)
-        h, offsets = self.host_np[s], views[0]
+        h, offsets = self.host_np[s], views.offsets
         lazy = derived and (scheduler is None or scheduler.lazy_host_arrays)  # (no scheduler: none reads them)
         if not derived:  # (other steps write the head in their own layouts: a derived step stages it whole next)
             self.held[s] = StagedHead()
@@ -270,9 +270,9 @@ class GraphBufferPool:
             on = side or here  # the stream this commit's copies and host scheduling run on
             try:
                 lease.after_consumer(s, on)
-                offsets, qo, h_qo, slot_view, table_rows, _ = views
-                step = DeviceStep(plan=plan, slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=q_len, qo_indptr=qo,
-                                  host_qo_indptr=h_qo, slot_mapping=slot_view, table_rows=table_rows,
+                step = DeviceStep(plan=plan, slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=q_len,
+                                  qo_indptr=views.qo_indptr, host_qo_indptr=views.host_qo_indptr,
+                                  slot_mapping=views.slot_mapping, table_rows=views.table_rows,
                                   groups=self._groups_of(s, rows, num_rows, views, ranges), generation=self.generations[s],
                                   pool=self, stream=side)
                 if plan.rows is None:
@@ -281,7 +281,7 @@ class GraphBufferPool:
                     if xg is not None:  # the table updates past the step's region, then one graph per bucket
                         self.last_commit_bytes += table.send(updates) if left else 0
                         self.device_work.run(("cross", s, rows, num_rows), bucket is not None, lambda: cross.device_work(
-                            table, dev, offsets, xg, table_rows, self.layout.index_capacity))
+                            table, dev, offsets, xg, views.table_rows, self.layout.index_capacity))
                         cross.record(table, plan, xg)
                 elif left:  # more table updates than the step's region holds (admissions): sent first
                     self.last_commit_bytes += table.send(updates)
@@ -336,16 +336,18 @@ class GraphBufferPool:
             stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.rows, step.num_rows), step.rows, step.q_len)
             self.unstaged[step.slot] = -1
 
-    def _groups_of(self, s: int, rows: int, num_rows: int, views: tuple, ranges) -> tuple[DeviceGroup, ...]:
+    def _groups_of(self, s: int, rows: int, num_rows: int, views: SlotViews, ranges) -> tuple[DeviceGroup, ...]:
         """The step's DeviceGroups over each group's used index range, or its whole index region (ranges None:
         a derived step: made once per slot and bucket shape)."""
         def make(spans):
-            return tuple(DeviceGroup(ptr, self.dev[s][a:b], lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots)
-                         for (ptr, lpl, lens, first, h_ptr, h_lpl, h_lens, g_slots), (a, b) in zip(views[5], spans))
+            return tuple(DeviceGroup.over(g, self.dev[s][a:b]) for g, (a, b) in zip(views.groups, spans))
         cap = self.layout.index_capacity
         if ranges is not None:
             return make(ranges)
-        return self.kept(("groups", s, rows, num_rows), True, lambda: make([(o.indices, o.indices + cap) for o in views[0].groups]))
+        key = ("groups", s, rows, num_rows)
+        groups = self._views.get(key)
+        return groups if groups is not None else self.kept(
+            key, True, lambda: make([(o.indices, o.indices + cap) for o in views.offsets.groups]))
 
     def check_slot(self, slot, where: str) -> None:  # (None: the next slot)
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
@@ -358,9 +360,11 @@ class GraphBufferPool:
         self.leases.free(s)
         return s
 
-    def views_of(self, s: int, rows: int, num_rows: int, keep: bool) -> tuple:
+    def views_of(self, s: int, rows: int, num_rows: int, keep: bool) -> SlotViews:
         """Slot s's fixed views for `rows` requests and `num_rows` token rows (kept for bucketed shapes)."""
-        return self.kept((s, rows, num_rows), keep, lambda: slot_views(self.layout, self.dev[s], self.host[s], rows, num_rows))
+        views = self._views.get((s, rows, num_rows))
+        return views if views is not None else self.kept(
+            (s, rows, num_rows), keep, lambda: slot_views(self.layout, self.dev[s], self.host[s], rows, num_rows))
 
     def kept(self, key: tuple, keep: bool, make):
         """make()'s views of a slot, made once per key when `keep` (bucketed shapes: bounded), else each time."""

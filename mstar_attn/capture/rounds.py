@@ -34,16 +34,18 @@ def check_steps(n) -> int:
     return n
 
 
-def _step_views(pool: GraphBufferPool, s: int, rows: int, num_rows: int) -> list[tuple]:
-    """Per draft step 1..D-1 of slot s: (slot_mapping [num_rows] int64 device, per group (last_page_len,
-    kv_lens [rows] int32 device, the same two [rows] int32 pinned host)) views."""
+def _step_views(pool: GraphBufferPool, s: int, rows: int, num_rows: int) -> list[tuple[dict, ...]]:
+    """Per draft step 1..D-1 of slot s, per layer group: the DeviceGroup fields that step holds apart
+    (by name: slot_mapping [num_rows] int64, kv_last_page_len and kv_lens [rows] int32 device, the same
+    two pinned), what DeviceGroup.over takes as changes."""
     offsets = pool.layout.at(rows, num_rows)
     dev, host = pool.dev[s], pool.host[s]
     out = []
     for at, groups in offsets.draft_steps:
         slots = dev[at : at + 2 * num_rows].view(torch.int64)
-        out.append((slots, tuple((dev[lpl : lpl + rows], dev[lens : lens + rows], host[lpl : lpl + rows],
-                                  host[lens : lens + rows]) for lpl, lens in groups)))
+        out.append(tuple(dict(slot_mapping=slots, kv_last_page_len=dev[lpl : lpl + rows], kv_lens=dev[lens : lens + rows],
+                              host_last_page_len=host[lpl : lpl + rows], host_kv_lens=host[lens : lens + rows])
+                         for lpl, lens in groups))
     return out
 
 
@@ -71,7 +73,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     views = pool.views_of(s, rows, num_rows, bucket is not None)
     more = pool.kept(("draft", s, rows, num_rows), bucket is not None, lambda: _step_views(pool, s, rows, num_rows))
 
-    h, offsets = pool.host_np[s], views[0]
+    h, offsets = pool.host_np[s], views.offsets
     pool.held[s] = StagedHead()  # (a round writes the slot's head in its own layout)
     ranges = stage_pages(h, plans[0], offsets, rows, 1, num_rows, pool.scratch_slots)
     for plan, (at, groups) in zip(plans[1:], offsets.draft_steps):
@@ -89,24 +91,18 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     host, dev = pool.host[s], pool.dev[s]
     try:
         pool.leases.after_consumer(s, here)
-        offsets, qo, h_qo, slot_view, table_rows, group_views = views
         first = offsets.draft_steps[K - 2][0] if K > 1 else offsets.qo
         for a, b in [(first, ranges[0][1])] + list(ranges[1:]):
             pool.upload(dev[a:b], host[a:b])
         indices = [dev[a:b] for a, b in ranges]
         steps = []
         for j, plan in enumerate(plans):
-            if j == 0:
-                groups = tuple(DeviceGroup(ptr, idx, lpl, lens, f, h_ptr, h_lpl, h_lens, g_slots)
-                               for (ptr, lpl, lens, f, h_ptr, h_lpl, h_lens, g_slots), idx in zip(group_views, indices))
-                slots = slot_view
-            else:
-                slots, per_group = more[j - 1]
-                groups = tuple(DeviceGroup(ptr, idx, lpl, lens, f, h_ptr, h_lpl, h_lens, slots)
-                               for (ptr, _, _, f, h_ptr, *_), idx, (lpl, lens, h_lpl, h_lens)
-                               in zip(group_views, indices, per_group))
-            steps.append(DeviceStep(plan, s, rows, num_rows, bucket, 1, qo, h_qo, slots, table_rows, groups,
-                                    pool.generations[s], pool))
+            own = more[j - 1] if j else tuple({} for _ in views.groups)  # (step 0 sits where a decode step would)
+            groups = tuple(DeviceGroup.over(g, idx, **changes) for g, idx, changes in zip(views.groups, indices, own))
+            slots = own[0]["slot_mapping"] if j else views.slot_mapping
+            steps.append(DeviceStep(plan=plan, slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=1,
+                                    qo_indptr=views.qo_indptr, host_qo_indptr=views.host_qo_indptr, slot_mapping=slots,
+                                    table_rows=views.table_rows, groups=groups, generation=pool.generations[s], pool=pool))
         if scheduler is not None:
             scheduled = scheduler.schedule_round(steps)
             for st, sch in zip(steps, scheduled):  # (fresh objects no caller has seen yet: set, not rebuilt)

@@ -12,6 +12,7 @@ from mstar_attn.metadata.errors import PlanError, StaleStepError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
 if TYPE_CHECKING:
+    from mstar_attn.capture.layout import GroupViews
     from mstar_attn.capture.pool import GraphBufferPool
 
 
@@ -29,6 +30,17 @@ class DeviceGroup:
     host_kv_lens: torch.Tensor  # [rows] pinned CPU
     slot_mapping: torch.Tensor  # [num_rows] int64 device: where the group's layers write (the step's
     # slot_mapping itself, unless the group keeps its own page list: LayerGroup.own_pages)
+
+    @classmethod
+    def over(cls, views: GroupViews, kv_indices: torch.Tensor, **changes: torch.Tensor) -> DeviceGroup:
+        """The group's arrays: its slot views (layout.GroupViews) with `kv_indices`; `changes` replace fields
+        by name (a draft step's own kv_last_page_len, kv_lens, host_last_page_len, host_kv_lens, slot_mapping)."""
+        fields = dict(kv_indptr=views.kv_indptr, kv_indices=kv_indices, kv_last_page_len=views.last_page_len,
+                      kv_lens=views.kv_lens, first_page=views.first_page, host_kv_indptr=views.host_kv_indptr,
+                      host_last_page_len=views.host_last_page_len, host_kv_lens=views.host_kv_lens,
+                      slot_mapping=views.slot_mapping)
+        fields.update(changes)
+        return cls(**fields)
 
 
 @attrs.frozen

@@ -86,7 +86,7 @@ def derive_again(pool, step, kernels, device: str):
     """The committed (CPU) step's slot buffer copied to `device` with every derived array overwritten
     (-7), then derived again by `kernels` (Triton's, or None: the torch ops); returns (buffer, offsets)."""
     R, N = step.rows, step.num_rows
-    offsets = slot_views(pool.layout, pool.dev[step.slot], pool.host[step.slot], R, N)[0]
+    offsets = slot_views(pool.layout, pool.dev[step.slot], pool.host[step.slot], R, N).offsets
     buf = pool.dev[step.slot].clone().to(device)
     for o in offsets.groups:
         for a, n in ((o.kv_indptr, R + 1), (o.last_page_len, R), (o.kv_lens, R), (o.first_page, R),
