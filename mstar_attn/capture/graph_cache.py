@@ -7,9 +7,20 @@ from __future__ import annotations
 
 from typing import Callable
 
+import attrs
 import torch
 
 from mstar_attn.metadata.errors import PlanError
+
+
+@attrs.frozen
+class Pending:
+    """A commit whose device work is deferred and not launched yet: its slot's generation, its graph key,
+    and the stream it was committed on (None: a CPU pool)."""
+
+    generation: int
+    key: tuple
+    stream: object = None
 
 
 class CommitGraphs:
@@ -17,8 +28,8 @@ class CommitGraphs:
     bounded by the pool's constructor arguments), all in one CUDA memory pool. On the CPU, and for
     steps no bucket serves, the work just runs.
 
-    pending[s]: (generation, key, stream) of slot s's last commit while its work is deferred and not
-    yet launched, else None. Work is launched in commit order: a commit launches every pending work
+    pending[s]: slot s's last commit while its work is deferred and not yet launched (Pending), else
+    None. Work is launched in commit order: a commit launches every pending work
     before it stages anything (`launch_all`), so table updates reach the device in the order they
     were made, and a slot's staging is never rewritten under a copy that has not run."""
 
@@ -26,7 +37,7 @@ class CommitGraphs:
         self.cuda = device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.works: dict[tuple, Callable[[], None]] = {}  # a captured or deferred key's work (bounded like graphs)
-        self.pending: list[tuple | None] = [None] * num_slots
+        self.pending: list[Pending | None] = [None] * num_slots
         self.waiting = False  # whether any slot may have pending work
         self.memory = None
 
@@ -52,7 +63,7 @@ class CommitGraphs:
         on the CPU)."""
         if key not in self.graphs:  # (on the CPU, or until captured: the latest step's own work runs)
             self.works[key] = make()
-        self.pending[slot] = (generation, key, stream)
+        self.pending[slot] = Pending(generation, key, stream)
         self.waiting = True
 
     def drop(self, slot: int) -> None:
@@ -62,7 +73,7 @@ class CommitGraphs:
     def pending_key(self, slot: int, generation: int) -> tuple | None:
         """The key of the work commit `generation` of `slot` still has to launch, or None."""
         p = self.pending[slot]
-        return p[1] if p is not None and p[0] == generation else None
+        return p.key if p is not None and p.generation == generation else None
 
     def launch(self, slot: int, where: str) -> None:
         """Launch slot's deferred work now, on its commit's stream (a no-op when none is pending).
@@ -75,11 +86,11 @@ class CommitGraphs:
                             "capture; its commit's device work must run once, outside the graph: call step.prepare() "
                             "before capturing (DecodeGraphs does this for you)")
         self.pending[slot] = None
-        if p[2] is None:
-            self.run(p[1], True, self.works[p[1]])
+        if p.stream is None:
+            self.run(p.key, True, self.works[p.key])
         else:
-            with torch.cuda.stream(p[2]):
-                self.run(p[1], True, self.works[p[1]])
+            with torch.cuda.stream(p.stream):
+                self.run(p.key, True, self.works[p.key])
 
     def taken(self, slot: int) -> None:
         """Slot's deferred work was launched by a graph that replays it as its first nodes (DecodeGraphs)."""
