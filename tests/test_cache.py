@@ -69,7 +69,7 @@ def test_a_cache_that_does_not_fit_says_which_part_differs(change, words):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_a_cuda_cache_or_pool_on_a_machine_without_cuda_is_a_plan_error():
     from mstar_attn.capture.pool import GraphBufferPool
-    
+
     spec = spec_for(page_size=4, num_pages=16)
     with pytest.raises(PlanError, match="sees no CUDA device"):
         PagedKVCache.allocate(spec, "cuda")

@@ -38,7 +38,7 @@ def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
     name = f"group_pages[{g}]"
     if table is None:
         raise PlanError(f"commit: {name} names cross-table rows (CrossRows), but this pool has no cross table "
-                        "(GraphBufferPool(max_requests=...) with a cross-attention group in the spec)")
+                        "(GraphBufferPool(spec, PoolLimits(..., max_requests=...)) with a cross-attention group in the spec)")
     gp, ps = plan.groups[g], plan.spec.page_size
     rows, kv, new = gp.table_rows, gp.kv_lens, gp.new_lens
     if rows.max() >= table.max_requests:

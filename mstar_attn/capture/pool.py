@@ -177,7 +177,7 @@ class GraphBufferPool:
         if plan.spec is not self.spec and plan.spec != self.spec:
             raise PlanError("commit: the plan was built for another AttentionSpec than this pool's")
         if plan.rows is not None and self.table is None:
-            raise PlanError("commit: a StepRows plan needs a pool with a page table (GraphBufferPool(max_requests=...))")
+            raise PlanError("commit: a StepRows plan needs a pool with a page table (GraphBufferPool(spec, PoolLimits(..., max_requests=...)))")
         L = self.layout
         bucket = self.bucket_for(plan)
         if plan.batch_size > L.max_rows or plan.num_tokens > (L.max_tokens if bucket else self.max_num_tokens):

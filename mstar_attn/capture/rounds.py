@@ -57,7 +57,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     K = draft.k
     if K > pool.max_draft_steps:
         raise PlanError(f"commit_round: the round has {K} steps; this pool holds rounds of up to {pool.max_draft_steps} "
-                        "(GraphBufferPool(max_draft_steps=...))")
+                        "(GraphBufferPool(spec, PoolLimits(..., max_draft_steps=...)))")
     plans = draft.steps
     if pool.spec.own_page_groups:  # (build_round refuses them; scratch rounds too: this is the pool's own check)
         raise PlanError("commit_round: the pool's spec has layer groups with their own page lists or cross attention; "

@@ -80,7 +80,8 @@ class DeviceStep:
 
     @property
     def kv_stored(self) -> bool:
-        """Whether a write_kv has stored new K/V of this step (any layer): what run's misuse check reads."""
+        """Whether a write_kv has stored new K/V of this step (any layer, any group), as host code: what run's
+        misuse check reads. A replayed graph's write_kv sets nothing (such a step's run is in the graph too)."""
         return self._stored[0]
 
     def mark_stored(self) -> None:
