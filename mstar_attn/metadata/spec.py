@@ -120,7 +120,7 @@ class AttentionSpec:
     per request, draft-round steps included) run FlashInfer's XQA FP8 kernel, which rounds the queries
     and the softmax probabilities to e4m3 for FP8 tensor-core math: 1.8x bf16 decode at B 64 / 4k
     tokens against 1.44x for bf16 math over the same cache (benchmarks/results/fp8_kernels_h100.md), at
-    a larger error (README, "FP8 KV cache"). Other steps keep bf16 math. Page sizes 16, 32, 64, 128; no
+    a larger error (docs/fp8_mla.md). Other steps keep bf16 math. Page sizes 16, 32, 64, 128; no
     soft cap; GQA ratio <= 128. Queries are rounded to e4m3 unscaled: magnitudes above 448 saturate and
     below 2^-6 lose relative precision (fine for the usual O(1) post-RoPE queries). A decode request
     must fit the pool's max_pages_per_request (XQA reads a dense page table). The reference backend computes exactly (the oracle of both).
