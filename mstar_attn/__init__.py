@@ -15,9 +15,10 @@ from mstar_attn.metadata import (
 )
 from mstar_attn.metadata.batch import StepRows
 from mstar_attn.metadata.draft import DraftRound, build_round
+from mstar_attn.attention import Attention  # noqa: E402  (above the layers it composes)
 
 __all__ = [
-    "AttentionPlan", "AttentionSpec", "BACKENDS", "CrossRows", "DecodeGraphs", "DeviceStep", "DraftRound", "GraphBufferPool",
+    "Attention", "AttentionPlan", "AttentionSpec", "BACKENDS", "CrossRows", "DecodeGraphs", "DeviceStep", "DraftRound", "GraphBufferPool",
     "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache", "PlanError", "PoolLimits", "RoundGraphs", "StaleStepError",
     "StepBatch", "StepRows", "build_plan", "build_round", "get_backend", "run", "write_kv",
 ]
