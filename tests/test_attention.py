@@ -67,6 +67,14 @@ def test_attention_misuse_is_a_plan_error_naming_it():
         attn.forward(step, 2, q, k, k)
     with pytest.raises(PlanError, match="both k and v"):
         attn.forward(step, 0, q, k)
+    with pytest.raises(PlanError, match="stores this step's new K/V: give its k and v"):
+        attn.forward(step, 0, q)  # (it would attend over stale slots)
+    with pytest.raises(PlanError, match=r"caches\[1\]: the same cache as caches\[0\]"):
+        one = PagedKVCache.allocate(spec)
+        Attention(spec, LIMITS, device="cpu", caches=[one, one])
+    fp8 = spec_for(page_size=4, num_pages=200, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    with pytest.raises(PlanError, match="k_scale / v_scale"):
+        Attention(fp8, LIMITS, device="cpu")
     with pytest.raises(PlanError, match="StepBatch or StepRows"):
         attn.step(build_plan(StepBatch.from_pages([2], [2], [[5]], 4), spec))
     with pytest.raises(PlanError, match="nothing is captured"):
