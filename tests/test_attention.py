@@ -79,3 +79,51 @@ def test_attention_misuse_is_a_plan_error_naming_it():
         attn.step(build_plan(StepBatch.from_pages([2], [2], [[5]], 4), spec))
     with pytest.raises(PlanError, match="nothing is captured"):
         attn.replay(step, q=q)
+
+
+@pytest.mark.gpu
+def test_attention_on_the_gpu_eager_and_replayed_matches_the_reference():
+    """FlashInfer through Attention on the H100: a prefill step eagerly, then StepRows decode steps over
+    the page table replayed through a captured one-layer decode forward (their commits' device work
+    inside the graph), every request against the reference over the same cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("flashinfer")
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    from mstar_attn import AttentionSpec
+
+    spec = AttentionSpec(32, 8, 128, 16, 512)
+    attn = Attention(spec, PoolLimits(max_batch_size=8, max_num_tokens=512, max_num_pages=512, buckets=(8,),
+                                      max_requests=8, max_pages_per_request=64), num_layers=1, warm=True)
+    B = 6
+    rows = rng.permutation(8)[:B].astype(np.int32)
+    free = list(rng.permutation(512).astype(np.int32))
+    kv = rng.integers(20, 60, B).astype(np.int32)
+    for r, n in zip(rows, kv):
+        attn.table.assign(int(r), [free.pop() for _ in range(-(-(int(n) + 16) // 16))])
+    pages = [attn.table.pages(int(r)) for r in rows]
+
+    def by_pages(q_lens, kv):
+        return build_plan(StepBatch.from_pages(q_lens, kv, [p[: -(-int(k) // 16)] for p, k in zip(pages, kv)], 16), spec)
+
+    def randn(n, h):
+        return torch.randn(n, h, 128, generator=gen, device="cuda").bfloat16()
+
+    plan = by_pages(kv, kv)  # (the prompts, eagerly)
+    step = attn.step(StepBatch.from_pages(kv, kv, [p[: -(-int(k) // 16)] for p, k in zip(pages, kv)], 16))
+    q, k, v = randn(plan.num_tokens, 32), randn(plan.num_tokens, 8), randn(plan.num_tokens, 8)
+    out = attn.forward(step, 0, q, k, v)
+    assert_close_per_request(out, reference.run(plan, q.float(), attn.caches[0]), plan, torch.bfloat16, f"seed {seed}")
+    static = {name: torch.zeros(8, h, 128, device="cuda", dtype=torch.bfloat16) for name, h in (("q", 32), ("k", 8), ("v", 8))}
+    attn.capture(lambda s, x: attn.forward(s, 0, x["q"], x["k"], x["v"]), static)
+    for i in range(6):
+        kv = kv + 1
+        step = attn.step(StepRows.decode(rows, kv))
+        q, k, v = randn(B, 32), randn(B, 8), randn(B, 8)
+        out = attn.replay(step, q=q, k=k, v=v)
+        plan = by_pages(np.ones(B, np.int32), kv)
+        assert_close_per_request(out, reference.run(plan, q.float(), attn.caches[0]), plan, torch.bfloat16,
+                                 f"seed {seed}, step {i}")
+    assert len(attn.graphs.prepared) >= 1, f"seed {seed}"  # (decode steps replayed with their commit's work)
