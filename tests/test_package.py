@@ -21,3 +21,17 @@ def test_the_version_has_one_source():
     assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
     assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mstar_attn.__version__"}
     assert mstar_attn.__version__.count(".") == 2
+
+
+def test_the_readme_code_runs_as_written():
+    """Every python block of README.md, executed as it stands (on a CPU-only machine: the reference backend)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks
+    for block in blocks:
+        scope: dict = {}
+        exec(compile(block, "README.md", "exec"), scope)
+        assert "out" not in scope or scope["out"].isfinite().all()
