@@ -9,7 +9,7 @@ import torch
 from mstar_attn import AttentionSpec, CrossRows, PlanError, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
-from tests.cross_pages import GROUPS, CrossTrace, serve
+from tests.support.cross_pages import GROUPS, CrossTrace, serve
 from tests.helpers import fresh_seed, pool_of, random_cache
 
 

@@ -11,7 +11,7 @@ from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, PlanError, Stale
 from mstar_attn.capture.graphs import RoundGraphs
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.draft import build_round
-from tests.draft_rounds import DraftTrace, serve_rounds
+from tests.support.draft_rounds import DraftTrace, serve_rounds
 from tests.helpers import pool_of, fresh_seed
 
 GROUPS = (LayerGroup(), LayerGroup("window", window=7))

@@ -15,7 +15,7 @@ from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, PoolLimits, Step
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
 from mstar_attn.kernels._cascade import shared_batch, stage, staging_entries
-from tests.prefix_batches import prefix_batch
+from tests.support.prefix_batches import prefix_batch
 
 NUM_PAGES = 3000
 

@@ -338,7 +338,7 @@ def test_page_table_steps_eager_and_replayed():
 def test_cpu_own_page_lists_through_the_pool(cpu_pool, page_size):
     """A hybrid model's window group on its own page list, its passed pages given back and reused:
     the page tables and slots the pool and this backend derive serve the exact attention per request."""
-    from tests.group_pages import HybridTrace, serve
+    from tests.support.group_pages import HybridTrace, serve
 
     seed = fresh_seed()
     groups = (LayerGroup(), LayerGroup("window", window=21, own_pages=True))
@@ -353,7 +353,7 @@ def test_cpu_own_page_lists_through_the_pool(cpu_pool, page_size):
 @gpu
 def test_own_page_lists_eager_and_replayed():
     """As the FlashInfer test of the same name: a window group on its own page list, eager and replayed."""
-    from tests.group_pages import gpu_hybrid
+    from tests.support.group_pages import gpu_hybrid
 
     gpu_hybrid(fa, "flash_attn", fresh_seed())
 
@@ -362,7 +362,7 @@ def test_own_page_lists_eager_and_replayed():
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_draft_rounds_eager_and_replayed(page_size):
     """As the FlashInfer test of the same name: draft rounds of K = 1..8, eager and replayed."""
-    from tests.draft_rounds import gpu_rounds
+    from tests.support.draft_rounds import gpu_rounds
 
     ran = gpu_rounds(fa, "flash_attn", fresh_seed(), page_size)
     assert any(replayed for _, replayed in ran) and any(not replayed for _, replayed in ran), ran
@@ -371,7 +371,7 @@ def test_draft_rounds_eager_and_replayed(page_size):
 def test_cpu_cross_attention_through_the_pool(cpu_pool):
     """Cross-attention layers through the pool and this backend's page tables: encoder K/V stored
     at each request's first step, read non-causally after, every request against the exact attention."""
-    from tests.cross_pages import GROUPS, CrossTrace, serve
+    from tests.support.cross_pages import GROUPS, CrossTrace, serve
 
     seed = fresh_seed()
     spec = AttentionSpec(8, 2, 64, 16, 3000, groups=GROUPS, layer_groups=(0, 1), backend="flash_attn")
@@ -386,14 +386,14 @@ def test_cpu_cross_attention_through_the_pool(cpu_pool):
 @pytest.mark.parametrize("page_size, rows", [(1, True), (16, False), (64, True)])
 def test_cross_attention_eager_and_replayed(page_size, rows):
     """As the FlashInfer test of the same name."""
-    from tests.cross_pages import gpu_cross
+    from tests.support.cross_pages import gpu_cross
 
     gpu_cross(fa, "flash_attn", fresh_seed(), page_size, rows)
 
 
 def test_cpu_cross_rows_through_the_pool(cpu_pool):
     """As above, with the encoder pages in the pool's cross table (CrossRows): gathered on the device."""
-    from tests.cross_pages import GROUPS, CrossTrace, serve
+    from tests.support.cross_pages import GROUPS, CrossTrace, serve
 
     seed = fresh_seed()
     spec = AttentionSpec(8, 2, 64, 16, 3000, groups=GROUPS, layer_groups=(0, 1), backend="flash_attn")

@@ -283,7 +283,7 @@ def test_own_page_lists_eager_and_replayed():
     """A hybrid model's window group on its own page list (passed pages given back and reused by
     later requests): prompts shorter than, equal to and far past the window, decode and verify
     replayed, prefill and mixed eager, both groups per request against the exact attention."""
-    from tests.group_pages import gpu_hybrid
+    from tests.support.group_pages import gpu_hybrid
 
     gpu_hybrid(fi, "flashinfer", fresh_seed())
 
@@ -293,7 +293,7 @@ def test_draft_rounds_eager_and_replayed(page_size):
     """Speculative draft rounds of K = 1..8 steps (planned and committed once, captured as one graph
     per round), a full and a window group: every step of every request against the exact
     attention; rejected drafts' K/V (overwritten with large values) never read."""
-    from tests.draft_rounds import gpu_rounds
+    from tests.support.draft_rounds import gpu_rounds
 
     ran = gpu_rounds(fi, "flashinfer", fresh_seed(), page_size)
     assert any(replayed for _, replayed in ran) and any(not replayed for _, replayed in ran), ran
@@ -303,7 +303,7 @@ def test_draft_rounds_eager_and_replayed(page_size):
 def test_cross_attention_eager_and_replayed(page_size, rows):
     """Encoder-decoder cross attention: encoder K/V (1 to 3,000 tokens) stored once, read by every
     decoder step, decode replayed, every request of both groups against the exact attention."""
-    from tests.cross_pages import gpu_cross
+    from tests.support.cross_pages import gpu_cross
 
     gpu_cross(fi, "flashinfer", fresh_seed(), page_size, rows)
 

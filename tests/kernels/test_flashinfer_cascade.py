@@ -18,7 +18,7 @@ import torch
 from mstar_attn import AttentionSpec, LayerGroup, PoolLimits, StepBatch, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import smoke_first, assert_close_per_request, fresh_seed, random_cache, replay_or_run
-from tests.prefix_batches import prefix_batch
+from tests.support.prefix_batches import prefix_batch
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -123,7 +123,7 @@ def test_own_page_lists_match_the_exact_attention(page_size, window):
     """A hybrid model over 25 steps: the window group writes and reads its own list, which gives
     back pages the window has passed (reused by later requests, stale K/V and all); both groups
     match the exact attention of each request's true K/V."""
-    from tests.group_pages import HybridTrace
+    from tests.support.group_pages import HybridTrace
 
     seed = fresh_seed()
     groups = (LayerGroup(), LayerGroup("window", window=window, own_pages=True))
@@ -153,7 +153,7 @@ def test_own_page_lists_match_the_exact_attention(page_size, window):
 def test_cross_attention_matches_the_exact_attention(page_size):
     """An encoder-decoder over 20 steps: each request's encoder K/V (1 to 2,000 tokens) stored once
     through write_kv(group=cross) at its first step, then read non-causally by every decoder query."""
-    from tests.cross_pages import GROUPS, CrossTrace, serve
+    from tests.support.cross_pages import GROUPS, CrossTrace, serve
 
     seed = fresh_seed()
     spec = AttentionSpec(4, 2, 16, page_size, 16000, dtype=torch.float32, groups=GROUPS, layer_groups=(0, 1),
@@ -180,7 +180,7 @@ def test_cascade_plans_equal_the_flat_attention_per_request(kind, soft_cap, page
     suffix, merged by log-sum-exp, read from the plan's level arrays) equals the flat plan of the
     same step per request (float64), decode and verify: several prefix groups, loners, prefixes
     ending mid-page; a window group beside it reads flat in the same step."""
-    from tests.prefix_batches import prefix_batch
+    from tests.support.prefix_batches import prefix_batch
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -208,7 +208,7 @@ def test_cascade_without_the_merge_is_caught(monkeypatch):
     """The equality above fails for a cascade that drops the shared level (no merge): every member
     of a prefix group is off by far more than float64 rounding."""
     import mstar_attn.kernels.reference as ref
-    from tests.prefix_batches import prefix_batch
+    from tests.support.prefix_batches import prefix_batch
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)

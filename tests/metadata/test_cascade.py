@@ -82,7 +82,7 @@ def test_a_prefix_ending_mid_page_leaves_that_page_to_the_suffixes():
 
 @st.composite
 def prefix_steps(draw):
-    from tests.prefix_batches import prefix_batch
+    from tests.support.prefix_batches import prefix_batch
 
     ps = draw(st.sampled_from([1, 4, 16]))
     q_len = draw(st.sampled_from([1, 3]))
