@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from mstar_attn import kernels
-from mstar_attn.cache import PagedKVCache
+from mstar_attn.cache import PagedKVCache, default_device
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.spec import AttentionSpec
@@ -40,15 +40,16 @@ class Attention:
         self.cache = cache
 
     @classmethod
-    def for_model(cls, spec: AttentionSpec, device: torch.device | str = "cuda", num_layers: int | None = None,
+    def for_model(cls, spec: AttentionSpec, device: torch.device | str | None = None, num_layers: int | None = None,
                   k_scale: float = 1.0, v_scale: float = 1.0) -> list[Attention]:
         """One Attention per layer (num_layers, default len(spec.layer_groups)), each over a zero-filled cache
-        of its own on `device`, tagged with the layer's group. An FP8 spec's caches take the model's
+        of its own on `device` (None: CUDA when torch sees a device, else the CPU), tagged with the layer's group. An FP8 spec's caches take the model's
         k_scale / v_scale (PagedKVCache)."""
         n = len(spec.layer_groups) if num_layers is None else num_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PlanError(f"num_layers: expected a positive number of layers, got {num_layers!r}")
         groups = [spec.group_of(layer) for layer in range(n)]  # (PlanError past layer_groups, before allocating)
+        device = default_device(device)
         return [cls(spec, layer, PagedKVCache.allocate(spec, device, group=g, k_scale=k_scale, v_scale=v_scale))
                 for layer, g in enumerate(groups)]
 

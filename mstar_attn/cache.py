@@ -28,6 +28,13 @@ def _tensor(name: str):
     return attrs.field(validator=check)
 
 
+def default_device(device: torch.device | str | None = None) -> torch.device | str:
+    """`device`, or when None the one a pool defaults to: CUDA when torch sees a device, else the CPU."""
+    if device is not None:
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @attrs.frozen
 class PagedKVCache:
     """k, v: [pages, page_size, num_kv_heads, head_dim], one dtype, one device. (A latent-attention

@@ -25,7 +25,7 @@ from typing import Callable
 import attrs
 import torch
 
-from mstar_attn.cache import PagedKVCache
+from mstar_attn.cache import PagedKVCache, default_device
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.capture.limits import PoolLimits
 from mstar_attn.dense import DenseAttention, DensePlan, build_dense_plan
@@ -115,10 +115,11 @@ def kinds(spec: AttentionSpec, backends: tuple[str, ...] | None = None) -> tuple
     return tuple(out)
 
 
-def warmup(spec: AttentionSpec, *, backends: tuple[str, ...] | None = None, device: torch.device | str = "cuda",
+def warmup(spec: AttentionSpec, *, backends: tuple[str, ...] | None = None, device: torch.device | str | None = None,
            progress: Callable[[int, int, WarmupTime], None] | None = None) -> WarmupReport:
     """Run every kind of kinds(spec, backends) twice, on a pool and caches of WARMUP_PAGES pages of
-    their own on `device`; returns each kind's cold and warm seconds. progress(i, n, time): called
+    their own on `device` (None: CUDA when torch sees a device, else the CPU); returns each kind's cold and warm
+    seconds. progress(i, n, time): called
     after each kind (i from 1). Raises PlanError for a spec a backend cannot serve."""
     todo = kinds(spec, backends)
     if spec.mla:
@@ -185,10 +186,11 @@ def warmup_dense(plan: DensePlan, device: torch.device | str = "cuda") -> Warmup
     return WarmupTime(WarmupKind(plan.backend, Mode.PREFILL, T), cold, once())
 
 
-def warmup_model(spec: AttentionSpec, dense_backend: str | None, device: torch.device | str = "cuda",
+def warmup_model(spec: AttentionSpec, dense_backend: str | None, device: torch.device | str | None = None,
                  progress: Callable[[int, int, WarmupTime], None] | None = None) -> WarmupReport:
     """warmup(spec), and for a spec with cross-attention layers (an encoder-decoder) the encoder's dense
     path too (warmup_dense on `dense_backend`, non-causal, spec's heads and head_dim): one report."""
+    device = default_device(device)
     report = warmup(spec, device=device, progress=progress)
     if not spec.has_cross or dense_backend is None:
         return report

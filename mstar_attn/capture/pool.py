@@ -23,6 +23,7 @@ import contextlib
 import numpy as np
 import torch
 
+from mstar_attn.cache import default_device
 from mstar_attn.capture import cross, derive, rounds
 from mstar_attn.capture.layout import Layout, SlotViews, slot_views
 from mstar_attn.capture.limits import PoolLimits, limits_of
@@ -50,17 +51,18 @@ class GraphBufferPool:
     of the buffers; see PoolLimits). num_slots: 2 (double buffering); with 1, every commit waits
     until the copies of the one before it have run. float_workspace_bytes: FlashInfer's float
     workspace (its split-KV partial outputs). device: "cuda" (or a CUDA device); "cpu" runs the
-    bookkeeping on the host (tests, the reference backend). A pool serves every backend its plans
+    bookkeeping on the host (tests, the reference backend); None: CUDA when torch sees a device, else the CPU. A pool serves every backend its plans
     name (one Scheduler per backend module, made at the first plan that needs it, or ahead with
     `scheduler_for`). The bounds as keyword arguments (max_batch_size=..., ...) still work, with a
     DeprecationWarning.
     """
 
-    def __init__(self, spec: AttentionSpec, limits: PoolLimits | None = None, *, device: torch.device | str = "cuda",
+    def __init__(self, spec: AttentionSpec, limits: PoolLimits | None = None, *, device: torch.device | str | None = None,
                  num_slots: int = 2, float_workspace_bytes: int = FLOAT_WORKSPACE_BYTES, **bounds):
         if not isinstance(spec, AttentionSpec):
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.spec, self.limits = spec, limits_of(limits, bounds)
+        device = default_device(device)
         lim = self.limits
         max_batch_size, max_num_tokens, max_num_pages = lim.max_batch_size, lim.max_num_tokens, lim.max_num_pages
         buckets, max_pages_per_request, max_requests = lim.buckets, lim.max_pages_per_request, lim.max_requests

@@ -30,3 +30,11 @@ def test_the_bounds_as_keywords_still_work_with_a_deprecation_warning():
 def test_misuse_is_a_plan_error_naming_it(args, kw, match):
     with pytest.raises(PlanError, match=match):
         GraphBufferPool(spec_for(), *args, device="cpu", **kw)
+
+
+def test_a_pool_without_a_device_takes_cuda_when_torch_sees_one_else_the_cpu():
+    import torch
+
+    spec = spec_for()  # (the reference backend: it runs on either)
+    pool = GraphBufferPool(spec, PoolLimits(**LIMITS))
+    assert pool.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
