@@ -14,7 +14,6 @@ does is `write_kv` and `run` with the layer's group and cache.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from mstar_attn import kernels
@@ -31,9 +30,8 @@ class Attention:
     def __init__(self, spec: AttentionSpec, layer: int, cache: PagedKVCache):
         if not isinstance(spec, AttentionSpec):
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
-            raise PlanError(f"layer: expected a layer index, got {layer!r}")
-        self.spec, self.layer, self.group = spec, int(layer), spec.group_of(layer)  # (PlanError past layer_groups)
+        self.group = spec.group_of(layer)  # (PlanError for what is not a layer index, or past layer_groups)
+        self.spec, self.layer = spec, int(layer)
         if not isinstance(cache, PagedKVCache):
             raise PlanError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
         cache.check(spec, f"layer {layer}: cache", self.group)

@@ -30,10 +30,10 @@ from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.capture.limits import PoolLimits
 from mstar_attn.dense import DenseAttention, DensePlan, build_dense_plan
 from mstar_attn.kernels import run
-from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.backends import BACKENDS
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, Mode, scratch_plan
-from mstar_attn.metadata.select import table_backends
+from mstar_attn.metadata.select import spec_backends
 from mstar_attn.metadata.spec import AttentionSpec
 
 WARMUP_PAGES = 8  # the warm-up pool's cache: a few pages (kernels are compiled per shape class, not per size)
@@ -86,17 +86,12 @@ class WarmupReport:
         return "\n".join(rows + [f"{'total':<40} cold {self.cold_s:8.2f} s  warm {self.warm_s * 1e3:8.2f} ms"])
 
 
-def backends_of(spec: AttentionSpec) -> tuple[str, ...]:
-    """The backends a spec's steps may take: its own, or with "auto" every one the dispatch table may pick."""
-    return (spec.backend,) if spec.backend != AUTO else table_backends(spec)
-
-
 def kinds(spec: AttentionSpec, backends: tuple[str, ...] | None = None) -> tuple[WarmupKind, ...]:
-    """Every kind of step warm-up runs for `spec` (default backends: backends_of(spec)). Pure: no GPU."""
+    """Every kind of step warm-up runs for `spec` (default backends: select.spec_backends(spec)). Pure: no GPU."""
     if not isinstance(spec, AttentionSpec):
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
     out = []
-    for name in backends_of(spec) if backends is None else backends:
+    for name in spec_backends(spec) if backends is None else backends:
         caps = BACKENDS.get(name)
         if caps is None:
             raise PlanError(f"backend: unknown backend {name!r} (known: {sorted(BACKENDS)})")

@@ -38,7 +38,6 @@ class CommitGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.works: dict[tuple, Callable[[], None]] = {}  # a captured or deferred key's work (bounded like graphs)
         self.pending: list[Pending | None] = [None] * num_slots
-        self.waiting = False  # whether any slot may have pending work
         self.memory = None
 
     def run(self, key: tuple, bucketed: bool, work: Callable[[], None]) -> None:
@@ -64,7 +63,6 @@ class CommitGraphs:
         if key not in self.graphs:  # (on the CPU, or until captured: the latest step's own work runs)
             self.works[key] = make()
         self.pending[slot] = Pending(generation, key, stream)
-        self.waiting = True
 
     def drop(self, slot: int) -> None:
         """Forget slot's pending work unlaunched (its commit failed after deferring it)."""
@@ -98,8 +96,6 @@ class CommitGraphs:
 
     def launch_all(self, where: str) -> None:
         """Launch every slot's pending work (a commit does, before staging anything)."""
-        if self.waiting:
-            for s, p in enumerate(self.pending):
-                if p is not None:
-                    self.launch(s, where)
-            self.waiting = False
+        for s, p in enumerate(self.pending):
+            if p is not None:
+                self.launch(s, where)

@@ -33,11 +33,11 @@ from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, sta
 from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
-from mstar_attn.metadata.backends import AUTO, BACKENDS, load
+from mstar_attn.metadata.backends import BACKENDS, load
 from mstar_attn.metadata.batch import bucket_of
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, AttentionPlan, Mode
-from mstar_attn.metadata.select import table_backends
+from mstar_attn.metadata.select import spec_backends
 from mstar_attn.metadata.spec import AttentionSpec
 
 DEFAULT_MAX_PAGES_PER_REQUEST = 2048
@@ -128,7 +128,7 @@ class GraphBufferPool:
         self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
         # every backend a plan for this spec may name, made now: their memory is in the report from
         # the start, and nothing compiles or allocates mid-serving
-        for name in ((spec.backend,) if spec.backend != AUTO else table_backends(spec)):
+        for name in spec_backends(spec):
             self.scheduler_for(name)
 
     @property

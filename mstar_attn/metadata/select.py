@@ -201,6 +201,11 @@ def graph_backends(spec, table=None) -> tuple[str, ...]:
     return (DEFAULT, *sorted(picks))
 
 
+def spec_backends(spec) -> tuple[str, ...]:
+    """The backends a spec's steps may take: its own, or with "auto" every one the table may pick."""
+    return (spec.backend,) if spec.backend != AUTO else table_backends(spec)
+
+
 def table_backends(spec, table=None) -> tuple[str, ...]:
     """Every backend the table may pick for some step of an "auto" spec (FlashInfer first): what a
     pool makes schedulers for up front. table: as in select_backend."""

@@ -67,6 +67,18 @@ def _run_behind(seed: int, steps: int, defer: bool = False, churn: bool = False,
     return pool, cache, q, out
 
 
+def _wrong_steps(out, cache, q, seed: int) -> int:
+    """How many steps of a walk ([(plan, csr plan, output, ...)]) miss the reference over the same cache
+    per request (what a negative control counts)."""
+    wrong = 0
+    for plan, csr, got, *_ in out:
+        try:
+            assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}")
+        except AssertionError:
+            wrong += 1
+    return wrong
+
+
 def test_fenced_commits_wait_for_the_gpu_and_every_step_is_right():
     seed = fresh_seed()
     pool, cache, q, out = _run_behind(seed, 6)
@@ -111,13 +123,7 @@ def test_a_decode_graph_without_the_commit_work_is_caught(monkeypatch):
     except RuntimeError as e:
         assert "did not write fence" in str(e), f"seed {seed}: {e}"
         return
-    wrong = 0
-    for plan, csr, got in out:
-        try:
-            assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}")
-        except AssertionError:
-            wrong += 1
-    assert wrong > 0, f"seed {seed}"
+    assert _wrong_steps(out, cache, q, seed) > 0, f"seed {seed}"
 
 
 def test_the_kept_current_stream_follows_stream_changes():
@@ -137,13 +143,7 @@ def test_slots_reused_without_waiting_are_caught(monkeypatch):
     seed = fresh_seed()
     monkeypatch.setattr(lease.SlotLeases, "free", lambda self, s: None)
     _, cache, q, out = _run_behind(seed, 6)
-    wrong = 0
-    for plan, csr, got in out:
-        try:
-            assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}")
-        except AssertionError:
-            wrong += 1
-    assert wrong > 0, f"seed {seed}"
+    assert _wrong_steps(out, cache, q, seed) > 0, f"seed {seed}"
 
 
 def _replanning_walk(seed: int, steps: int, monkeypatch):
@@ -204,10 +204,4 @@ def test_planner_buffers_reused_without_waiting_are_caught(monkeypatch):
     seed = fresh_seed()
     monkeypatch.setattr(lease.SlotLeases, "free", lambda self, s: None)
     _, cache, q, out = _replanning_walk(seed, 8, monkeypatch)
-    wrong = 0
-    for plan, csr, got, *_ in out:
-        try:
-            assert_close_per_request(got, reference.run(csr, q.float(), cache), plan, torch.bfloat16, f"seed {seed}")
-        except AssertionError:
-            wrong += 1
-    assert wrong > 0, f"seed {seed}"
+    assert _wrong_steps(out, cache, q, seed) > 0, f"seed {seed}"
