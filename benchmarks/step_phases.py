@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 
+import attrs
 import numpy as np
 import torch
 
@@ -22,6 +23,21 @@ from mstar_attn import build_plan
 from mstar_attn.capture.stage import StagedHead, stage_derived
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata.batch import StepRows
+
+
+@attrs.frozen
+class Record5:
+    a: int
+    b: int
+    c: int
+    d: int
+    e: int
+
+
+def read_only_copy(a: np.ndarray) -> np.ndarray:
+    out = a.copy()
+    out.flags.writeable = False
+    return out
 
 
 def per_call(fn, n=2000, rounds=5) -> float:
@@ -109,10 +125,16 @@ def main(out_dir: str) -> None:
             "pool.free_slot": lambda: pool.free_slot(None),
             "stage_derived": lambda: stage_derived(h, plan, views.offsets, step.rows, 1, no_updates, table, StagedHead()),
             "stage_derived, rows held": lambda: stage_derived(h, plan, views.offsets, step.rows, 1, no_updates, table, pool.held[0]),
-            "DeviceStep": lambda: DeviceStep(plan=plan, slot=0, rows=step.rows, num_rows=step.num_rows, bucket=step.bucket,
-                                             q_len=1, qo_indptr=step.qo_indptr, host_qo_indptr=step.host_qo_indptr,
-                                             slot_mapping=step.slot_mapping, table_rows=step.table_rows, groups=step.groups,
-                                             generation=step.generation, pool=pool),
+            "DeviceStep": lambda: DeviceStep(plan=plan, shape=step.shape, generation=step.generation, pool=pool),
+            # numpy and torch primitives the step is made of, on this host's versions
+            "np: kv.copy()": kv.copy,
+            "np: copy + read-only flag": lambda: read_only_copy(kv),
+            "np: int(kv.max())": lambda: int(kv.max()),
+            "np: range check (subtract, view, less, all)": lambda: (np.subtract(kv, rows).view(np.uint32) < kv).all(),
+            "np: slice assign [B]": lambda: h.__setitem__(slice(o.kv_lens, o.kv_lens + B), kv),
+            "np: tobytes [B]": rows.tobytes,
+            "py: 5-field attrs record": lambda: Record5(1, 2, 3, 4, 5),
+            "torch: current stream id": lambda: torch._C._cuda_getCurrentStream(0),
         }
         res[B] = {**res_walk, **{name: per_call(fn) for name, fn in phases.items()}}
         prof = cProfile.Profile()  # where a commit's time goes (cProfile inflates calls; the ranking is what counts)
@@ -127,6 +149,9 @@ def main(out_dir: str) -> None:
         open(f"{out_dir}/step_profile_b{B}.txt", "w").write(text.getvalue())
         print(B, {k: round(v, 1) for k, v in res[B].items()}, flush=True)
         del pool, walk_pool
+    import platform
+    res["host"] = {"python": sys.version.split()[0], "numpy": np.__version__, "torch": torch.__version__,
+                   "cpu": platform.processor() or platform.machine()}
     json.dump(res, open(f"{out_dir}/step_phases_h100.json", "w"), indent=1)
 
 

@@ -1,4 +1,5 @@
-"""PoolLimits: what bounds the steps a GraphBufferPool commits, and so the memory it holds, as one record."""
+"""PoolLimits: what bounds the steps a GraphBufferPool commits, and so the memory it holds, as one record;
+and `Sizing`, what a pool lays its buffers out for, checked and derived from a spec and its limits."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ import warnings
 
 import attrs
 
-from mstar_attn.metadata.batch import DEFAULT_BUCKETS
+from mstar_attn.capture.layout import Layout
+from mstar_attn.metadata._arrays import positive_int
+from mstar_attn.metadata.batch import DEFAULT_BUCKETS, bucket_of
+from mstar_attn.metadata.draft import MAX_DRAFT_STEPS
 from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
+from mstar_attn.metadata.spec import AttentionSpec
+
+DEFAULT_MAX_PAGES_PER_REQUEST = 2048
 
 
 @attrs.frozen(kw_only=True)
@@ -61,3 +69,54 @@ def limits_of(limits: PoolLimits | None, legacy: dict) -> PoolLimits:
     warnings.warn("GraphBufferPool(spec, max_batch_size=..., ...) is deprecated: pass the bounds as one record, "
                   "GraphBufferPool(spec, PoolLimits(max_batch_size=..., ...))", DeprecationWarning, stacklevel=3)
     return PoolLimits(**legacy)
+
+
+@attrs.frozen(kw_only=True)
+class Sizing:
+    """A pool's checked bounds (PoolLimits) and what follows from them for its spec: the buckets
+    (ascending, within max_batch_size) and bucket_at (batch size 0..largest bucket -> the bucket
+    serving it, None for 0), whether verify steps are bucketed (every group causal), and the slot
+    Layout, with room for padding requests and a whole capture-time scratch plan or round."""
+
+    max_batch_size: int
+    max_num_tokens: int
+    max_num_pages: int
+    max_encoder_tokens: int
+    max_pages_per_request: int
+    max_draft_steps: int
+    buckets: tuple[int, ...]
+    bucket_at: tuple
+    verify_buckets: bool
+    layout: Layout
+
+
+def sizing(spec: AttentionSpec, lim: PoolLimits) -> Sizing:
+    """The Sizing of a pool of `spec` within `lim`; PlanError naming the field of a bad bound."""
+    max_batch = positive_int("max_batch_size", lim.max_batch_size)
+    max_num_tokens = positive_int("max_num_tokens", lim.max_num_tokens)
+    max_num_pages = positive_int("max_num_pages", lim.max_num_pages)
+    max_encoder_tokens = positive_int("max_encoder_tokens", max_num_tokens if lim.max_encoder_tokens is None
+                                      else lim.max_encoder_tokens)
+    buckets = lim.buckets
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+        raise PlanError(f"buckets: expected a sequence of batch sizes, got {buckets!r}")
+    # buckets above max_batch_size could never serve a step: dropped
+    buckets = tuple(sorted({b for b in (positive_int("buckets", b) for b in buckets) if b <= max_batch}))
+    top = max(buckets, default=0)
+    per_request = lim.max_pages_per_request
+    per_request = min(positive_int("max_pages_per_request", DEFAULT_MAX_PAGES_PER_REQUEST if per_request is None
+                                   else per_request), max_num_pages)
+    draft_steps = positive_int("max_draft_steps", lim.max_draft_steps)
+    if draft_steps > MAX_DRAFT_STEPS:
+        raise PlanError(f"max_draft_steps: at most {MAX_DRAFT_STEPS}, got {draft_steps}")
+    verify_buckets = all(g.causal for g in spec.groups)  # verify steps can be padded (causal kernels)
+    max_q = MAX_VERIFY_Q_LEN if verify_buckets else 1
+    # room for padding requests' scratch entries, and for a whole scratch plan or round (capture: one
+    # cached token and q_len new ones per request, or a round's tokens) besides max_num_pages real pages
+    room = -(-max(max_q + 1, draft_steps) // spec.page_size) + bool(spec.cascade_groups)  # (cascade: a shared page more)
+    layout = Layout(max_batch, max(max_num_tokens, top * max_q), max_num_pages + top * room, len(spec.groups),
+                    tuple(max_encoder_tokens if g.cross else -int(g.own_pages) for g in spec.groups), draft_steps)
+    return Sizing(max_batch_size=max_batch, max_num_tokens=max_num_tokens, max_num_pages=max_num_pages,
+                  max_encoder_tokens=max_encoder_tokens, max_pages_per_request=per_request, max_draft_steps=draft_steps,
+                  buckets=buckets, bucket_at=tuple(bucket_of(b, buckets) for b in range(top + 1)),
+                  verify_buckets=verify_buckets, layout=layout)

@@ -24,23 +24,21 @@ import numpy as np
 import torch
 
 from mstar_attn.cache import default_device
-from mstar_attn.capture import cross, derive, rounds
-from mstar_attn.capture.layout import Layout, SlotViews, slot_views
-from mstar_attn.capture.limits import PoolLimits, limits_of
+from mstar_attn.capture import checks, cross, derive, rounds
+from mstar_attn.capture.layout import SlotViews, slot_views
+from mstar_attn.capture.limits import PoolLimits, limits_of, sizing
 from mstar_attn.capture.lease import CurrentStream, SlotLeases
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
-from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport
+from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport, StepShape
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import BACKENDS, load
-from mstar_attn.metadata.batch import bucket_of
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, AttentionPlan, Mode
+from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.select import spec_backends
 from mstar_attn.metadata.spec import AttentionSpec
 
-DEFAULT_MAX_PAGES_PER_REQUEST = 2048
 FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch, shared by every wrapper of a pool
 
 
@@ -63,10 +61,6 @@ class GraphBufferPool:
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.spec, self.limits = spec, limits_of(limits, bounds)
         device = default_device(device)
-        lim = self.limits
-        max_batch_size, max_num_tokens, max_num_pages = lim.max_batch_size, lim.max_num_tokens, lim.max_num_pages
-        buckets, max_pages_per_request, max_requests = lim.buckets, lim.max_pages_per_request, lim.max_requests
-        max_encoder_tokens, max_draft_steps = lim.max_encoder_tokens, lim.max_draft_steps
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as e:
@@ -74,28 +68,12 @@ class GraphBufferPool:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise PlanError(f"device: {device!r}, but this torch ({torch.__version__}) sees no CUDA device; a CPU pool "
                             "is device='cpu' (with backend='reference')")
-        max_batch = positive_int("max_batch_size", max_batch_size)
-        self.max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
-        self.max_num_pages = positive_int("max_num_pages", max_num_pages)
-        self.max_encoder_tokens = positive_int("max_encoder_tokens", max_num_tokens if max_encoder_tokens is None else max_encoder_tokens)
-        if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
-            raise PlanError(f"buckets: expected a sequence of batch sizes, got {buckets!r}")
-        # buckets above max_batch_size could never serve a step: dropped
-        self.buckets = tuple(sorted({b for b in (positive_int("buckets", b) for b in buckets) if b <= max_batch}))
+        size = self.sizing = sizing(spec, self.limits)
+        self.max_num_tokens, self.max_num_pages, self.max_encoder_tokens = size.max_num_tokens, size.max_num_pages, size.max_encoder_tokens
+        self.buckets, self.bucket_at, self.verify_buckets = size.buckets, size.bucket_at, size.verify_buckets
+        self.max_pages_per_request, self.max_draft_steps, self.layout = size.max_pages_per_request, size.max_draft_steps, size.layout
         self.float_workspace_bytes = positive_int("float_workspace_bytes", float_workspace_bytes)
-        self.max_pages_per_request = min(positive_int("max_pages_per_request", DEFAULT_MAX_PAGES_PER_REQUEST
-                                                      if max_pages_per_request is None else max_pages_per_request),
-                                         max_num_pages)
-        ps, top = spec.page_size, max(self.buckets, default=0)
-        self.verify_buckets = all(g.causal for g in spec.groups)  # verify steps can be padded (causal kernels)
-        max_q = MAX_VERIFY_Q_LEN if self.verify_buckets else 1
-        self.max_draft_steps = rounds.check_steps(max_draft_steps)
-        # room for padding requests' scratch entries, and for a whole scratch plan or round (capture: one
-        # cached token and q_len new ones per request, or a round's tokens) besides max_num_pages real pages
-        room = -(-max(max_q + 1, self.max_draft_steps) // ps) + bool(spec.cascade_groups)  # (cascade: a shared page more)
-        self.layout = Layout(max_batch, max(self.max_num_tokens, top * max_q), max_num_pages + top * room, len(spec.groups),
-                             tuple(self.max_encoder_tokens if g.cross else -int(g.own_pages) for g in spec.groups),
-                             self.max_draft_steps)
+        ps, max_requests = spec.page_size, self.limits.max_requests
         cuda = self.cuda = self.device.type == "cuda"
         if cuda and self.device.index is None:  # "cuda": the current device, fixed now
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -126,6 +104,8 @@ class GraphBufferPool:
             self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
             derive.triton_kernels() if cuda and derive.USE_TRITON else None)
         self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
+        self._by_backend: dict[str, object] = {}  # backend name -> its module's Scheduler (or None), once resolved
+        self._offsets: dict[tuple[int, int], object] = {}  # (bucket, q_len) -> the layout's Offsets of derived steps
         # every backend a plan for this spec may name, made now: their memory is in the report from
         # the start, and nothing compiles or allocates mid-serving
         for name in spec_backends(spec):
@@ -152,61 +132,21 @@ class GraphBufferPool:
         if caps.module not in self.schedulers:
             mod = load(backend)
             self.schedulers[caps.module] = mod.Scheduler(self) if hasattr(mod, "Scheduler") else None
-        return self.schedulers[caps.module]
-
-    def bucket_for(self, plan: AttentionPlan) -> int | None:
-        """The captured batch size serving `plan`, or None when it runs unpadded (see DeviceStep)."""
-        if plan.mode is not Mode.DECODE and not (plan.mode is Mode.VERIFY and self.verify_buckets):
-            return None
-        return bucket_of(plan.batch_size, self.buckets)
+        scheduler = self._by_backend[backend] = self.schedulers[caps.module]
+        return scheduler
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst.copy_(src) without blocking, counted in bytes_to_device (schedulers use it too)."""
         dst.copy_(src, non_blocking=True)
         self.last_commit_bytes += src.numel() * src.element_size()
 
-    def validate(self, plan: AttentionPlan, draft_ok: bool = False) -> int | None:
-        """PlanError unless `plan` fits this pool: made by build_plan (hand-edited plans are not
-        trusted), for this spec, its batch, tokens and pages within the pool's limits (bucketed
-        steps: with their padding, which the layout makes room for)."""
-        if not isinstance(plan, AttentionPlan):
-            raise PlanError(f"commit: expected an AttentionPlan, got {type(plan).__name__}")
-        if plan.draft_step is not None and not draft_ok:
-            raise PlanError("commit: this plan is a step of a draft round; commit the round (commit_round)")
-        if not plan.sealed:
-            raise PlanError("commit: plan was not made by build_plan (an attrs.evolve'd or hand-made plan is not "
-                            "checked again); build it with build_plan, or scratch_plan(spec, ..., backend=...)")
-        if plan.spec is not self.spec and plan.spec != self.spec:
-            raise PlanError("commit: the plan was built for another AttentionSpec than this pool's")
-        if plan.rows is not None and self.table is None:
-            raise PlanError("commit: a StepRows plan needs a pool with a page table (GraphBufferPool(spec, PoolLimits(..., max_requests=...)))")
-        L = self.layout
-        bucket = self.bucket_for(plan)
-        if plan.batch_size > L.max_rows or plan.num_tokens > (L.max_tokens if bucket else self.max_num_tokens):
-            raise PlanError(f"commit: batch {plan.batch_size} / tokens {plan.num_tokens} exceed the pool's "
-                            f"max_batch_size {L.max_rows} / max_num_tokens {self.max_num_tokens}")
-        ps = self.spec.page_size
-        pad = (bucket - plan.batch_size) * -(-plan.max_q_len // ps) if bucket else 0
-        if plan.rows is not None and plan.batch_size * -(-plan.max_kv_len // ps) + pad <= L.index_capacity:
-            return bucket  # (no group reads more pages than every request reading its longest: no lazy arrays derived)
-        for g, gp in enumerate(plan.groups):
-            if gp.stored > self.max_encoder_tokens:
-                raise PlanError(f"commit: group {g} stores {gp.stored} encoder tokens, more than the "
-                                f"pool's max_encoder_tokens {self.max_encoder_tokens}")
-            if gp.kv_indptr[-1] + pad > L.index_capacity:
-                raise PlanError(f"commit: group {g} reads {gp.kv_indptr[-1]} pages, more than the pool holds "
-                                f"(max_num_pages {self.max_num_pages}, plus room for bucket padding: {L.index_capacity})")
-        return bucket
+    def bucket_for(self, plan: AttentionPlan) -> int | None:
+        """The captured batch size serving `plan`, or None when it runs unpadded (see DeviceStep)."""
+        return checks.bucket_for(self, plan)
 
-    def check_stream(self, stream, where: str):
-        """`stream` if it is None (the current one) or a torch.cuda.Stream on the pool's device, else PlanError."""
-        if stream is None:
-            return None
-        if self.device.type != "cuda":
-            raise PlanError(f"{where}: stream= needs a CUDA pool (this one is on {self.device})")
-        if not isinstance(stream, torch.cuda.Stream) or stream.device != self.device:
-            raise PlanError(f"{where}: stream must be a torch.cuda.Stream on {self.device}, got {stream!r}")
-        return stream
+    def validate(self, plan: AttentionPlan, draft_ok: bool = False) -> int | None:
+        """checks.validate: PlanError unless `plan` fits this pool; returns its bucket (None: unpadded)."""
+        return checks.validate(self, plan, draft_ok)
 
     def commit(self, plan: AttentionPlan, *, stream: torch.cuda.Stream | None = None, slot: int | None = None,
                defer: bool = False) -> DeviceStep:
@@ -224,15 +164,23 @@ class GraphBufferPool:
         A graph of the caller's own never launches it: call step.prepare() before capturing or
         replaying one over the step.
         """
-        bucket = self.validate(plan)  # the plan's bucket (None: unpadded)
-        stream = self.check_stream(stream, "commit")
-        self.check_slot(slot, "commit")
-        scheduler = self.scheduler_for(plan.backend)
+        bucket = checks.validate(self, plan)  # the plan's bucket (None: unpadded)
+        if stream is not None:
+            stream = checks.check_stream(self.device, stream, "commit")
+        if slot is not None:
+            checks.check_slot(self.num_slots, slot, "commit")
+        try:
+            scheduler = self._by_backend[plan.backend]
+        except KeyError:
+            scheduler = self.scheduler_for(plan.backend)
         if scheduler is not None:
             scheduler.check(plan, bucket)
-        derived = plan.rows is not None and bucket is not None  # the device derives the step's arrays (derive.py)
-        # the last check, O(B + T); host slots only for a StepRows step the device does not derive
-        slots = None if plan.rows is None else self.table.check_step(plan, slots=not derived)
+        here = self.current_stream() if self.cuda else None
+        side = stream if stream is not None and self.cuda and stream != here else None
+        if plan.rows is not None and bucket is not None:  # the device derives the step's arrays (derive.py)
+            return self._commit_derived(plan, bucket, scheduler, slot, here, side, defer)
+        # the last check, O(B + T)
+        slots = None if plan.rows is None else self.table.check_step(plan)
         xg = None if plan.rows is not None else cross.rows_group(plan)  # (CrossRows: StepBatch plans only)
         x_slots = None if xg is None else cross.check(self.cross_table, plan, xg)
         s = self.free_slot(slot)
@@ -241,23 +189,12 @@ class GraphBufferPool:
         rows, q_len = (bucket, plan.max_q_len) if bucket else (B, 1)
         num_rows = rows * q_len if bucket else T
         views = self.views_of(s, rows, num_rows, bucket is not None)
-
-        here = self.current_stream() if self.cuda else None
-        side = stream if stream is not None and self.cuda and stream != here else None
         self.last_commit_bytes = 0
         table = self.table if xg is None else self.cross_table
         updates = None if plan.rows is None and xg is None else table.take_updates()  # (put back if the commit fails)
         h, offsets = self.host_np[s], views.offsets
-        lazy = derived and (scheduler is None or scheduler.lazy_host_arrays)  # (no scheduler: none reads them)
-        if not derived:  # (other steps write the head in their own layouts: a derived step stages it whole next)
-            self.held[s] = StagedHead()
-        if derived:  # the rows and lengths alone; the pinned O(rows) arrays only if a scheduler asks (stage_host)
-            left = stage_derived(h, plan, offsets, rows, q_len, updates, self.table, self.held[s])
-            h[offsets.fence] = lease.next_fence(s)
-            if not lazy:
-                stage_requests(h, plan, offsets, rows, q_len)
-            ranges = None  # (each group's whole index region: the step's DeviceGroups are fixed, made once)
-        elif plan.rows is None:
+        self.held[s] = StagedHead()  # (these steps write the head in their own layouts: a derived step stages it whole next)
+        if plan.rows is None:
             ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self.scratch_slots)
             left = 0 if xg is None else cross.stage(h, plan, xg, offsets, rows, x_slots, updates, table)
         else:
@@ -265,18 +202,17 @@ class GraphBufferPool:
             ps, pad = self.spec.page_size, rows - B
             ranges = [(o.indices, o.indices + gp.kv_indptr[-1] + -(-q_len // ps) * pad) for gp, o in zip(plan.groups, offsets.groups)]
         self.generations[s] += 1  # from here on the slot's previous step is stale
-        self.unstaged[s] = self.generations[s] if lazy else -1
+        self.unstaged[s] = -1
         self.next_slot = (s + 1) % self.num_slots
-        host, dev, fenced = self.host[s], self.dev[s], False
+        host, dev = self.host[s], self.dev[s]
+        shape = StepShape(slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=q_len, qo_indptr=views.qo_indptr,
+                          host_qo_indptr=views.host_qo_indptr, slot_mapping=views.slot_mapping,
+                          table_rows=views.table_rows, groups=self._groups_of(s, views, ranges))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             on = side or here  # the stream this commit's copies and host scheduling run on
             try:
                 lease.after_consumer(s, on)
-                step = DeviceStep(plan=plan, slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=q_len,
-                                  qo_indptr=views.qo_indptr, host_qo_indptr=views.host_qo_indptr,
-                                  slot_mapping=views.slot_mapping, table_rows=views.table_rows,
-                                  groups=self._groups_of(s, rows, num_rows, views, ranges), generation=self.generations[s],
-                                  pool=self, stream=side)
+                step = DeviceStep(plan=plan, shape=shape, generation=self.generations[s], pool=self, stream=side)
                 if plan.rows is None:
                     for a, b in copy_ranges(offsets, ranges, plan):
                         self.upload(dev[a:b], host[a:b])
@@ -285,19 +221,12 @@ class GraphBufferPool:
                         self.device_work.run(("cross", s, rows, num_rows), bucket is not None, lambda: cross.device_work(
                             table, dev, offsets, xg, views.table_rows, self.layout.index_capacity))
                         cross.record(table, plan, xg)
-                elif left:  # more table updates than the step's region holds (admissions): sent first
-                    self.last_commit_bytes += table.send(updates)
-                sent = self.last_commit_bytes
-                if plan.rows is not None and not lazy:
-                    self._rows_device_work(step, scheduler, offsets, derived, False, on)
+                else:
+                    if left:  # more table updates than the step's region holds (admissions): sent first
+                        self.last_commit_bytes += table.send(updates)
+                    self._rows_device_work(step, scheduler, offsets, False, False, on)
                 if scheduler is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
                     object.__setattr__(step, "scheduled", scheduler.schedule(step))
-                # a lazy derived commit's graph writes back a fence that proves every copy out of the staging
-                # ran, unless the scheduler planned from it (staged the host arrays) or uploaded anything
-                fenced = lazy and side is None and self.unstaged[s] == self.generations[s] and self.last_commit_bytes == sent
-                if lazy:  # (after the scheduler's copies: their order does not matter, the arrays are the same)
-                    self._rows_device_work(step, scheduler, offsets, derived, defer and fenced, on)
-                fenced = fenced and here is not None
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
                 if side is None and here is not None:
@@ -305,13 +234,85 @@ class GraphBufferPool:
             except BaseException:
                 if updates is not None:  # they may not have reached the device: send them again next time
                     table.restore_updates(updates)
-                self.device_work.drop(s)  # (a deferred work of this commit: never launched)
-                fenced = False
                 raise
             finally:
-                lease.record(s, on, fenced)
+                lease.record(s, on, False)
                 self.bytes_to_device += self.last_commit_bytes
         return step
+
+    def _commit_derived(self, plan: AttentionPlan, bucket: int, scheduler, slot: int | None, here, side,
+                        defer: bool) -> DeviceStep:
+        """commit for a bucketed StepRows step (after validate and the scheduler's check): the table check,
+        then the rows, lengths and table updates staged in the slot's head, and the device work that
+        derives every other array from them (derive.rows_work): deferred with `defer` (see commit),
+        else one graph launch. Its StepShape is made once per slot and bucket shape. A scheduler that
+        plans from host arrays (not lazy_host_arrays) gets them staged, and runs after the device work."""
+        table, lease = self.table, self.leases
+        table.check_step(plan, slots=False)  # the last check, O(B)
+        s = self.free_slot(slot)
+        q_len = plan.max_q_len
+        shape = self._views.get(("shape", s, bucket, q_len))
+        if shape is None:
+            shape = self._derived_shape(s, bucket, q_len)
+        offsets = self._offsets[(bucket, q_len)]
+        updates = table.take_updates()  # (put back if the commit fails)
+        h = self.host_np[s]
+        lazy = scheduler is None or scheduler.lazy_host_arrays  # (no scheduler: none reads them)
+        left = stage_derived(h, plan, offsets, bucket, q_len, updates, table, self.held[s])
+        h[offsets.fence] = lease.next_fence(s)
+        if not lazy:  # the pinned O(rows) arrays, for a scheduler that plans from them (else stage_host, if asked)
+            stage_requests(h, plan, offsets, bucket, q_len)
+        generation = self.generations[s] = self.generations[s] + 1  # from here on the slot's previous step is stale
+        self.unstaged[s] = generation if lazy else -1
+        self.next_slot = (s + 1) % self.num_slots
+        on, fenced = side or here, False  # the stream this commit's copies and host scheduling run on
+        context = torch.cuda.stream(side) if side is not None else None
+        if context is not None:
+            context.__enter__()
+        try:
+            if here is not None:
+                lease.after_consumer(s, on)
+            step = DeviceStep(plan=plan, shape=shape, generation=generation, pool=self, stream=side)
+            self.last_commit_bytes = sent = table.send(updates) if left else 0  # (admissions past the head: sent first)
+            if not lazy:
+                self._rows_device_work(step, scheduler, offsets, True, False, on)
+            if scheduler is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
+                object.__setattr__(step, "scheduled", scheduler.schedule(step))
+            if lazy:  # (after the scheduler's copies: their order does not matter, the arrays are the same)
+                # the graph writes back a fence that proves every copy out of the staging ran, unless the
+                # scheduler planned from it (staged the host arrays) or anything was uploaded
+                fenced = side is None and self.unstaged[s] == generation and self.last_commit_bytes == sent
+                if defer and fenced:  # (_rows_device_work's deferred case, inline: the per-step path)
+                    key = ("derived", s, bucket, bucket * q_len, plan.backend)
+                    self.device_work.defer(s, generation, key, lambda: derive.rows_work(self, step, scheduler, offsets, True), on)
+                    self.last_commit_bytes += offsets.draft * 4
+                else:
+                    self._rows_device_work(step, scheduler, offsets, True, False, on)
+                fenced = fenced and here is not None
+            if side is None and here is not None:  # (see commit)
+                lease.claim_consumer(s, here, "commit")
+        except BaseException:
+            table.restore_updates(updates)
+            self.device_work.drop(s)  # (a deferred work of this commit: never launched)
+            fenced = False
+            raise
+        finally:
+            lease.record(s, on, fenced)
+            self.bytes_to_device += self.last_commit_bytes
+            if context is not None:
+                context.__exit__(None, None, None)
+        return step
+
+    def _derived_shape(self, s: int, bucket: int, q_len: int) -> StepShape:
+        """Slot s's StepShape for derived steps of `bucket` requests, q_len tokens each: every group over its
+        whole index region (kept: bounded by slots x buckets x q_lens)."""
+        views = self.views_of(s, bucket, bucket * q_len, True)
+        self._offsets[(bucket, q_len)] = views.offsets
+        shape = StepShape(slot=s, rows=bucket, num_rows=bucket * q_len, bucket=bucket, q_len=q_len,
+                          qo_indptr=views.qo_indptr, host_qo_indptr=views.host_qo_indptr, slot_mapping=views.slot_mapping,
+                          table_rows=views.table_rows, groups=self._groups_of(s, views, None))
+        self._views[("shape", s, bucket, q_len)] = shape
+        return shape
 
     def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:
         """Commit all K steps of a DraftRound (build_round) into one slot: one host-to-device copy
@@ -338,27 +339,18 @@ class GraphBufferPool:
             stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.rows, step.num_rows), step.rows, step.q_len)
             self.unstaged[step.slot] = -1
 
-    def _groups_of(self, s: int, rows: int, num_rows: int, views: SlotViews, ranges) -> tuple[DeviceGroup, ...]:
-        """The step's DeviceGroups over each group's used index range, or its whole index region (ranges None:
-        a derived step: made once per slot and bucket shape)."""
-        def make(spans):
-            return tuple(DeviceGroup.over(g, self.dev[s][a:b]) for g, (a, b) in zip(views.groups, spans))
-        cap = self.layout.index_capacity
-        if ranges is not None:
-            return make(ranges)
-        key = ("groups", s, rows, num_rows)
-        groups = self._views.get(key)
-        return groups if groups is not None else self.kept(
-            key, True, lambda: make([(o.indices, o.indices + cap) for o in views.offsets.groups]))
-
-    def check_slot(self, slot, where: str) -> None:  # (None: the next slot)
-        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots):
-            raise PlanError(f"{where}: slot {slot!r} is not one of the pool's {self.num_slots} slots")
+    def _groups_of(self, s: int, views: SlotViews, ranges) -> tuple[DeviceGroup, ...]:
+        """The step's DeviceGroups over each group's used index range, or its whole index region (ranges None)."""
+        if ranges is None:
+            cap = self.layout.index_capacity
+            ranges = [(o.indices, o.indices + cap) for o in views.offsets.groups]
+        return tuple(DeviceGroup.over(g, self.dev[s][a:b]) for g, (a, b) in zip(views.groups, ranges))
 
     def free_slot(self, slot: int | None, where: str = "commit") -> int:
         """The slot a commit fills, once every deferred device work is launched and its last copies have run."""
         s = self.next_slot if slot is None else slot
-        self.device_work.launch_all(where)
+        if any(self.device_work.pending):
+            self.device_work.launch_all(where)
         self.leases.free(s)
         return s
 

@@ -16,22 +16,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mstar_attn.capture import checks
 from mstar_attn.capture.stage import StagedHead, stage_pages, stage_slots
-from mstar_attn.capture.step import DeviceGroup, DeviceStep
-from mstar_attn.metadata._arrays import positive_int
-from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, DraftRound
+from mstar_attn.capture.step import DeviceGroup, DeviceStep, StepShape
+from mstar_attn.metadata.draft import DraftRound
 from mstar_attn.metadata.errors import PlanError
 
 if TYPE_CHECKING:
     from mstar_attn.capture.pool import GraphBufferPool
-
-
-def check_steps(n) -> int:
-    """The pool's max_draft_steps, checked: 1 (no rounds) .. MAX_DRAFT_STEPS."""
-    n = positive_int("max_draft_steps", n)
-    if n > MAX_DRAFT_STEPS:
-        raise PlanError(f"max_draft_steps: at most {MAX_DRAFT_STEPS}, got {n}")
-    return n
 
 
 def _step_views(pool: GraphBufferPool, s: int, rows: int, num_rows: int) -> list[tuple[dict, ...]]:
@@ -62,8 +54,8 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     if pool.spec.own_page_groups:  # (build_round refuses them; scratch rounds too: this is the pool's own check)
         raise PlanError("commit_round: the pool's spec has layer groups with their own page lists or cross attention; "
                         "draft rounds serve specs whose groups share one page list")
-    bucket = pool.validate(plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
-    pool.check_slot(slot, "commit_round")
+    bucket = checks.validate(pool, plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
+    checks.check_slot(pool.num_slots, slot, "commit_round")
     scheduler = pool.scheduler_for(draft.backend)
     if scheduler is not None:
         scheduler.check(plans[-1], bucket)
@@ -100,9 +92,10 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
             own = more[j - 1] if j else tuple({} for _ in views.groups)  # (step 0 sits where a decode step would)
             groups = tuple(DeviceGroup.over(g, idx, **changes) for g, idx, changes in zip(views.groups, indices, own))
             slots = own[0]["slot_mapping"] if j else views.slot_mapping
-            steps.append(DeviceStep(plan=plan, slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=1,
-                                    qo_indptr=views.qo_indptr, host_qo_indptr=views.host_qo_indptr, slot_mapping=slots,
-                                    table_rows=views.table_rows, groups=groups, generation=pool.generations[s], pool=pool))
+            shape = StepShape(slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=1, qo_indptr=views.qo_indptr,
+                              host_qo_indptr=views.host_qo_indptr, slot_mapping=slots, table_rows=views.table_rows,
+                              groups=groups)
+            steps.append(DeviceStep(plan=plan, shape=shape, generation=pool.generations[s], pool=pool))
         if scheduler is not None:
             scheduled = scheduler.schedule_round(steps)
             for st, sch in zip(steps, scheduled):  # (fresh objects no caller has seen yet: set, not rebuilt)

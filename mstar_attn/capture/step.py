@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from mstar_attn.capture import checks
 from mstar_attn.capture.lease import HostEvent  # noqa: F401  (kept name: a CPU pool's event lives in lease.py)
 from mstar_attn.metadata.errors import PlanError, StaleStepError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
@@ -44,23 +45,18 @@ class DeviceGroup:
 
 
 @attrs.frozen
-class DeviceStep:
-    """What `run` and `write_kv` read for one committed plan, valid until its slot is committed again.
+class StepShape:
+    """What every step committed into one pool slot at one shape shares: its views into the slot.
 
-    rows: the batch padded to its bucket (or the exact batch for steps no bucket serves). Bucketed
-    steps are decode and verify steps (plan.mode); q_len is their tokens per request (1 for
+    slot: the pool slot. rows: the batch padded to its bucket (or the exact batch for steps no bucket
+    serves). Bucketed steps are decode and verify steps; q_len is their tokens per request (1 for
     decode). A padded request has q_len tokens, reads q_len tokens of the scratch page and writes
-    its token rows there: no request's page is touched.
-    num_rows: token rows of the step (rows * q_len when bucketed; plan.num_tokens otherwise).
-    slot_mapping [num_rows] int64 device: where each row's K/V goes (groups[g].slot_mapping for a
-    group with its own page list).
-    generation: the pool slot's commit count when this step was made; once the slot is committed
-    again the step is stale and every backend refuses it (StaleStepError).
-    stream: the side stream it was committed on, or None (the caller's current stream): then the
-    stream that runs it must `wait()` first, and backends refuse it until it has.
+    its token rows there: no request's page is touched. num_rows: token rows of the step (rows *
+    q_len when bucketed; plan.num_tokens otherwise). slot_mapping [num_rows] int64 device: where each
+    row's K/V goes (groups[g].slot_mapping for a group with its own page list). A pool keeps one per
+    bucketed (slot, rows, q_len) and makes one per commit for other steps.
     """
 
-    plan: AttentionPlan
     slot: int
     rows: int
     num_rows: int
@@ -71,22 +67,53 @@ class DeviceStep:
     slot_mapping: torch.Tensor  # [num_rows] int64 device
     table_rows: torch.Tensor  # [rows] device: a StepRows step's page-table rows (padding: the scratch row)
     groups: tuple[DeviceGroup, ...]
+
+
+def _shape_field(name: str, doc: str):
+    return property(lambda self: getattr(self.shape, name), doc=doc)
+
+
+@attrs.frozen
+class DeviceStep:
+    """What `run` and `write_kv` read for one committed plan, valid until its slot is committed again.
+
+    shape: the slot, padded rows and views it reads (StepShape); its fields read as the step's own
+    (step.rows, step.groups, ...).
+    generation: the pool slot's commit count when this step was made; once the slot is committed
+    again the step is stale and every backend refuses it (StaleStepError).
+    stream: the side stream it was committed on, or None (the caller's current stream): then the
+    stream that runs it must `wait()` first, and backends refuse it until it has.
+    """
+
+    plan: AttentionPlan
+    shape: StepShape
     generation: int
     pool: GraphBufferPool = attrs.field(eq=False, repr=False)
     stream: torch.cuda.Stream | None = attrs.field(default=None, eq=False, repr=False)
     scheduled: tuple = attrs.field(default=(), eq=False, repr=False)  # backend state, one per group
-    _waited: list = attrs.field(factory=lambda: [False], eq=False, repr=False, alias="_waited")
-    _stored: list = attrs.field(factory=lambda: [False], eq=False, repr=False, alias="_stored")
+    # [waited (on the stream that runs it), stored (a write_kv ran on it)]: host facts about this step
+    _flags: list = attrs.field(factory=lambda: [False, False], eq=False, repr=False, alias="_flags")
+
+    slot = _shape_field("slot", "the pool slot (StepShape)")
+    rows = _shape_field("rows", "request rows, padding included (StepShape)")
+    num_rows = _shape_field("num_rows", "token rows (StepShape)")
+    bucket = _shape_field("bucket", "the captured batch size serving the step, or None (StepShape)")
+    q_len = _shape_field("q_len", "tokens per request of a bucketed step (StepShape)")
+    qo_indptr = _shape_field("qo_indptr", "[rows+1] int32 device")
+    host_qo_indptr = _shape_field("host_qo_indptr", "[rows+1] int32 pinned")
+    slot_mapping = _shape_field("slot_mapping", "[num_rows] int64 device")
+    table_rows = _shape_field("table_rows", "[rows] int32 device: a StepRows step's page-table rows")
+    groups = _shape_field("groups", "tuple[DeviceGroup, ...], one per layer group")
 
     @property
     def kv_stored(self) -> bool:
         """Whether a write_kv has stored new K/V of this step (any layer, any group), as host code: what run's
         misuse check reads. A replayed graph's write_kv sets nothing (such a step's run is in the graph too)."""
-        return self._stored[0]
+        return self._flags[1]
 
     def mark_stored(self) -> None:
         """Called by every backend's write_kv on a committed step."""
-        self._stored[0] = True
+        self._flags[1] = True
 
     @property
     def mode(self) -> Mode:
@@ -108,7 +135,7 @@ class DeviceStep:
             raise StaleStepError(f"{where}: this step is stale: pool slot {self.slot} has been committed again since "
                                  f"(commit {self.generation} of that slot, now {self.pool.generations[self.slot]}); "
                                  "use the step the latest commit returned")
-        if self.stream is not None and not self._waited[0]:
+        if self.stream is not None and not self._flags[0]:
             raise PlanError(f"{where}: this step was committed on a side stream; call step.wait() on the stream that "
                             "runs it first, so its kernels cannot read the buffers before the copy lands")
 
@@ -121,17 +148,17 @@ class DeviceStep:
         step of the other slot running elsewhere raises PlanError (see SlotLeases.claim_consumer)."""
         self.check_live("wait")
         pool = self.pool
-        stream = pool.check_stream(stream, "wait")
+        stream = checks.check_stream(pool.device, stream, "wait")
         if pool.device_work.pending_key(self.slot, self.generation) is not None:  # (on the commit's stream: the
             pool.device_work.launch(self.slot, "wait")  # event below follows it)
         if pool.device.type == "cuda":
             if stream is None:
                 stream = torch.cuda.current_stream(pool.device.index)
-            if self._waited[0] and pool.leases.consumers[self.slot] not in (None, stream):
+            if self._flags[0] and pool.leases.consumers[self.slot] not in (None, stream):
                 raise PlanError("wait: this step was already waited for on another stream; a step runs on one stream")
             pool.leases.claim_consumer(self.slot, stream, "wait")
             stream.wait_event(pool.leases.event_of(self.slot))
-        self._waited[0] = True
+        self._flags[0] = True
 
     def prepare(self) -> None:
         """Launch this step's deferred device work (commit(defer=True)) now, on its commit's stream, if it

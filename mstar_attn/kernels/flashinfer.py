@@ -138,6 +138,7 @@ class Scheduler(SchedulerBase):
         self.ws_owner: dict[tuple, object] = {}  # (slot, group) -> the wrapper that last planned into its shared int workspace
         self.private_keys: set[tuple] = set()  # kept plans of wrappers with an int workspace of their own
         self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len[, draft step]) -> its wrapper, planned once for good
+        self.fixed_steps: dict[tuple, tuple] = {}  # (slot, rows, q_len, mode) -> every group's fixed wrapper (schedule)
         self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once
         props = torch.cuda.get_device_properties(pool.device)
         self.fixed_min_ctas = 1 << 62 if FIXED_CTAS_PER_SM is None else FIXED_CTAS_PER_SM * props.multi_processor_count
@@ -189,7 +190,12 @@ class Scheduler(SchedulerBase):
     def schedule(self, step: DeviceStep, tables: tuple | None = None) -> tuple:
         """One entry per layer group: its planned wrapper, an XqaDecode (fp8_math decode), or the
         cascade group's Levels (a cascade step: plan.cascade)."""
-        if step.plan.cascade is not None:
+        plan = step.plan
+        if plan.draft_step is None and plan.cascade is None:  # a bucket whose every group was planned once for good
+            kept = self.fixed_steps.get((step.slot, step.rows, step.q_len, plan.mode))
+            if kept is not None:
+                return kept
+        if plan.cascade is not None:
             levels = self.cascade.schedule(step)
             return tuple(levels[g] if g in levels else self._plan(step, g, dg) for g, dg in enumerate(step.groups))
         x = self.xqa
@@ -197,7 +203,11 @@ class Scheduler(SchedulerBase):
             tables = x.tables.schedule(step) if tables is None else tables
             return tuple(XqaDecode(tables[g], x) if x.serves(g) else self._plan(step, g, dg)
                          for g, dg in enumerate(step.groups))
-        return tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
+        out = tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
+        key = (step.slot, step.rows, step.q_len)
+        if step.bucket is not None and plan.draft_step is None and all((*key[:1], g, *key[1:]) in self.fixed for g in range(len(out))):
+            self.fixed_steps[(*key, plan.mode)] = out
+        return out
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """A draft round: XQA's page tables once (the steps list the same pages), the wrappers per step."""

@@ -13,15 +13,16 @@ import numpy as np
 from mstar_attn.metadata.errors import PlanError
 
 INT32_MAX = 2**31 - 1
+INT32 = np.dtype(np.int32)  # (native byte order: the dtype object numpy gives every such array)
 
 
 def int_array(name: str, value, ndim: int, request: int | None = None) -> np.ndarray:
     """A read-only int32 copy of `value` (a list or numpy array of integers of rank `ndim`), or PlanError.
     request: the request the whole array belongs to (one request's page list), named in errors;
     None: a 1-D array is indexed by request."""
-    if type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == ndim:  # (the common case, per step)
+    if type(value) is np.ndarray and value.dtype is INT32 and value.ndim == ndim:  # (the common case, per step)
         out = value.copy()
-        out.flags.writeable = False
+        out.setflags(write=False)
         return out
     try:
         a = np.asarray(value)

@@ -234,9 +234,11 @@ class StepRows:
     def decode(cls, rows, kv_lens) -> StepRows:
         """A decode step: one new token per request."""
         kv, rows = int_array("kv_lens", kv_lens, 1), int_array("rows", rows, 1)  # (read-only copies, as the fields'
-        step = cls.__new__(cls)  # converters make: set without converting again)
-        for name, value in (("rows", rows), ("q_lens", _ones(kv.shape[0])), ("kv_lens", kv), ("decode_step", True)):
-            object.__setattr__(step, name, value)
+        step, put = cls.__new__(cls), object.__setattr__  # converters make: set without converting again)
+        put(step, "rows", rows)
+        put(step, "q_lens", _ones(kv.shape[0]))
+        put(step, "kv_lens", kv)
+        put(step, "decode_step", True)
         return step
 
     @property

@@ -35,6 +35,8 @@ def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_owners
     ids: kv_indices and slot_mapping are None), and commit checks the pages against the table,
     which enforces ownership as pages are assigned (check_ownership does not apply).
     """
+    if batch.__class__ is StepRows and batch.decode_step and spec.__class__ is AttentionSpec:  # (per decode step)
+        return _plan_rows_decode(batch, spec)
     if not isinstance(spec, AttentionSpec):
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
     if isinstance(batch, StepRows):
@@ -197,8 +199,6 @@ def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
                         "the pool's page table does not hold; describe such steps with a StepBatch")
     if rows.shape != q.shape:
         raise PlanError(f"shapes: rows {rows.shape} and q_lens {q.shape} must both be [B]")
-    if batch.decode_step and 0 < kv.shape[0] < ARANGE.shape[0] and kv.shape == q.shape:
-        return _plan_rows_decode(batch, spec)
     q_max = check_lengths(q, kv, ps)
     if rows.min() < 0:
         fail_at("rows", rows < 0, "a page-table row is negative")
@@ -220,7 +220,10 @@ def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     reductions, and a plan whose arrays are derived on first read (the per-step host path of a decoding
     engine: a pool derives them on the device)."""
     rows, q, kv, ps = batch.rows, batch.q_lens, batch.kv_lens, spec.page_size
-    B, lo, hi = kv.shape[0], int(kv.min()), int(kv.max())
+    B = kv.shape[0]
+    if spec.own_page_groups or rows.shape[0] != B or not 0 < B < ARANGE.shape[0]:
+        return _plan_rows(batch, spec)  # (its general checks name what is wrong)
+    lo, hi = int(kv.min()), int(kv.max())
     if lo < 1:
         fail_at("kv_lens", kv < 1, "kv_len (after the step) is smaller than q_len")
     if hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:
