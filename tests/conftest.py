@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=False)
@@ -15,3 +16,22 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:
     pass
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run every N-th collected test starting at the I-th (0-based): N processes with I = 0..N-1 "
+                          "split a suite evenly (benchmarks/gpu_suite.sh runs the GPU suite so)")
+
+
+@pytest.hookimpl(trylast=True)  # (after -m and -k have deselected: the shards split what runs)
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    i, n = (int(x) for x in shard.split("/"))
+    if not 0 <= i < n:
+        raise ValueError(f"--shard {shard}: expected I/N with 0 <= I < N")
+    keep = [t for k, t in enumerate(items) if k % n == i]
+    config.hook.pytest_deselected(items=[t for k, t in enumerate(items) if k % n != i])
+    items[:] = keep
