@@ -20,7 +20,7 @@ from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _cascade, _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
-from mstar_attn.kernels._tables import PageTables
+from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
 from mstar_attn.kernels.base import SchedulerBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
@@ -45,51 +45,16 @@ def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
     return max(FIXED_WORKSPACE_BYTES, -(-need // 4096) * 4096)
 
 
-class Xqa:
-    """The pool's state for FlashInfer's XQA FP8 decode kernel (AttentionSpec.fp8_math), Hopper only.
-
-    XQA has no host planner: its grid is fixed by the batch rows, the KV heads and the page table's
-    width (bucketed steps: max_pages_per_request), and it reads every request's length from the
-    device at run time, so a captured graph replays any later commit. It reads dense page tables
-    (PageTables) and a uint32 view of the group's kv_lens. Its multi-block mode splits each
-    sequence over at most ~0.75 x SMs / (rows x KV heads) CTAs, which meet through semaphores (zero
-    at rest: the last CTA of a sequence resets its counter) and a float scratch of their partial
-    outputs. One of each for the pool: kernels of one stream never overlap (like the float workspace).
-    Memory: semaphores 4 * max_rows * kv_heads bytes, scratch (0.75 * SMs + 2 * max_rows * kv_heads)
-    chunks of gqa * (8 + 2 * head_dim) bytes, doubled for alignment, plus the page tables.
-    """
-
-    def __init__(self, pool: GraphBufferPool):
-        from flashinfer.xqa import get_xqa_module
-
-        if torch.cuda.get_device_capability(pool.device)[0] != 9:
-            raise PlanError("spec.fp8_math: FlashInfer's XQA FP8 decode kernel (mha_sm90) runs on Hopper (SM90) only")
-        spec = pool.spec
-        self.tables = PageTables(pool, [g for g, grp in enumerate(spec.groups) if not grp.cross])
-        self.sm_count = torch.cuda.get_device_properties(pool.device).multi_processor_count
-        rows = pool.layout.max_rows * spec.num_kv_heads
-        self.semaphores = torch.zeros(rows, dtype=torch.int32, device=pool.device).view(torch.uint32)
-        chunk = spec.gqa_group * (8 + 2 * spec.head_dim)
-        self.scratch = torch.zeros(2 * (self.sm_count + 2 * rows) * chunk + (1 << 16), dtype=torch.uint8, device=pool.device)
-        self.modules = {w: get_xqa_module(spec.dtype, spec.kv_cache_dtype, spec.page_size, spec.head_dim, spec.gqa_group,
-                                          w, spec.dtype, 1) for w in {g.window is not None for g in spec.groups}}
-
-    def serves(self, g: int) -> bool:
-        """Whether layer group g runs on XQA in decode steps (the groups other than cross: those with tables)."""
-        return self.tables.table_of[g] is not None
-
-    def memory(self) -> dict[str, tuple[int, int]]:
-        n = self.semaphores.numel() * 4 + self.scratch.numel()
-        return {"xqa semaphores + scratch": (n, 0), **self.tables.memory("xqa page tables")}
-
-
 @attrs.frozen
-class XqaDecode:
-    """What `run` needs for one layer group of an XQA decode step: its page table [rows, width]
-    int32 (device) and the pool's Xqa state."""
+class KeptStep:
+    """The kept plans of one bucketed step shape (slot, rows, q_len, mode) once every layer group has one:
+    per group its wrapper, and its FastDecodePlan (None: planned once for good, `fixed`) with whether
+    that plan sits in an int workspace of its own (`private`), not the slot and group's shared one."""
 
-    table: torch.Tensor
-    xqa: Xqa
+    wrappers: tuple
+    plans: tuple
+    private: tuple
+    fixed: bool
 
 
 class Scheduler(SchedulerBase):
@@ -138,7 +103,7 @@ class Scheduler(SchedulerBase):
         self.ws_owner: dict[tuple, object] = {}  # (slot, group) -> the wrapper that last planned into its shared int workspace
         self.private_keys: set[tuple] = set()  # kept plans of wrappers with an int workspace of their own
         self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len[, draft step]) -> its wrapper, planned once for good
-        self.fixed_steps: dict[tuple, tuple] = {}  # (slot, rows, q_len, mode) -> every group's fixed wrapper (schedule)
+        self.kept_steps: dict[tuple, KeptStep] = {}  # (slot, rows, q_len, mode) -> its groups' kept plans (schedule)
         self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once
         props = torch.cuda.get_device_properties(pool.device)
         self.fixed_min_ctas = 1 << 62 if FIXED_CTAS_PER_SM is None else FIXED_CTAS_PER_SM * props.multi_processor_count
@@ -191,10 +156,10 @@ class Scheduler(SchedulerBase):
         """One entry per layer group: its planned wrapper, an XqaDecode (fp8_math decode), or the
         cascade group's Levels (a cascade step: plan.cascade)."""
         plan = step.plan
-        if plan.draft_step is None and plan.cascade is None:  # a bucket whose every group was planned once for good
-            kept = self.fixed_steps.get((step.slot, step.rows, step.q_len, plan.mode))
+        if plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before: its kept plans
+            kept = self.kept_steps.get((step.slot, step.rows, step.q_len, plan.mode))
             if kept is not None:
-                return kept
+                return kept.wrappers if kept.fixed else self._kept(step, kept)
         if plan.cascade is not None:
             levels = self.cascade.schedule(step)
             return tuple(levels[g] if g in levels else self._plan(step, g, dg) for g, dg in enumerate(step.groups))
@@ -204,10 +169,26 @@ class Scheduler(SchedulerBase):
             return tuple(XqaDecode(tables[g], x) if x.serves(g) else self._plan(step, g, dg)
                          for g, dg in enumerate(step.groups))
         out = tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
-        key = (step.slot, step.rows, step.q_len)
-        if step.bucket is not None and plan.draft_step is None and all((*key[:1], g, *key[1:]) in self.fixed for g in range(len(out))):
-            self.fixed_steps[(*key, plan.mode)] = out
+        if step.bucket is not None and plan.draft_step is None:
+            keys = [(step.slot, g, step.rows, step.q_len) for g in range(len(out))]
+            plans = tuple(None if k in self.fixed else self.fast.get(k) for k in keys)
+            if all(k in self.fixed or k in self.fast for k in keys):  # (every group planned by its kept plan from now on)
+                self.kept_steps[(step.slot, step.rows, step.q_len, plan.mode)] = KeptStep(
+                    wrappers=out, plans=plans, private=tuple(k in self.private_keys for k in keys),
+                    fixed=all(p is None for p in plans))
         return out
+
+    def _kept(self, step: DeviceStep, kept: KeptStep) -> tuple:
+        """schedule for a shape whose groups all have a kept plan: a fixed group's wrapper as is, a split-KV
+        group's while its plan holds (see _plan), else planned again."""
+        out = []
+        for g, fast in enumerate(kept.plans):
+            if fast is None or ((kept.private[g] or self.ws_owner.get((step.slot, g)) is fast.wrapper)
+                                and fast.holds(step.plan.kv_lens_of(g))):
+                out.append(kept.wrappers[g])
+            else:
+                out.append(self._plan(step, g, step.groups[g]))
+        return tuple(out)
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """A draft round: XQA's page tables once (the steps list the same pages), the wrappers per step."""
@@ -345,7 +326,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     if plan.backend != "flashinfer_ragged":  # (k and v are read from the cache: stored first)
         _check.stored_first(step, k, v, "run")
     if isinstance(w, XqaDecode):
-        return _xqa(step, q, cache, group, w)
+        return run_xqa(step, q, cache, group, w)
     if isinstance(w, _cascade.Levels):
         return _cascade.run(step, q, cache, w)
     if plan.backend == "flashinfer_ragged":
@@ -359,21 +340,3 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     if plan.spec.fp8_kv:  # FlashInfer folds k_scale into the softmax scale and scales the output by v_scale
         return w.run(q, (cache.k, cache.v), k_scale=cache.k_scale, v_scale=cache.v_scale)[:rows]
     return w.run(q, (cache.k, cache.v))[:rows]
-
-
-def _xqa(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int, x: XqaDecode) -> torch.Tensor:
-    """XQA's Hopper FP8 decode over q's rows (the step's requests, or a bucket's rows with padding).
-    Logits = q_scale * kv_scale / sqrt(head_dim) * q . k_stored and output = kv_scale * p . v_stored,
-    so kv_scale = v_scale and q_scale = sm_scale * k_scale / v_scale * sqrt(head_dim)."""
-    spec, rows = step.plan.spec, q.shape[0]
-    win = spec.groups[group].window
-    q = q.contiguous()  # the kernel reads and writes dense [rows, heads, head_dim] rows
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    seq_lens = step.groups[group].kv_lens[:rows].view(torch.uint32).unsqueeze(1)
-    table = x.table[:rows]
-    q_scale = spec.sm_scale * cache.k_scale / cache.v_scale * spec.head_dim**0.5
-    x.xqa.modules[win is not None].xqa(
-        True, x.xqa.sm_count, spec.num_kv_heads, 0 if win is None else win, q_scale, out.unsqueeze(1), 1.0, q.unsqueeze(1),
-        None, cache.k, cache.v, None, None, table, table.shape[1] * spec.page_size, seq_lens, rows, cache.v_scale,
-        x.xqa.semaphores, x.xqa.scratch, True, 1, None, None)
-    return out
