@@ -91,8 +91,8 @@ class DeviceStep:
     pool: GraphBufferPool = attrs.field(eq=False, repr=False)
     stream: torch.cuda.Stream | None = attrs.field(default=None, eq=False, repr=False)
     scheduled: tuple = attrs.field(default=(), eq=False, repr=False)  # backend state, one per group
-    # [waited (on the stream that runs it), stored (a write_kv ran on it)]: host facts about this step
-    _flags: list = attrs.field(factory=lambda: [False, False], eq=False, repr=False, alias="_flags")
+    # [waited (on the stream that runs it), the caches a write_kv stored into (their K data pointers)]: host facts
+    _flags: list = attrs.field(factory=lambda: [False, set()], eq=False, repr=False, alias="_flags")
 
     slot = _shape_field("slot", "the pool slot (StepShape)")
     rows = _shape_field("rows", "request rows, padding included (StepShape)")
@@ -107,13 +107,18 @@ class DeviceStep:
 
     @property
     def kv_stored(self) -> bool:
-        """Whether a write_kv has stored new K/V of this step (any layer, any group), as host code: what run's
-        misuse check reads. A replayed graph's write_kv sets nothing (such a step's run is in the graph too)."""
-        return self._flags[1]
+        """Whether a write_kv has stored new K/V of this step (any layer's cache), as host code. A replayed
+        graph's write_kv sets nothing (such a step's run is in the graph too)."""
+        return bool(self._flags[1])
 
-    def mark_stored(self) -> None:
-        """Called by every backend's write_kv on a committed step."""
-        self._flags[1] = True
+    def stored_in(self, cache) -> bool:
+        """Whether a write_kv has stored new K/V of this step into `cache` (a PagedKVCache): what run's
+        misuse check reads, per layer's cache."""
+        return cache.k.data_ptr() in self._flags[1]
+
+    def mark_stored(self, cache) -> None:
+        """Called by every backend's write_kv on a committed step, with the cache it stored into."""
+        self._flags[1].add(cache.k.data_ptr())
 
     @property
     def mode(self) -> Mode:

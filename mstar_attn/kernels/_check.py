@@ -29,12 +29,12 @@ def step_plan(step, where: str, plans_ok: bool = False) -> AttentionPlan:
                     + (" or an AttentionPlan" if plans_ok else "") + f", got {type(step).__name__}")
 
 
-def stored_first(step, k, v, where: str) -> None:
+def stored_first(step, k, v, cache, where: str) -> None:
     """PlanError when k or v reach a backend that reads the step's new K/V from the cache, on a committed
-    step no write_kv has stored anything of: they would be ignored (the backends that take them are
-    the prefix-free ones, which attend over k and v alone)."""
-    if (k is not None or v is not None) and isinstance(step, DeviceStep) and not step.kv_stored:
-        raise PlanError(f"{where}: k and v are given, but no write_kv has stored this step's new K/V; backend "
+    step no write_kv has stored into this layer's `cache`: they would be ignored (the backends that
+    take them are the prefix-free ones, which attend over k and v alone)."""
+    if (k is not None or v is not None) and isinstance(step, DeviceStep) and not step.stored_in(cache):
+        raise PlanError(f"{where}: k and v are given, but no write_kv has stored this step's new K/V in this layer's cache; backend "
                         f"{step.plan.backend!r} reads them from the cache (only prefix-free backends such as "
                         "flashinfer_ragged take k and v): call write_kv(step, k, v, cache, group) before run")
 

@@ -21,4 +21,4 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = 
     _check.cache_fits(cache, plan, "write_kv", step=step, group=group)
     _check.new_kv(k, v, step, plan, cache, "write_kv", group)
     cache.store(step.groups[group].slot_mapping[: k.shape[0]], k, v)
-    step.mark_stored()
+    step.mark_stored(cache)

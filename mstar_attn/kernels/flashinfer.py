@@ -324,7 +324,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     _check.cache_fits(cache, plan, "run", finite=isinstance(w, XqaDecode), step=step, group=group)
     _check.query(q, step, plan, cache, "run")
     if plan.backend != "flashinfer_ragged":  # (k and v are read from the cache: stored first)
-        _check.stored_first(step, k, v, "run")
+        _check.stored_first(step, k, v, cache, "run")
     if isinstance(w, XqaDecode):
         return run_xqa(step, q, cache, group, w)
     if isinstance(w, _cascade.Levels):

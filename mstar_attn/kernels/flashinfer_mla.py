@@ -112,7 +112,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     """
     plan = _check.step_plan(step, "run")
     group = _check.layer_group(group, plan, "run")
-    _check.stored_first(step, k, v, "run")
+    _check.stored_first(step, k, v, cache, "run")
     _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run")
     rows = q.shape[0]

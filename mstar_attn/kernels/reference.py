@@ -36,7 +36,7 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group:
         slots = torch.tensor(plan.slots_of(group), device=k.device)
     cache.store(slots.long(), k[:T], v[:T])
     if step is not plan:  # (a committed step: run's misuse check reads it)
-        step.mark_stored()
+        step.mark_stored(cache)
 
 
 def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=None, v=None) -> torch.Tensor:
@@ -51,7 +51,7 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=
     """
     plan = _check.step_plan(step, "run", plans_ok=True)
     group = _check.layer_group(group, plan, "run")
-    _check.stored_first(step, k, v, "run")
+    _check.stored_first(step, k, v, cache, "run")
     _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run", (plan.spec.dtype, *_ORACLE_DTYPES))
     gp = plan.groups[group]

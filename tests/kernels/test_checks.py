@@ -101,7 +101,8 @@ def test_fa4_checks_before_its_kernel(monkeypatch):
 
 
 def test_run_with_k_and_v_before_any_write_kv_is_refused():
-    """run(step, q, cache, k=k, v=v) on a backend that reads the cache, with no write_kv on the step:
+    """run(step, q, cache, k=k, v=v) on a backend that reads the cache, with no write_kv of the step into that cache
+    (another layer's does not count):
     k and v would be ignored (and the step attend over stale slots), so it is a PlanError naming
     write_kv; after write_kv the same call runs, equal to run without k and v; plans (the reference
     oracle) are not committed steps and are not checked."""
@@ -118,6 +119,10 @@ def test_run_with_k_and_v_before_any_write_kv_is_refused():
     k, v = (torch.randn(plan.num_tokens, 2, 16, generator=gen) for _ in range(2))
     step = pool.commit(plan)
     with pytest.raises(PlanError, match="write_kv"):
+        kernels.run(step, q, cache, 0, k, v)
+    other = PagedKVCache.allocate(spec, "cpu")  # another layer's cache: its write_kv does not count for this one
+    kernels.write_kv(step, k, v, other)
+    with pytest.raises(PlanError, match="this layer's cache"):
         kernels.run(step, q, cache, 0, k, v)
     kernels.write_kv(step, k, v, cache)
     out = kernels.run(step, q, cache, 0, k, v)
