@@ -12,6 +12,8 @@ planned from pinned host cu_seqlens). What each serves is the kernels.BACKENDS e
 
 from __future__ import annotations
 
+import warnings
+
 import attrs
 import numpy as np
 import torch
@@ -51,10 +53,30 @@ class DensePlan:
         return self.seq_lens.shape[0]
 
 
-def build_dense_plan(seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, causal: bool = False,
-                     sm_scale: float | None = None, soft_cap: float = 0.0, dtype: torch.dtype = torch.bfloat16,
-                     backend: str = "flash_attn_varlen") -> DensePlan:
-    """Validate and pack sequence lengths. Pure; raises PlanError naming the field (and the request)."""
+@attrs.frozen
+class DenseHeads:
+    """The heads of a dense attention block: num_qo_heads query heads over num_kv_heads key / value heads
+    (a multiple of it), head_dim each."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def build_dense_plan(seq_lens, heads: DenseHeads, *legacy, causal: bool = False, sm_scale: float | None = None,
+                     soft_cap: float = 0.0, dtype: torch.dtype = torch.bfloat16, backend: str = "flash_attn_varlen") -> DensePlan:
+    """Validate and pack sequence lengths [B] for `heads` (DenseHeads). Pure; raises PlanError naming the field
+    (and the request). The heads as three numbers (seq_lens, num_qo_heads, num_kv_heads, head_dim) still
+    work, with a DeprecationWarning."""
+    if not isinstance(heads, DenseHeads):
+        if len(legacy) != 2:
+            raise PlanError(f"heads: expected a DenseHeads(num_qo_heads, num_kv_heads, head_dim), got {heads!r}")
+        warnings.warn("build_dense_plan(seq_lens, num_qo_heads, num_kv_heads, head_dim, ...) is deprecated: pass "
+                      "DenseHeads(num_qo_heads, num_kv_heads, head_dim)", DeprecationWarning, stacklevel=2)
+        heads = DenseHeads(heads, *legacy)
+    elif legacy:
+        raise PlanError(f"build_dense_plan: unexpected positional arguments after heads: {legacy!r}")
+    num_qo_heads, num_kv_heads, head_dim = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if value <= 0:
             raise PlanError(f"{name} must be positive, got {value}")

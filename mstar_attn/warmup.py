@@ -28,7 +28,7 @@ import torch
 from mstar_attn.cache import PagedKVCache, default_device
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.capture.limits import PoolLimits
-from mstar_attn.dense import DenseAttention, DensePlan, build_dense_plan
+from mstar_attn.dense import DenseAttention, DenseHeads, DensePlan, build_dense_plan
 from mstar_attn.kernels import run
 from mstar_attn.metadata.backends import BACKENDS
 from mstar_attn.metadata.errors import PlanError
@@ -190,7 +190,7 @@ def warmup_model(spec: AttentionSpec, dense_backend: str | None, device: torch.d
     if not spec.has_cross or dense_backend is None:
         return report
     H, D = spec.num_qo_heads, spec.head_dim
-    plan = build_dense_plan([3, 5], H, H, D, causal=False, dtype=spec.dtype, backend=dense_backend)
+    plan = build_dense_plan([3, 5], DenseHeads(H, H, D), causal=False, dtype=spec.dtype, backend=dense_backend)
     return WarmupReport(report.times + (warmup_dense(plan, device),))
 
 

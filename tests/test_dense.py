@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mstar_attn import Kind, PlanError
-from mstar_attn.dense import DenseAttention, build_dense_plan
+from mstar_attn.dense import DenseAttention, DenseHeads, build_dense_plan
 from tests.helpers import fresh_seed, naive_attention, rel_err
 
 
@@ -37,16 +37,24 @@ def random_qkv(seed, plan, device="cpu"):
 def test_build_dense_plan_rejects_bad_input(seq_lens, kw, match):
     heads = kw.pop("heads", (8, 2, 64))
     with pytest.raises(PlanError, match=match):
-        build_dense_plan(seq_lens, *heads, **kw)
+        build_dense_plan(seq_lens, DenseHeads(*heads), **kw)
+
+
+def test_build_dense_plan_takes_the_heads_as_numbers_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="DenseHeads"):
+        old = build_dense_plan([3, 4], 8, 2, 64, backend="reference", dtype=torch.float32)
+    assert old == build_dense_plan([3, 4], DenseHeads(8, 2, 64), backend="reference", dtype=torch.float32)
+    with pytest.raises(PlanError, match="heads: expected a DenseHeads"):
+        build_dense_plan([3, 4], 8, backend="reference", dtype=torch.float32)
 
 
 def test_dense_plan_packs_the_sequences():
     lens = [3, 1, 200, 17]
-    plan = build_dense_plan(lens, 8, 2, 64, causal=True, backend="reference", dtype=torch.float32)
+    plan = build_dense_plan(lens, DenseHeads(8, 2, 64), causal=True, backend="reference", dtype=torch.float32)
     assert plan.cu_seqlens.tolist() == [0, 3, 4, 204, 221] and plan.cu_seqlens.dtype == np.int32
     assert (plan.max_seqlen, plan.num_tokens, plan.batch_size, plan.sm_scale) == (200, 221, 4, 64**-0.5)
     assert not plan.cu_seqlens.flags.writeable and not plan.seq_lens.flags.writeable
-    assert plan == build_dense_plan(np.array(lens), 8, 2, 64, causal=True, backend="reference", dtype=torch.float32)
+    assert plan == build_dense_plan(np.array(lens), DenseHeads(8, 2, 64), causal=True, backend="reference", dtype=torch.float32)
     with pytest.raises(AttributeError):
         plan.causal = False
 
@@ -61,7 +69,7 @@ REF_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 4e-3}
 def test_reference_dense_matches_naive(dtype, causal, heads, soft_cap):
     seed = fresh_seed()
     lens = np.random.default_rng(seed).integers(1, 300, 5).tolist()
-    plan = build_dense_plan(lens, heads[0], heads[1], 32, causal=causal, soft_cap=soft_cap, dtype=dtype, backend="reference")
+    plan = build_dense_plan(lens, DenseHeads(heads[0], heads[1], 32), causal=causal, soft_cap=soft_cap, dtype=dtype, backend="reference")
     q, k, v = random_qkv(seed, plan)
     out = DenseAttention(plan, device="cpu")(q, k, v)
     assert out.shape == q.shape and out.dtype == dtype
@@ -75,7 +83,7 @@ def test_reference_dense_matches_naive(dtype, causal, heads, soft_cap):
 
 
 def test_dense_attention_checks_row_counts():
-    plan = build_dense_plan([3, 4], 2, 2, 16, backend="reference", dtype=torch.float32)
+    plan = build_dense_plan([3, 4], DenseHeads(2, 2, 16), backend="reference", dtype=torch.float32)
     q, k, v = random_qkv(0, plan)
     with pytest.raises(PlanError, match="the plan packs 7"):
         DenseAttention(plan, device="cpu")(q[:6], k[:6], v[:6])
@@ -117,8 +125,8 @@ def gpu_backends():
 )
 def test_gpu_dense_matches_the_reference(backend, lens, heads, causal, dtype, soft_cap):
     seed = fresh_seed()
-    plan = build_dense_plan(lens, *heads, 128, causal=causal, soft_cap=soft_cap, dtype=dtype, backend=backend)
-    ref_plan = build_dense_plan(lens, *heads, 128, causal=causal, soft_cap=soft_cap, dtype=dtype, backend="reference")
+    plan = build_dense_plan(lens, DenseHeads(*heads, 128), causal=causal, soft_cap=soft_cap, dtype=dtype, backend=backend)
+    ref_plan = build_dense_plan(lens, DenseHeads(*heads, 128), causal=causal, soft_cap=soft_cap, dtype=dtype, backend="reference")
     q, k, v = random_qkv(seed, plan, "cuda")
     out = DenseAttention(plan)(q, k, v)
     want = DenseAttention(ref_plan)(q, k, v)
@@ -131,7 +139,7 @@ def test_gpu_dense_matches_the_reference(backend, lens, heads, causal, dtype, so
 def test_gpu_dense_replays_in_a_cuda_graph(backend):
     """DenseAttention's call launches kernels only: captured once, replayed on new inputs, equal to eager."""
     seed = fresh_seed()
-    plan = build_dense_plan([700, 33, 256], 16, 16, 128, dtype=torch.bfloat16, backend=backend)
+    plan = build_dense_plan([700, 33, 256], DenseHeads(16, 16, 128), dtype=torch.bfloat16, backend=backend)
     attn = DenseAttention(plan)
     q, k, v = (t.clone() for t in random_qkv(seed, plan, "cuda"))
     side = torch.cuda.Stream()

@@ -138,3 +138,18 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     found = imports(bad, modules())
     assert [(t, top) for t, top, _ in found] == [("mstar_attn.kernels", False)]
     assert layer("mstar_attn.kernels") > layer("mstar_attn.metadata.plan")
+
+
+def test_no_function_takes_more_than_8_parameters():
+    """Records by name instead of long argument lists: no function or method of the package takes more
+    than 8 parameters (self / cls not counted, *args and **kwargs one each)."""
+    wide = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+                n = len(params) - bool(a.args and a.args[0].arg in ("self", "cls"))
+                if n > 8:
+                    wide.append(f"{name}.{node.name} ({n})")
+    assert not wide, f"functions over 8 parameters: {wide}"

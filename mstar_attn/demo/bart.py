@@ -24,7 +24,7 @@ from mstar_attn import LayerGroup, PagedKVCache
 from mstar_attn.demo.attention import StepAttention
 from mstar_attn.demo.config import DemoConfig, DemoError, seeded_model, transformers_classes
 from mstar_attn.demo.engine import Request
-from mstar_attn.dense import DenseAttention, build_dense_plan
+from mstar_attn.dense import DenseAttention, DenseHeads, build_dense_plan
 
 DECODER_START = 2
 
@@ -82,7 +82,7 @@ def encode(model, attn: StepAttention, ctx, caches: list[PagedKVCache], inputs: 
     pos = torch.tensor([p for n in lens for p in range(n)], device=device)
     h = enc.layernorm_embedding(enc.embed_tokens(ids) + _positions(enc.embed_positions, pos))
     H, D = spec.num_qo_heads, spec.head_dim
-    dense = DenseAttention(build_dense_plan(lens, H, H, D, causal=False, dtype=spec.dtype, backend=backend), device)
+    dense = DenseAttention(build_dense_plan(lens, DenseHeads(H, H, D), causal=False, dtype=spec.dtype, backend=backend), device)
     heads = lambda x: x.view(-1, H, D)  # noqa: E731
     for layer in enc.layers:
         sa = layer.self_attn
