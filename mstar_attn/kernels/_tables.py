@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
 
-class PageTables:
+class BlockTables:
     """Per pool slot and per table: a zeroed pinned host int32 buffer [max_batch * max_pages_per_request]
     and its device twin. Layer groups that read the plan's own pages (full and non-causal) share
     table 0; each window group (whose plan trims front pages) and each group with its own page

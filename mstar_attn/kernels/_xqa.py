@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from mstar_attn.cache import PagedKVCache
-from mstar_attn.kernels._tables import PageTables
+from mstar_attn.kernels._tables import BlockTables
 from mstar_attn.metadata.errors import PlanError
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ class Xqa:
     XQA has no host planner: its grid is fixed by the batch rows, the KV heads and the page table's
     width (bucketed steps: max_pages_per_request), and it reads every request's length from the
     device at run time, so a captured graph replays any later commit. It reads dense page tables
-    (PageTables) and a uint32 view of the group's kv_lens. Its multi-block mode splits each
+    (BlockTables) and a uint32 view of the group's kv_lens. Its multi-block mode splits each
     sequence over at most ~0.75 x SMs / (rows x KV heads) CTAs, which meet through semaphores (zero
     at rest: the last CTA of a sequence resets its counter) and a float scratch of their partial
     outputs. One of each for the pool: kernels of one stream never overlap (like the float workspace).
@@ -37,7 +37,7 @@ class Xqa:
         if torch.cuda.get_device_capability(pool.device)[0] != 9:
             raise PlanError("spec.fp8_math: FlashInfer's XQA FP8 decode kernel (mha_sm90) runs on Hopper (SM90) only")
         spec = pool.spec
-        self.tables = PageTables(pool, [g for g, grp in enumerate(spec.groups) if not grp.cross])
+        self.tables = BlockTables(pool, [g for g, grp in enumerate(spec.groups) if not grp.cross])
         self.sm_count = torch.cuda.get_device_properties(pool.device).multi_processor_count
         rows = pool.layout.max_rows * spec.num_kv_heads
         self.semaphores = torch.zeros(rows, dtype=torch.int32, device=pool.device).view(torch.uint32)

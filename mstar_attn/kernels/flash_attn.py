@@ -32,7 +32,7 @@ import torch
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
-from mstar_attn.kernels._tables import PageTables
+from mstar_attn.kernels._tables import BlockTables
 from mstar_attn.kernels.base import SchedulerBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
@@ -56,13 +56,13 @@ def _varlen_func():
 
 
 class Scheduler(SchedulerBase):
-    """Dense page tables for the pool's paged FlashAttention steps, filled at commit (kernels._tables.PageTables)."""
+    """Dense page tables for the pool's paged FlashAttention steps, filled at commit (kernels._tables.BlockTables)."""
 
     lazy_host_arrays = True  # reads no pinned host array of a derived StepRows step (its tables and lengths are on the device)
 
     def __init__(self, pool: GraphBufferPool):
         _varlen_func()  # fail at pool construction, not at the first step
-        self.tables = PageTables(pool)
+        self.tables = BlockTables(pool)
 
     def check(self, plan: AttentionPlan, bucket: int | None) -> None:
         """PlanError if a request reads more pages than the pool's max_pages_per_request (before any state changes)."""
@@ -73,7 +73,7 @@ class Scheduler(SchedulerBase):
         return self.tables.memory("flash_attn page tables")
 
     def expand(self, step: DeviceStep) -> None:
-        """A StepRows step's page tables, gathered on the device (see PageTables.expand)."""
+        """A StepRows step's page tables, gathered on the device (see BlockTables.expand)."""
         if step.plan.backend != VARLEN:
             self.tables.expand(step)
 
