@@ -1,8 +1,10 @@
 """The attention seam: the engine's only attention call sites. GPU backends swap the class.
 
-StepAttention runs each step's plan eagerly through `kernels.write_kv` / `kernels.run` (the reference
-backend); PoolAttention commits plans into a GraphBufferPool and captures / replays the decode
-forward as CUDA graphs; `make_attention` picks one for a resolved DemoConfig or says why it cannot.
+The model's layers are `mstar_attn.Attention` objects (`layers`: one per model layer, over its cache), whose
+`forward(q, k, v, step)` stores and attends; the seam is the engine's side of a step. StepAttention hands
+each step's plan to the layers as it is (the reference backend runs it eagerly); PoolAttention commits
+plans into a GraphBufferPool and captures / replays the decode forward as CUDA graphs; `make_attention`
+picks one for a resolved DemoConfig or says why it cannot.
 """
 
 from __future__ import annotations
@@ -11,15 +13,15 @@ from typing import Any, Callable
 
 import torch
 
-from mstar_attn import AttentionPlan, AttentionSpec, BACKENDS, Mode, PagedKVCache, kernels
+from mstar_attn import Attention, AttentionPlan, AttentionSpec, BACKENDS, Mode, PagedKVCache
 from mstar_attn.demo.config import DemoConfig, DemoError
 from mstar_attn.kernels import ALL_MODES, AUTO
 
 
 class StepAttention:
-    """Attention through the backend each step's plan names (`kernels.write_kv` / `kernels.run`
-    dispatch on plan.backend): `bind(spec, ...)` once, `ctx = prepare(plan)` per step, then per layer
-    `write_kv(ctx, k, v, cache, group=g)` and `run(ctx, q, cache, group=g, k=k, v=v)`.
+    """The engine's side of a step: `bind(spec, ...)` once, `layers(spec, caches)` for the model's
+    Attention layers, `ctx = prepare(plan)` per step, then each layer's `forward(q, k, v, ctx)` (the backend
+    the plan names: `kernels.run` dispatches on plan.backend).
 
     Here ctx is the plan itself and everything runs eagerly on the host's order. PoolAttention (GPU)
     commits plans into device buffers and can capture the decode forward as CUDA graphs: `capture`,
@@ -48,11 +50,11 @@ class StepAttention:
         """Token rows the forward feeds this step: q, k, v and every activation are [rows, ...]."""
         return ctx.num_tokens
 
-    def write_kv(self, ctx, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group: int | None = None) -> None:
-        kernels.write_kv(ctx, k, v, cache, group)
+    layer_class = Attention  # the class of the model's layers (a subclass counts calls or injects faults in tests)
 
-    def run(self, ctx, q: torch.Tensor, cache: PagedKVCache, group: int, k=None, v=None) -> torch.Tensor:
-        return kernels.run(ctx, q, cache, group, k, v)
+    def layers(self, spec: AttentionSpec, caches: list[PagedKVCache]) -> list[Attention]:
+        """One `layer_class` per model layer, over caches[layer] (tagged with the layer's group)."""
+        return [self.layer_class(spec, i, cache) for i, cache in enumerate(caches)]
 
     @property
     def capture_rows(self) -> int:

@@ -20,8 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mstar_attn import LayerGroup, PagedKVCache
-from mstar_attn.demo.attention import StepAttention
+from mstar_attn import Attention, LayerGroup
 from mstar_attn.demo.config import DemoConfig, DemoError, seeded_model, transformers_classes
 from mstar_attn.demo.engine import Request
 from mstar_attn.dense import DenseAttention, DenseHeads, build_dense_plan
@@ -71,12 +70,12 @@ def _positions(emb, pos: torch.Tensor) -> torch.Tensor:
     return F.embedding(pos + emb.offset, emb.weight)  # BART's learned positions sit 2 rows in
 
 
-def encode(model, attn: StepAttention, ctx, caches: list[PagedKVCache], inputs: list[list[int]], backend: str) -> None:
+def encode(model, ctx, layers: list[Attention], inputs: list[list[int]], backend: str) -> None:
     """Run the encoder over `inputs` (the requests storing their encoder this step, in plan order)
-    as one packed dense batch, and store each decoder layer's cross K/V through write_kv."""
+    as one packed dense batch, and store each decoder layer's cross K/V (its cross Attention's store)."""
     if not inputs:
         return
-    enc, spec, device = model.model.encoder, attn.spec, model.device
+    enc, spec, device = model.model.encoder, layers[0].spec, model.device
     lens = [len(x) for x in inputs]
     ids = torch.tensor([t for x in inputs for t in x], device=device)
     pos = torch.tensor([p for n in lens for p in range(n)], device=device)
@@ -91,23 +90,22 @@ def encode(model, attn: StepAttention, ctx, caches: list[PagedKVCache], inputs: 
         h = layer.final_layer_norm(h + layer.fc2(layer.activation_fn(layer.fc1(h))))
     for i, layer in enumerate(model.model.decoder.layers):
         ca = layer.encoder_attn
-        attn.write_kv(ctx, heads(ca.k_proj(h)), heads(ca.v_proj(h)), caches[2 * i + 1], group=1)
+        layers[2 * i + 1].store(heads(ca.k_proj(h)), heads(ca.v_proj(h)), ctx)
 
 
-def forward(model, attn: StepAttention, ctx, caches: list[PagedKVCache], ids: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor:
-    """One decoder step: self attention (write_kv + run, group 0) and cross attention (run, group 1:
-    the encoder K/V stored at each request's first step). ids, positions [R] int64; logits [R, vocab]."""
-    dec, spec, R = model.model.decoder, attn.spec, ids.shape[0]
+def forward(model, ctx, layers: list[Attention], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One decoder step: self attention (layer 2i, group 0: forward stores and attends) and cross attention
+    (layer 2i + 1, group 1: attend over the encoder K/V stored at each request's first step). ids, positions
+    [R] int64; logits [R, vocab]."""
+    dec, spec, R = model.model.decoder, layers[0].spec, ids.shape[0]
     heads = lambda x: x.view(R, -1, spec.head_dim)  # noqa: E731
     h = dec.layernorm_embedding(dec.embed_tokens(ids) + _positions(dec.embed_positions, positions))
     for i, layer in enumerate(dec.layers):
         sa, ca = layer.self_attn, layer.encoder_attn
         k, v = heads(sa.k_proj(h)), heads(sa.v_proj(h))
-        attn.write_kv(ctx, k, v, caches[2 * i], group=0)
-        out = attn.run(ctx, heads(sa.q_proj(h)), caches[2 * i], group=0, k=k, v=v).reshape(R, -1)
+        out = layers[2 * i].forward(heads(sa.q_proj(h)), k, v, ctx).reshape(R, -1)
         h = layer.self_attn_layer_norm(h + sa.out_proj(out))
-        out = attn.run(ctx, heads(ca.q_proj(h)), caches[2 * i + 1], group=1).reshape(R, -1)
+        out = layers[2 * i + 1].attend(heads(ca.q_proj(h)), ctx).reshape(R, -1)
         h = layer.encoder_attn_layer_norm(h + ca.out_proj(out))
         h = layer.final_layer_norm(h + layer.fc2(layer.activation_fn(layer.fc1(h))))
     return model.lm_head(h) + model.final_logits_bias

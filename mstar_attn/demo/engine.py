@@ -1,7 +1,7 @@
 """The engine loop's pieces: pages, requests, the trace, and one step's forward (eager or replayed, timed).
 
-Model-agnostic: the step's forward is the model adapter's `forward(model, attn, ctx, caches, ids,
-positions)` (see `llama.py`), handed to Engine by `run.run_demo`; attention goes through the seam.
+Model-agnostic: the step's forward is the model adapter's `forward(model, ctx, layers, ids, positions)`
+(see `llama.py`), handed to Engine by `run.run_demo`; its attention layers are `mstar_attn.Attention`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 import torch
 
-from mstar_attn import AttentionPlan, PagedKVCache
+from mstar_attn import Attention, AttentionPlan
 from mstar_attn.demo.attention import StepAttention
 from mstar_attn.demo.config import DemoConfig, DemoError
 
@@ -190,8 +190,9 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
 class Engine:
     """One step's forward through the attention seam: eagerly, or (graphs on) replayed.
 
-    `forward` is the model adapter's (e.g. `llama.forward`): (model, attn, ctx, caches, ids,
-    positions) -> logits [R, vocab], the eager path and the function decode graphs capture.
+    `forward` is the model adapter's (e.g. `llama.forward`): (model, ctx, layers, ids, positions) ->
+    logits [R, vocab], the eager path and the function decode graphs capture; layers: the model's
+    Attention layers (`attn.layers`).
     With graphs, each step the seam replays (a decode step of a captured bucket) first runs the same
     forward eagerly, on the same committed step and the same padded inputs, then replays its graph;
     both are timed (`timed`) into eager_us / graph_us. The eager run writes the very K/V bytes the
@@ -199,9 +200,9 @@ class Engine:
     last step's eager measurement, which the run keeps out of its step times.
     """
 
-    def __init__(self, forward: Callable[..., torch.Tensor], model, attn: StepAttention, caches: list[PagedKVCache],
+    def __init__(self, forward: Callable[..., torch.Tensor], model, attn: StepAttention, layers: list[Attention],
                  device: torch.device, graphs: bool):
-        self.forward, self.model, self.attn, self.caches = forward, model, attn, caches
+        self.forward, self.model, self.attn, self.layers = forward, model, attn, layers
         self.device, self.graphs = device, graphs
         self.commit_us: list[float] = []
         self.graph_us: list[float] = []
@@ -211,7 +212,7 @@ class Engine:
 
     def fn(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The captured function: inputs "ids", "positions" [R] int64 -> logits [R, vocab]."""
-        return self.forward(self.model, self.attn, ctx, self.caches, inputs["ids"], inputs["positions"])
+        return self.forward(self.model, ctx, self.layers, inputs["ids"], inputs["positions"])
 
     def capture(self) -> None:
         """Static inputs for the largest bucket (zeros: token 0 at position 0), then the seam captures."""

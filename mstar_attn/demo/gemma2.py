@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar_attn import LayerGroup, PagedKVCache
-from mstar_attn.demo.attention import StepAttention
+from mstar_attn import Attention, LayerGroup
 from mstar_attn.demo.config import DemoConfig, DemoError, seeded_model, transformers_classes
 
 ATTN_SOFT_CAP = 2.0  # below HF's default 50 so that it bends this small random model's attention logits
@@ -46,22 +45,20 @@ def spec_fields(model) -> dict:
                 sm_scale=c.query_pre_attn_scalar**-0.5, soft_cap=c.attn_logit_softcapping)
 
 
-def forward(model, attn: StepAttention, ctx, caches: list[PagedKVCache], ids: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor:
+def forward(model, ctx, layers: list[Attention], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One engine step through the HF modules (see llama.forward): each layer writes and reads its
     group's pages. ids, positions: [R] int64 on the model's device. Returns logits [R, vocab], soft-capped."""
     from transformers.models.gemma2.modeling_gemma2 import apply_rotary_pos_emb
 
-    m, spec, R = model.model, attn.spec, ids.shape[0]
+    m, spec, R = model.model, layers[0].spec, ids.shape[0]
     h = m.embed_tokens(ids)  # [R, hidden], scaled by sqrt(hidden) inside
     cos, sin = (t[0] for t in m.rotary_emb(h[None], positions[None]))  # [R, head_dim]
     heads = lambda x: x.view(R, -1, spec.head_dim)  # noqa: E731  [R, H * D] -> [R, H, D]
     for i, layer in enumerate(m.layers):
-        sa, x, g = layer.self_attn, layer.input_layernorm(h), spec.layer_groups[i]
+        sa, x = layer.self_attn, layer.input_layernorm(h)
         q, k = apply_rotary_pos_emb(heads(sa.q_proj(x)), heads(sa.k_proj(x)), cos, sin, unsqueeze_dim=1)
         v = heads(sa.v_proj(x))
-        attn.write_kv(ctx, k, v, caches[i], group=g)
-        out = sa.o_proj(attn.run(ctx, q, caches[i], group=g, k=k, v=v).reshape(R, -1))
+        out = sa.o_proj(layers[i].forward(q, k, v, ctx).reshape(R, -1))  # (the layer knows its group)
         h = h + layer.post_attention_layernorm(out)
         h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
     logits = model.lm_head(m.norm(h))

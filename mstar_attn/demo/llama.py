@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar_attn import PagedKVCache
-from mstar_attn.demo.attention import StepAttention
+from mstar_attn import Attention
 from mstar_attn.demo.config import DemoConfig, DemoError, seeded_model, transformers_classes
 
 
@@ -38,18 +37,18 @@ def spec_fields(model) -> dict:
     return dict(layer_groups=(0,) * model.config.num_hidden_layers)
 
 
-def forward(model, attn: StepAttention, ctx, caches: list[PagedKVCache], ids: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor:
+def forward(model, ctx, layers: list[Attention], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One engine step through the HF modules: the eager path, and the function decode graphs capture.
 
-    ids, positions: [R] int64 on the model's device, R = attn.rows(ctx): the step's new tokens in plan
+    ctx: the committed step (or the plan, on the reference seam); layers: the model's Attention layers.
+    ids, positions: [R] int64 on the model's device, R = the seam's rows(ctx): the step's new tokens in plan
     row order, then bucket padding. Returns logits [R, vocab] in the model dtype. Launches kernels only:
     everything it reads is on the device (ctx's committed buffers, weights, caches, these inputs), and
     no host value in it changes between steps of one (slot, bucket), so it is graph-safe.
     """
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    m, spec, R = model.model, attn.spec, ids.shape[0]
+    m, spec, R = model.model, layers[0].spec, ids.shape[0]
     h = m.embed_tokens(ids)  # [R, hidden]
     cos, sin = (t[0] for t in m.rotary_emb(h[None], positions[None]))  # [R, head_dim]; HF wants a batch dim
     heads = lambda x: x.view(R, -1, spec.head_dim)  # noqa: E731  [R, H * D] -> [R, H, D]
@@ -57,7 +56,6 @@ def forward(model, attn: StepAttention, ctx, caches: list[PagedKVCache], ids: to
         sa, x = layer.self_attn, layer.input_layernorm(h)
         q, k = apply_rotary_pos_emb(heads(sa.q_proj(x)), heads(sa.k_proj(x)), cos, sin, unsqueeze_dim=1)
         v = heads(sa.v_proj(x))
-        attn.write_kv(ctx, k, v, caches[i], group=spec.layer_groups[i])
-        h = h + sa.o_proj(attn.run(ctx, q, caches[i], group=spec.layer_groups[i], k=k, v=v).reshape(R, -1))
+        h = h + sa.o_proj(layers[i].forward(q, k, v, ctx).reshape(R, -1))  # stores k, v, then attends
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.lm_head(m.norm(h))

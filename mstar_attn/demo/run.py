@@ -79,7 +79,8 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         # the largest batch, as a power of two (the decode buckets), and the most tokens one step can have
         attn.bind(spec, 1 << (cfg.requests - 1).bit_length(), sum(len(r.prompt) for r in reqs) + len(reqs),
                   sum(len(r.encoder) for r in reqs) or None)
-        engine = Engine(family.forward, model, attn, caches, device, cfg.graphs)
+        layers = attn.layers(spec, caches)  # the model's Attention layers, one per layer over its cache
+        engine = Engine(family.forward, model, attn, layers, device, cfg.graphs)
         if cfg.graphs:
             bar.note("capturing the decode forward as CUDA graphs ...")
             engine.capture()  # before any request: capture's warm-up writes to page 0, which no one holds yet
@@ -124,7 +125,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
             plan = build_plan(step_batch, spec)
             t2 = time.perf_counter_ns()
             encode = None if xg is None else lambda ctx: family.encode(  # noqa: E731
-                model, attn, ctx, caches, [r.encoder for r in batch if r.cached == 0], dense_backend(attn.name))
+                model, ctx, layers, [r.encoder for r in batch if r.cached == 0], dense_backend(attn.name))
             logits = engine(plan, [t for r in batch for t in r.tokens[r.cached :]], encode).float()
             last = logits[torch.from_numpy(plan.qo_indptr[1:] - 1).to(device).long()].argmax(-1).tolist()
             rows = logits.cpu()

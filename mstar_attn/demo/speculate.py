@@ -98,14 +98,14 @@ def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 class _Model:
-    """One model on the seam: its spec, caches and attention (a pool on GPU backends)."""
+    """One model on the seam: its spec, its Attention layers (each with its cache) and the seam (a pool on GPU backends)."""
 
     def __init__(self, cfg: DemoConfig, model, num_pages: int, max_batch: int, max_tokens: int, k: int, device):
         self.model, self.device = model, device
         self.spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, cfg.page_size, num_pages,
                                   dtype=DTYPES[cfg.dtype], backend=cfg.backend, **llama.spec_fields(model))
-        self.caches = [PagedKVCache.allocate(self.spec, device) for _ in self.spec.layer_groups]
         self.attn = make_attention(cfg)
+        self.layers = self.attn.layers(self.spec, [PagedKVCache.allocate(self.spec, device) for _ in self.spec.layer_groups])
         if cfg.gpu:
             self.attn.bind(self.spec, max_batch, max_tokens, max_draft_steps=k)
         else:
@@ -116,13 +116,13 @@ class _Model:
         plan = build_plan(batch, self.spec)
         ctx = self.attn.prepare(plan)
         x = step_inputs(plan, tokens, self.attn.rows(ctx), self.device)
-        return llama.forward(self.model, self.attn, ctx, self.caches, x["ids"], x["positions"])[: plan.num_tokens].float()
+        return llama.forward(self.model, ctx, self.layers, x["ids"], x["positions"])[: plan.num_tokens].float()
 
     def round_fn(self, steps, x: dict[str, torch.Tensor]) -> torch.Tensor:
         """A draft round: step j feeds the token step j - 1 picked (greedy, on the device); returns [rows, K] int64."""
         ids, out = x["ids"], []
         for j, step in enumerate(steps):
-            ids = llama.forward(self.model, self.attn, step, self.caches, ids, x["positions"] + j).argmax(-1)
+            ids = llama.forward(self.model, step, self.layers, ids, x["positions"] + j).argmax(-1)
             out.append(ids)
         return torch.stack(out, dim=1)
 

@@ -34,7 +34,7 @@ def test_bart_through_a_pool_reads_cross_pages_from_its_cross_table():
 def test_the_check_sees_a_wrong_encoder_input(monkeypatch):
     """Negative control: the encoder run on each request's input reversed stores wrong cross K/V."""
     encode = bart.encode
-    monkeypatch.setattr(bart, "encode", lambda m, a, c, caches, inputs, b: encode(m, a, c, caches, [x[::-1] for x in inputs], b))
+    monkeypatch.setattr(bart, "encode", lambda m, c, layers, inputs, b: encode(m, c, layers, [x[::-1] for x in inputs], b))
     assert not run_demo(BART).matched
 
 

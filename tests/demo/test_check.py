@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from mstar_attn import Mode  # noqa: E402
+from mstar_attn import Attention, Mode  # noqa: E402
 from mstar_attn.demo import DemoConfig, StepAttention, run_demo  # noqa: E402
 from tests.demo.common import SMALL  # noqa: E402
 
@@ -18,31 +18,37 @@ def test_matches_transformers(served):
     assert len(res.checks) == SMALL.requests
 
 
-class RowShift(StepAttention):
+class RowShift(Attention):
     """Each token gets the attention output of the token before it (across requests too)."""
 
-    def run(self, ctx, q, cache, group, **kv):
-        return super().run(ctx, q, cache, group, **kv).roll(1, 0)
+    def forward(self, q, k, v, step):
+        return super().forward(q, k, v, step).roll(1, 0)
 
 
-class Scaled(StepAttention):
+class Scaled(Attention):
     """Attention outputs 2% too small."""
 
-    def run(self, ctx, q, cache, group, **kv):
-        return super().run(ctx, q, cache, group, **kv) * 0.98
+    def forward(self, q, k, v, step):
+        return super().forward(q, k, v, step) * 0.98
 
 
-class DropsDecodeWrites(StepAttention):
+class DropsDecodeWrites(Attention):
     """Forgets to store K/V in decode steps: later steps read whatever the pages held."""
 
-    def write_kv(self, ctx, k, v, cache, group=None):
-        if ctx.mode is not Mode.DECODE:
-            super().write_kv(ctx, k, v, cache, group)
+    def store(self, k, v, step):
+        if step.mode is not Mode.DECODE:
+            super().store(k, v, step)
+
+
+def seam(layer_class) -> StepAttention:
+    attn = StepAttention("reference")
+    attn.layer_class = layer_class
+    return attn
 
 
 @pytest.mark.parametrize("broken", [RowShift, Scaled, DropsDecodeWrites])
 def test_check_catches_wrong_attention(broken):
-    res = run_demo(SMALL, attention=broken("reference"))
+    res = run_demo(SMALL, attention=seam(broken))
     assert not res.matched
     assert res.max_logit_err > max(c.tol for c in res.checks)
 
