@@ -1,6 +1,6 @@
 """The package's shape, read from its source: imports run down the layers and never in a circle.
 
-Layers, bottom up (README "Architecture"): metadata (pure planning) < cache < capture (the one
+Layers, bottom up (docs/architecture.md): metadata (pure planning) < cache < capture (the one
 stateful place) < kernels (backends) < dense < the applications (tuning, demo, the CLI, the package
 root). A module may import its own layer and the ones below, at module level or inside a function;
 an import under `if TYPE_CHECKING:` is a type annotation, not a dependency. The pool finds backend
@@ -34,7 +34,7 @@ def layer(module: str) -> int:
     for prefix, rank in LAYERS:
         if module == prefix or module.startswith(prefix + "."):
             return rank
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to the README's architecture section")
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to docs/architecture.md")
 
 
 def modules() -> dict[str, Path]:

@@ -2,8 +2,9 @@
 backend its plan names, found by name at run time (`metadata.backends.load`).
 
 The registry itself (what each backend serves) is plain data in `mstar_attn.metadata.backends`;
-this package holds the backend modules: reference.py, flashinfer.py (+ _flashinfer_fast.py, the one
-module that reads FlashInfer internals), flash_attn.py, and the argument checks they share.
+this package holds the backend modules (reference.py; flashinfer.py with _flashinfer_fast.py, the one
+module that reads FlashInfer internals, _cascade.py and _xqa.py; flashinfer_mla.py; flash_attn.py), their
+protocol (base.py) and what they share (_check.py, _common.py, _tables.py). docs/architecture.md lists them.
 """
 
 from __future__ import annotations

@@ -7,11 +7,13 @@ Capabilities: the dtypes, head dims, modes and features it serves, as data). The
     run(step, q, cache, group=None, k=None, v=None) -> out   attention for one layer of `group`
     Scheduler(pool)  (backends that keep device state per pool; host-only backends have none)
 
-and its Scheduler is a `SchedulerBase`: `GraphBufferPool.commit` calls, in this order,
+and its Scheduler is a `SchedulerBase`: `GraphBufferPool.commit` calls
 
-    check(plan, bucket)     PlanError for what this backend cannot serve, before any state changes
-    expand(step)            device work after the pool's page arrays (dense page tables), captured
-                            in the commit's graph for a bucketed step: no host arrays read
+    check(plan, bucket)     first: PlanError for what this backend cannot serve, before any state changes
+    expand(step)            StepRows steps only: device work after the pool's page arrays (dense page
+                            tables), in the commit's device work (captured per bucket): no host arrays
+                            read; it runs before schedule, except for a lazy_host_arrays scheduler on
+                            a bucketed step, whose device work follows schedule (or is deferred)
     schedule(step)          host-side scheduling; returns one run object per layer group, which
                             run() reads as step.scheduled[group]
     schedule_round(steps)   the same for the K steps of a draft round (default: schedule each)

@@ -33,7 +33,7 @@ INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its
 FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
 # A bucket whose rows x KV heads reach this many CTAs per SM of the GPU is planned once, without
 # split-KV, and never re-planned (see Scheduler); below it split-KV pays for small batches over
-# long contexts, and the schedule is re-planned per step. Measured: benchmarks/results/fixed_schedule_h100.md
+# long contexts, and the schedule is re-planned per step (benchmarks/host_step.py part b measures both)
 FIXED_CTAS_PER_SM = 2
 
 

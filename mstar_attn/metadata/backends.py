@@ -4,10 +4,8 @@
 serves and which third-party package it needs. The pool and `kernels.run` find a backend's module
 by name at run time (`load`), so nothing below `kernels/` imports a backend at import time.
 
-Every backend module exposes:
-    write_kv(step, k, v, cache)                  store the step's new K/V in the paged cache
-    run(step, q, cache, group=0, k=None, v=None)  attention for one layer of layer group `group`
-    Scheduler(pool)  (GPU backends)               host-side scheduling, called by pool.commit
+Every backend module exposes write_kv, run and (backends with per-pool state) a Scheduler: the
+protocol is written down in kernels/base.py.
 Several names may share one module (FlashInfer paged and ragged): the module reads
 `step.plan.backend` to pick the kernel.
 """
