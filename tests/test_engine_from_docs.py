@@ -79,9 +79,12 @@ def test_a_qwen2_engine_from_the_docs_matches_transformers_per_request():
     waiting, running, step_no, reused, used = list(reqs), [], 0, 0, set()
     with torch.inference_mode():
         while waiting or running:
-            while waiting and waiting[0]["arrival"] <= step_no and free_rows:
-                r = waiting.pop(0)
+            reserved = sum(-(-(q["prompt"] + q["new"]) // PAGE) - q["pages"] for q in running)
+            while waiting and waiting[0]["arrival"] <= step_no and free_rows and \
+                    len(free_pages) - reserved >= -(-(waiting[0]["prompt"] + waiting[0]["new"]) // PAGE):
+                r = waiting.pop(0)  # (admitted with pages for its whole sequence set aside)
                 r["row"], r["cached"], r["pages"] = free_rows.pop(), 0, 0
+                reserved += -(-(r["prompt"] + r["new"]) // PAGE)
                 running.append(r)
             if not running:
                 step_no += 1
@@ -108,7 +111,7 @@ def test_a_qwen2_engine_from_the_docs_matches_transformers_per_request():
                     r["tokens"].append(int(rows[-1].argmax()))
             for r in [r for r in running if len(r["tokens"]) - r["prompt"] >= r["new"] and r["cached"] == len(r["tokens"]) - 1]:
                 running.remove(r)
-                free_pages += table.release(r["row"]).tolist()  # (its pages go to the back of the free list)
+                free_pages[:0] = table.release(r["row"]).tolist()  # (its pages are the next ones handed out)
                 free_rows.append(r["row"])
             step_no += 1
     assert all(len(r["tokens"]) == r["prompt"] + r["new"] for r in reqs), seed
