@@ -182,7 +182,12 @@ def part_c() -> list[dict]:
                                                     max_num_pages=spec.num_pages, buckets=(B,),
                                                     max_pages_per_request=2048 // PS + 80))
             static = {"q": torch.randn(B * (K + 1), 32, 128, device="cuda", dtype=torch.bfloat16)}
-            graphs = DecodeGraphs(pool, lambda s, x: mod.run(s, x["q"], cache), static)
+
+            def attend(s, x, mod=mod, cache=cache):
+                s.mark_stored(cache)  # (timing: the cache is filled by hand)
+                return mod.run(s, x["q"], cache)
+
+            graphs = DecodeGraphs(pool, attend, static)
             graphs.capture(q_lens=(1, K + 1))
             t = {}
             for q_len in (1, K + 1):
@@ -198,7 +203,7 @@ def part_c() -> list[dict]:
             out.append(dict(backend=name, batch=B, context=2048, decode_us=med[1], verify_us=med[K + 1],
                             verify_q_len=K + 1, ratio=med[K + 1] / med[1], decode_rounds=t[1], verify_rounds=t[K + 1]))
             print(out[-1], flush=True)
-            del graphs, pool, cache
+            del graphs, pool, cache, attend
             torch.cuda.empty_cache()
     return out
 

@@ -111,19 +111,25 @@ def main(out_dir: str) -> None:
 
     # (b) + (c) kernel time: decode at 4096 tokens, verify, prefill 8 x 4096 causal
     kernel = []
+
+    def attend(s, x):
+        s.mark_stored(cache)  # (capture's scratch steps too)
+        return fi.run(s, x["q"], cache)
+
     copy_tbs = copy_bandwidth()
     results["copy_TBps"] = copy_tbs
     for B, q_len in ((32, 1), (64, 1), (128, 1), (64, 4)):
         batch = cases.decode(B, context=4096, seed=1) if q_len == 1 else cases.verify(B, q_len, context=4096, seed=1)
         plan = build_plan(batch, spec)
         step = pool.commit(plan)
+        step.mark_stored(cache)  # (timing: the cache is filled by hand)
         assert step.bucket == B and step.q_len == q_len
         q = torch.randn(B * q_len, 32, 128, device=DEV, dtype=torch.bfloat16)
         w, _ = raw_decode_wrapper(ws, plan, spec, q_len=q_len)
         raw_us = gpu_median(lambda: w.run(q, (cache.k, cache.v)))
         eager_us = gpu_median(lambda: fi.run(step, q, cache))
         static = torch.zeros(B * q_len, 32, 128, device=DEV, dtype=torch.bfloat16)
-        graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": static})
+        graphs = DecodeGraphs(pool, attend, {"q": static})
         graphs.capture((B,), q_lens=(q_len,))
         step = pool.commit(plan)
         graphs(step, q=q)  # the live q now sits in the static input: time the replay alone, as for raw
@@ -146,6 +152,7 @@ def main(out_dir: str) -> None:
     batch = StepBatch.from_csr(kv, kv, indptr, np.random.default_rng(2).permutation(cases.NUM_PAGES)[: indptr[-1]], 16)
     plan = build_plan(batch, spec)
     step = pool.commit(plan)
+    step.mark_stored(cache)
     q = torch.randn(n * L, 32, 128, device=DEV, dtype=torch.bfloat16)
     raws = {}
     for name, extra in (("raw", {}), ("raw_seq_lens", {"seq_lens": torch.from_numpy(plan.kv_lens.copy())})):

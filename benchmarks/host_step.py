@@ -103,7 +103,12 @@ def host_us(fn, n=400, warmup=40, sync_every=50, after=None) -> list[float]:
 def one_layer(pool, cache) -> DecodeGraphs:
     """A decode graph of one attention layer over `cache` (what runs each step in part (a), untimed)."""
     q = torch.zeros(max(pool.buckets), 32, 128, device="cuda", dtype=torch.bfloat16)
-    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": q})
+
+    def attend(s, x):
+        s.mark_stored(cache)  # (timing: the cache is filled by hand)
+        return fi.run(s, x["q"], cache)
+
+    graphs = DecodeGraphs(pool, attend, {"q": q})
     graphs.capture()
     return graphs
 
@@ -156,7 +161,8 @@ def part_a(spec, ws) -> list[dict]:
             t["rows_step"] += host_us(lean.step_only, after=after)
             t["rows_step_append"] += host_us(eng.step, after=after)
             t["rows_step_no_defer"] += host_us(eager.step_only, after=after)
-            t["batch_step"] += host_us(old, after=lambda step: (fi.run(step, q, cache), torch.cuda.synchronize()))
+            t["batch_step"] += host_us(old, after=lambda step: (step.mark_stored(cache), fi.run(step, q, cache),
+                                                                torch.cuda.synchronize()))
         after(lean.step_only())
         rows_bytes = lean_pool.last_commit_bytes
         old()
@@ -188,13 +194,18 @@ def part_b(spec_for) -> list[dict]:
                 q = torch.randn(B, heads[0], 128, device="cuda", dtype=torch.bfloat16)
                 times = {}
                 steps = {}
+
+                def attend(s, x, c=cache):
+                    s.mark_stored(c)  # (timing: the cache is filled by hand)
+                    return fi.run(s, x["q"], c)
+
                 for name, ctas in (("split", 1 << 30), ("fixed", 0)):
                     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=B, max_num_tokens=B,
                                                             max_num_pages=spec.num_pages, buckets=(B,),
                                                             max_requests=B, max_pages_per_request=ctx // PS + 40))
                     pool.scheduler_for("flashinfer").fixed_min_ctas = ctas
                     eng = Engine(pool, B, ctx, seed=ctx)
-                    graphs = DecodeGraphs(pool, lambda s, x, c=cache: fi.run(s, x["q"], c), {"q": torch.zeros_like(q)})
+                    graphs = DecodeGraphs(pool, attend, {"q": torch.zeros_like(q)})
                     graphs.capture()
                     step = eng.step()
                     graphs(step, q=q)
@@ -209,7 +220,7 @@ def part_b(spec_for) -> list[dict]:
                                 fixed_us=med["fixed"], fixed_vs_split=med["fixed"] / med["split"] - 1,
                                 split_rounds=times["split"], fixed_rounds=times["fixed"]))
                 print(out[-1]["heads"], B, ctx, f"{out[-1]['fixed_vs_split']:+.2%}", flush=True)
-                del steps, cache
+                del steps, cache, attend
                 torch.cuda.empty_cache()
     return out
 

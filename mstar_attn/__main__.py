@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cascade", choices=["off", "auto", "always"], default="off",
                    help="shared-prefix attention: requests sharing a system prompt's pages read them once per step "
                         "(auto: where the cost model says it wins; default: off)")
+    d.add_argument("--compile", nargs="?", const="full", default="off", choices=["off", "full"],
+                   help="run each step's forward through torch.compile(fullgraph=True), attention as mstar_attn custom "
+                        "ops; prints the graph-break count (default: off; --compile alone: full)")
     d.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="speculative decoding: draft rounds of K tokens (one graph each on CUDA), target verify steps")
     d.add_argument("--draft", choices=["small", "self"], default="small",
@@ -56,9 +59,11 @@ def demo(args: argparse.Namespace) -> int:
 
     cfg = DemoConfig(backend=args.backend, graphs=args.graphs, device=args.device, dtype=args.dtype, layers=args.layers,
                      hidden=args.hidden, requests=args.requests, page_size=args.page_size, seed=args.seed,
-                     model=args.model, window=args.window, cascade=args.cascade)
+                     model=args.model, window=args.window, cascade=args.cascade, compile=args.compile)
     try:
         if args.speculate:
+            if args.compile != "off":
+                raise DemoError("--compile with --speculate: draft rounds run uncompiled for now; drop one of them")
             from mstar_attn.demo.report import write
             from mstar_attn.demo.speculate import run_speculative, summary
 

@@ -9,14 +9,16 @@ are the two halves for layers that split them (a fused RoPE + store, cross atten
     out = layers[i].forward(q, k, v, step)                     # inside layer i's forward
 
 It works eagerly and inside captured graphs (DecodeGraphs records a forward that calls it); all it
-does is `write_kv` and `run` with the layer's group and cache.
+does is `write_kv` and `run` with the layer's group and cache. Called without a step, it goes through
+the custom ops of mstar_attn.ops and reads the step of the enclosing `step_context(step)`: the form a
+`torch.compile`d model uses (no graph break at attention).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mstar_attn import kernels
+from mstar_attn import kernels, ops
 from mstar_attn.cache import PagedKVCache, default_device
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata.errors import PlanError
@@ -36,6 +38,7 @@ class Attention:
             raise PlanError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
         cache.check(spec, f"layer {layer}: cache", self.group)
         self.cache = cache
+        self.key = ops.register(self)  # how the custom ops (mstar_attn.ops) find this layer
 
     @classmethod
     def for_model(cls, spec: AttentionSpec, device: torch.device | str | None = None, num_layers: int | None = None,
@@ -51,12 +54,19 @@ class Attention:
         return [cls(spec, layer, PagedKVCache.allocate(spec, device, group=g, k_scale=k_scale, v_scale=v_scale))
                 for layer, g in enumerate(groups)]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, step: DeviceStep) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                step: DeviceStep | None = None) -> torch.Tensor:
         """Store k, v ([rows, kv_heads, head_dim]) in the layer's cache, then attend with q ([rows, qo_heads,
         head_dim]); returns [rows, qo_heads, head_dim]. Rows: the step's tokens (or a bucketed step's padded
         rows: DeviceStep.accepts_rows). step: a committed DeviceStep (the reference backend also takes an
-        AttentionPlan). k, v may be None only on a cross-attention layer at a step that stores no encoder
-        tokens for it: PlanError otherwise (the layer would attend over slots nothing wrote)."""
+        AttentionPlan); None: the step of the enclosing `step_context`, through the custom op
+        torch.ops.mstar_attn.attention (what a compiled model calls). k, v may be None only on a cross-attention
+        layer at a step that stores no encoder tokens for it: PlanError otherwise (the layer would attend over
+        slots nothing wrote)."""
+        if step is None:
+            out = q.new_empty((q.shape[0], self.spec.num_qo_heads, self.spec.head_dim))
+            torch.ops.mstar_attn.attention(q, k, v, out, self.key)
+            return out
         if k is not None or v is not None:
             self.store(k, v, step)
         else:
@@ -67,15 +77,27 @@ class Attention:
                                 + ("this step's encoder K/V" if cross else "this step's new K/V") + ": give its k and v")
         return kernels.run(step, q, self.cache, self.group, k, v)
 
-    def store(self, k: torch.Tensor, v: torch.Tensor, step: DeviceStep) -> None:
+    def store(self, k: torch.Tensor, v: torch.Tensor, step: DeviceStep | None = None) -> None:
         """Store k, v in the layer's cache without attending: [rows, kv_heads, head_dim] (latent attention:
         c_kv [rows, 1, head_dim] and k_pe [rows, 1, mla_rope_dim]; a cross-attention layer: the encoder
-        tokens the step stores for its group, plan.groups[group].stored rows)."""
+        tokens the step stores for its group, plan.groups[group].stored rows). step None: the step_context's,
+        through torch.ops.mstar_attn.store."""
+        if step is None:
+            torch.ops.mstar_attn.store(k, v, self.key)
+            return
         if k is None or v is None:
             raise PlanError(f"store: layer {self.layer}: give both k and v")
         kernels.write_kv(step, k, v, self.cache, self.group)
 
-    def attend(self, q: torch.Tensor, step: DeviceStep) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, step: DeviceStep | None = None) -> torch.Tensor:
         """Attention over what the cache holds, nothing stored: for a layer whose K/V were stored apart
-        (`store`, or the engine's own fused kernel into the same slots: step.slot_mapping)."""
+        (`store`; or the engine's own fused kernel into the same slots, step.slot_mapping, after which it
+        calls `stored_by_engine(step)`). step None: the step_context's, through the custom op."""
+        if step is None:
+            return self.forward(q, None, None)
         return kernels.run(step, q, self.cache, self.group)
+
+    def stored_by_engine(self, step: DeviceStep) -> None:
+        """Say that the engine stored this step's new K/V in this layer's cache itself (a fused RoPE + store
+        into step.slot_mapping): `run` refuses, with a PlanError, a step nothing stored."""
+        step.mark_stored(self.cache)

@@ -63,19 +63,29 @@ class DenseHeads:
     head_dim: int
 
 
-def build_dense_plan(seq_lens, heads: DenseHeads, *legacy, causal: bool = False, sm_scale: float | None = None,
-                     soft_cap: float = 0.0, dtype: torch.dtype = torch.bfloat16, backend: str = "flash_attn_varlen") -> DensePlan:
-    """Validate and pack sequence lengths [B] for `heads` (DenseHeads). Pure; raises PlanError naming the field
-    (and the request). The heads as three numbers (seq_lens, num_qo_heads, num_kv_heads, head_dim) still
-    work, with a DeprecationWarning."""
-    if not isinstance(heads, DenseHeads):
-        if len(legacy) != 2:
-            raise PlanError(f"heads: expected a DenseHeads(num_qo_heads, num_kv_heads, head_dim), got {heads!r}")
+def build_dense_plan(seq_lens, *args, **kwargs) -> DensePlan:
+    """build_dense_plan(seq_lens, heads, *, causal=False, sm_scale=None, soft_cap=0.0, dtype=torch.bfloat16,
+    backend="flash_attn_varlen"): validate and pack sequence lengths [B] for `heads` (DenseHeads). Pure;
+    raises PlanError naming the field (and the request). The heads as three numbers, positional
+    (seq_lens, num_qo_heads, num_kv_heads, head_dim) or by name (num_qo_heads=..., ...), still work, with a
+    DeprecationWarning."""
+    old = [kwargs.pop(name) for name in ("num_qo_heads", "num_kv_heads", "head_dim") if name in kwargs]
+    if old or (args and not isinstance(args[0], DenseHeads)):
+        numbers = [*args[:3], *old]
+        if len(numbers) != 3 or "heads" in kwargs:
+            raise PlanError(f"heads: expected a DenseHeads(num_qo_heads, num_kv_heads, head_dim), got {args[:3]!r} "
+                            f"and {old!r}")
         warnings.warn("build_dense_plan(seq_lens, num_qo_heads, num_kv_heads, head_dim, ...) is deprecated: pass "
                       "DenseHeads(num_qo_heads, num_kv_heads, head_dim)", DeprecationWarning, stacklevel=2)
-        heads = DenseHeads(heads, *legacy)
-    elif legacy:
-        raise PlanError(f"build_dense_plan: unexpected positional arguments after heads: {legacy!r}")
+        args = (DenseHeads(*numbers), *args[3:])
+    return _build_dense_plan(seq_lens, *args, **kwargs)
+
+
+def _build_dense_plan(seq_lens, heads: DenseHeads, *, causal: bool = False, sm_scale: float | None = None,
+                      soft_cap: float = 0.0, dtype: torch.dtype = torch.bfloat16,
+                      backend: str = "flash_attn_varlen") -> DensePlan:
+    if not isinstance(heads, DenseHeads):
+        raise PlanError(f"heads: expected a DenseHeads(num_qo_heads, num_kv_heads, head_dim), got {heads!r}")
     num_qo_heads, num_kv_heads, head_dim = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if value <= 0:

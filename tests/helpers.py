@@ -186,6 +186,22 @@ def random_cache(spec, seed: int, device="cuda", group: int | None = None, k_sca
     return cache
 
 
+def marked(step, *caches):
+    """`step`, marked stored in each of `caches` (step.mark_stored): caches filled by hand, the step's
+    new K/V already at its slots (or, timing, their values do not matter), so no write_kv runs."""
+    for cache in caches:
+        step.mark_stored(cache)
+    return step
+
+
+def attend_filled(run, cache, group: int | None = None):
+    """fn(step, x) -> run(step, x["q"], cache, group) for DecodeGraphs over a cache filled by hand (or
+    stored into outside the graph): the step marked stored first (marked), capture's scratch steps too."""
+    def fn(step, x):
+        return run(marked(step, cache), x["q"], cache, group=group)
+    return fn
+
+
 def many_steps(run, backend: str, seed: int, steps: int = 200, **pool_kw) -> None:
     """`steps` changing steps through one GPU backend, eager and replayed, against the reference, per request.
 
@@ -202,7 +218,7 @@ def many_steps(run, backend: str, seed: int, steps: int = 200, **pool_kw) -> Non
     cache = random_cache(spec, seed)
     pool = pool_of(spec, max_batch_size=80, max_num_tokens=1024, max_num_pages=6000, buckets=(1, 4, 16, 32), **pool_kw)
     q_static = torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)
-    graphs = {g: DecodeGraphs(pool, lambda step, x, g=g: run(step, x["q"], cache, group=g), {"q": q_static}) for g in range(2)}
+    graphs = {g: DecodeGraphs(pool, attend_filled(run, cache, g), {"q": q_static}) for g in range(2)}
     for gr in graphs.values():
         gr.capture(q_lens=(1, 4))
     replayed = {1: 0, 4: 0}
@@ -216,7 +232,7 @@ def many_steps(run, backend: str, seed: int, steps: int = 200, **pool_kw) -> Non
         else:
             q_lens = np.ones(B, np.int32)
         plan = build_plan(random_batch(rng, q_lens, kv, 16, spec.num_pages), spec)
-        step = pool.commit(plan)
+        step = marked(pool.commit(plan), cache)  # (random K/V already at every slot)
         q = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
         for g in range(2):
             want = reference.run(plan, q.float(), cache, group=g)
@@ -230,7 +246,7 @@ def many_steps(run, backend: str, seed: int, steps: int = 200, **pool_kw) -> Non
 
 
 def no_sync_on_the_step_path(backend, gpu_step, seed: int) -> None:
-    """Commits, write_kv, a replayed decode and an eager prefill through `backend` (a kernels
+    """Commits, write_kv, a replayed decode and an eager prefill (write_kv, run) through `backend` (a kernels
     module) under torch.cuda.set_sync_debug_mode("error"): any device sync raises.
     gpu_step(seed, q_lens, kv_lens) -> make_step's tuple for this backend on CUDA."""
     from mstar_attn.capture.graphs import DecodeGraphs
@@ -239,11 +255,15 @@ def no_sync_on_the_step_path(backend, gpu_step, seed: int) -> None:
     spec, plan, cache, q, _, _, k_new, v_new = gpu_step(seed, [1] * 6, [10, 20, 30, 40, 50, 4000])
     pool = gpu_pool(spec)
     static = torch.zeros(8, 32, 128, device="cuda", dtype=torch.bfloat16)
-    graphs = DecodeGraphs(pool, lambda step, x: backend.run(step, x["q"], cache), {"q": static})
+    graphs = DecodeGraphs(pool, attend_filled(backend.run, cache), {"q": static})  # (write_kv: eagerly, below)
     graphs.capture((8,))
     prefill = build_plan(random_batch(np.random.default_rng(seed), [5, 9], [5, 30], 16, spec.num_pages), spec)
+    kv = lambda p: torch.ones(p.num_tokens, spec.num_kv_heads, 128, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     for p in (plan, prefill):  # warm (compile) both paths
-        backend.run(pool.commit(p), torch.randn(p.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
+        step = pool.commit(p)
+        backend.write_kv(step, kv(p), kv(p), cache)
+        backend.run(step, torch.randn(p.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
+    k_pre, v_pre = kv(prefill), kv(prefill)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -253,6 +273,7 @@ def no_sync_on_the_step_path(backend, gpu_step, seed: int) -> None:
             backend.write_kv(step, k_new, v_new, cache)
             graphs(step, q=q)
             step = pool.commit(prefill)
+            backend.write_kv(step, k_pre, v_pre, cache)
             backend.run(step, torch.ones(prefill.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16), cache)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -44,6 +44,10 @@ def test_build_dense_plan_takes_the_heads_as_numbers_with_a_deprecation_warning(
     with pytest.warns(DeprecationWarning, match="DenseHeads"):
         old = build_dense_plan([3, 4], 8, 2, 64, backend="reference", dtype=torch.float32)
     assert old == build_dense_plan([3, 4], DenseHeads(8, 2, 64), backend="reference", dtype=torch.float32)
+    with pytest.warns(DeprecationWarning, match="DenseHeads"):  # the old numbers by name, too
+        named = build_dense_plan([3, 4], num_qo_heads=8, num_kv_heads=2, head_dim=64, backend="reference",
+                                 dtype=torch.float32)
+    assert named == old
     with pytest.raises(PlanError, match="heads: expected a DenseHeads"):
         build_dense_plan([3, 4], 8, backend="reference", dtype=torch.float32)
 

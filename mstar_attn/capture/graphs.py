@@ -19,7 +19,11 @@ from mstar_attn.metadata.select import graph_backends
 
 def _record(fn, step, static: dict[str, torch.Tensor], memory) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """fn(step, static) warmed up once on a side stream (JIT, lazily allocated library buffers), then
-    captured into a graph of the shared memory pool `memory`; returns the graph and its output."""
+    captured into a graph of the shared memory pool `memory`; returns the graph and its output. The
+    scratch steps count as stored for every cache (a forward that only attends, its K/V stored by the
+    engine outside the graph, warms up too)."""
+    for s in step if isinstance(step, tuple) else (step,):
+        s.mark_stored()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -75,8 +75,9 @@ def limits_of(limits: PoolLimits | None, legacy: dict) -> PoolLimits:
 class Sizing:
     """A pool's checked bounds (PoolLimits) and what follows from them for its spec: the buckets
     (ascending, within max_batch_size) and bucket_at (batch size 0..largest bucket -> the bucket
-    serving it, None for 0), whether verify steps are bucketed (every group causal), and the slot
-    Layout, with room for padding requests and a whole capture-time scratch plan or round."""
+    serving it; entry 0, never asked for, is the smallest bucket), whether verify steps are bucketed
+    (every group causal), and the slot Layout, with room for padding requests and a whole
+    capture-time scratch plan or round."""
 
     max_batch_size: int
     max_num_tokens: int

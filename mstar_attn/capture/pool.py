@@ -26,7 +26,7 @@ import torch
 from mstar_attn.cache import default_device
 from mstar_attn.capture import checks, cross, derive, rounds
 from mstar_attn.capture.layout import SlotViews, slot_views
-from mstar_attn.capture.limits import PoolLimits, limits_of, sizing
+from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits, limits_of, sizing  # noqa: F401  (re-exported)
 from mstar_attn.capture.lease import CurrentStream, SlotLeases
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
@@ -87,7 +87,7 @@ class GraphBufferPool:
         self.generations = self.leases.generations  # commits per slot: a DeviceStep is live while its count is current
         self.unstaged = [-1] * slots  # the generation of a derived step whose pinned O(rows) arrays are not written yet
         self.held = [StagedHead() for _ in range(slots)]  # what each slot's head holds from its last derived commit
-        self._views: dict[tuple, tuple] = {}  # ([kind,] slot, rows, num_rows) of bucketed steps only (see kept)
+        self._views: dict[tuple, tuple] = {}  # ([kind,] slot, rows, num_rows) views of bucketed steps; ("shape", slot, bucket, q_len): kept StepShapes
         self.scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
         self.bytes_to_device = 0  # host-to-device bytes the pool and its schedulers issued, all commits
         self.last_commit_bytes = 0
@@ -258,10 +258,14 @@ class GraphBufferPool:
         updates = table.take_updates()  # (put back if the commit fails)
         h = self.host_np[s]
         lazy = scheduler is None or scheduler.lazy_host_arrays  # (no scheduler: none reads them)
-        left = stage_derived(h, plan, offsets, bucket, q_len, updates, table, self.held[s])
-        h[offsets.fence] = lease.next_fence(s)
-        if not lazy:  # the pinned O(rows) arrays, for a scheduler that plans from them (else stage_host, if asked)
-            stage_requests(h, plan, offsets, bucket, q_len)
+        try:
+            left = stage_derived(h, plan, offsets, bucket, q_len, updates, table, self.held[s])
+            h[offsets.fence] = lease.next_fence(s)
+            if not lazy:  # the pinned O(rows) arrays, for a scheduler that plans from them (else stage_host, if asked)
+                stage_requests(h, plan, offsets, bucket, q_len)
+        except BaseException:
+            table.restore_updates(updates)
+            raise
         generation = self.generations[s] = self.generations[s] + 1  # from here on the slot's previous step is stale
         self.unstaged[s] = generation if lazy else -1
         self.next_slot = (s + 1) % self.num_slots
@@ -269,6 +273,7 @@ class GraphBufferPool:
         context = torch.cuda.stream(side) if side is not None else None
         if context is not None:
             context.__enter__()
+        self.last_commit_bytes = 0
         try:
             if here is not None:
                 lease.after_consumer(s, on)
@@ -297,10 +302,12 @@ class GraphBufferPool:
             fenced = False
             raise
         finally:
-            lease.record(s, on, fenced)
-            self.bytes_to_device += self.last_commit_bytes
-            if context is not None:
-                context.__exit__(None, None, None)
+            try:
+                lease.record(s, on, fenced)
+                self.bytes_to_device += self.last_commit_bytes
+            finally:
+                if context is not None:
+                    context.__exit__(None, None, None)
         return step
 
     def _derived_shape(self, s: int, bucket: int, q_len: int) -> StepShape:

@@ -54,7 +54,8 @@ class StepShape:
     its token rows there: no request's page is touched. num_rows: token rows of the step (rows *
     q_len when bucketed; plan.num_tokens otherwise). slot_mapping [num_rows] int64 device: where each
     row's K/V goes (groups[g].slot_mapping for a group with its own page list). A pool keeps one per
-    bucketed (slot, rows, q_len) and makes one per commit for other steps.
+    (slot, bucket, q_len) for bucketed StepRows steps (their arrays derived on the device) and makes
+    one per commit for every other step.
     """
 
     slot: int
@@ -114,11 +115,14 @@ class DeviceStep:
     def stored_in(self, cache) -> bool:
         """Whether a write_kv has stored new K/V of this step into `cache` (a PagedKVCache): what run's
         misuse check reads, per layer's cache."""
-        return cache.k.data_ptr() in self._flags[1]
+        stored = self._flags[1]
+        return cache.k.data_ptr() in stored or None in stored
 
-    def mark_stored(self, cache) -> None:
-        """Called by every backend's write_kv on a committed step, with the cache it stored into."""
-        self._flags[1].add(cache.k.data_ptr())
+    def mark_stored(self, cache=None) -> None:
+        """Called by every backend's write_kv on a committed step, with the cache it stored into; by an
+        engine that stored the step's K/V in `cache` with its own kernel. None: every cache counts as
+        stored (graph capture's scratch steps, whose K/V values do not matter)."""
+        self._flags[1].add(None if cache is None else cache.k.data_ptr())
 
     @property
     def mode(self) -> Mode:

@@ -6,11 +6,11 @@ through a Kind.CROSS layer group beside the causal self-attention group.
     build_model(cfg, dtype, device) -> model
     spec_fields(model) -> dict        groups (self, cross), layer_groups: self and cross per decoder layer
     make_trace(cfg, rng) -> requests  encoder inputs of different lengths, short decoder prompts
-    encode(model, attn, ctx, caches, inputs, dense_backend)   the encoder, and the cross K/V stored
-    forward(model, attn, ctx, caches, ids, positions) -> logits [R, vocab]   the decoder step
+    encode(model, ctx, layers, inputs, dense_backend)   the encoder, and the cross K/V stored
+    forward(model, ctx, layers, ids, positions) -> logits [R, vocab]   the decoder step
     logits_of(model, req) -> [n, vocab]   the stock model's logits, the oracle
 
-caches: one per attention layer of the decoder, in spec.layer_groups order: layer i's self
+layers: one Attention per attention layer of the decoder, in spec.layer_groups order: layer i's self
 attention at 2i, its cross attention at 2i + 1.
 """
 

@@ -35,6 +35,7 @@ class DemoConfig:
     model: str = "llama"  # the transformers family: "llama", or "gemma2" (sliding-window layers on their own pages)
     window: int = 8  # gemma2: the sliding window, in tokens (small, so requests outgrow it)
     cascade: str = "off"  # AttentionSpec.cascade: shared system prompts read once per step ("auto", "always")
+    compile: str = "off"  # "full": the step's forward through torch.compile(fullgraph=True), attention as custom ops
 
     @property
     def gpu(self) -> bool:

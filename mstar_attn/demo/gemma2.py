@@ -3,7 +3,7 @@ soft-capping, a non-default attention scale. Same surface as `llama.py`, plus `s
 
     build_model(cfg, dtype, device) -> model      the stock HF model, also the oracle `check` runs
     spec_fields(model) -> dict                     AttentionSpec's groups, layer_groups, sm_scale, soft_cap
-    forward(model, attn, ctx, caches, ids, positions) -> logits [R, vocab]
+    forward(model, ctx, layers, ids, positions) -> logits [R, vocab]
 
 The window layers form a layer group with its own page list (LayerGroup.own_pages): the engine frees
 the window pages a request has moved past, so those layers hold about window / page_size + 1 pages

@@ -6,7 +6,7 @@ same surface, handed to the engine by `run.run_demo`:
 
     build_model(cfg, dtype, device) -> model      the stock HF model, also the oracle `check` runs
     spec_fields(model) -> dict                     the AttentionSpec fields the model decides
-    forward(model, attn, ctx, caches, ids, positions) -> logits [R, vocab]
+    forward(model, ctx, layers, ids, positions) -> logits [R, vocab]   layers: the model's Attention layers
 
 `gemma2.py` is the second family (sliding-window layers on their own page lists).
 """

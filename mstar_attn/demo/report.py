@@ -65,6 +65,8 @@ class DemoResult:
     encoder_tokens: int = 0  # an encoder-decoder's encoder inputs, all requests (bart)
     cross_rows: bool = False  # its cross page lists came from the pool's cross table (CrossRows)
     cascade_steps: int = 0  # steps that read shared prompts once per prefix group (AttentionSpec.cascade)
+    compile_s: float = 0.0  # --compile: seconds of the steps in which torch compiled (kept out of step_us)
+    graph_breaks: int = 0  # --compile: torch._dynamo's graph-break count over the run
 
     @property
     def modes(self) -> Counter:
@@ -160,6 +162,11 @@ def summary(res: DemoResult) -> str:
             f"decode step: graphs {np.median(res.graph_us):.0f} µs vs eager {np.median(res.eager_us):.0f} µs "
             f"({res.speedup:.2f}x; {clock}, median over {res.replayed} decode steps, each run both ways on the same "
             f"inputs; {res.num_graphs} graphs captured in {res.capture_s:.1f} s)")
+    if c.compile != "off":
+        lines.append(
+            f"compile   torch.compile(fullgraph=True) of the {'decoder ' if c.model == 'bart' else ''}step's forward, "
+            f"attention as mstar_attn custom ops: graph breaks: {res.graph_breaks}; {res.compile_s:.1f} s compiling "
+            "(those steps left out of the step times)")
     if res.encoder_tokens:
         lines.append(
             f"encoder   {res.encoder_tokens} encoder tokens run once through the dense path; each request's cross K/V "

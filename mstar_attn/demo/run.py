@@ -13,6 +13,7 @@ from typing import TextIO
 
 import numpy as np
 import torch
+from torch._dynamo.utils import counters
 
 from mstar_attn import AttentionSpec, CrossRows, GroupPages, PagedKVCache, StepBatch, build_plan
 from mstar_attn.demo import bart, gemma2, llama
@@ -49,6 +50,8 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
     cfg = cfg.resolve()
     if cfg.dtype not in DTYPES:
         raise DemoError(f"unknown dtype {cfg.dtype!r} (known: {', '.join(DTYPES)})")
+    if cfg.compile not in ("off", "full"):
+        raise DemoError(f"--compile {cfg.compile!r}: known modes are full (the default) and off")
     if min(cfg.requests, cfg.layers, cfg.page_size, cfg.hidden, cfg.window) < 1:
         raise DemoError("--requests, --layers, --hidden, --page-size and --window must be >= 1")
     family = FAMILIES.get(cfg.model)
@@ -80,7 +83,8 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         attn.bind(spec, 1 << (cfg.requests - 1).bit_length(), sum(len(r.prompt) for r in reqs) + len(reqs),
                   sum(len(r.encoder) for r in reqs) or None)
         layers = attn.layers(spec, caches)  # the model's Attention layers, one per layer over its cache
-        engine = Engine(family.forward, model, attn, layers, device, cfg.graphs)
+        breaks = sum(counters["graph_break"].values())
+        engine = Engine(family.forward, model, attn, layers, device, cfg.graphs, compiled=cfg.compile == "full")
         if cfg.graphs:
             bar.note("capturing the decode forward as CUDA graphs ...")
             engine.capture()  # before any request: capture's warm-up writes to page 0, which no one holds yet
@@ -158,11 +162,14 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         logits_of = getattr(family, "logits_of", decoder_logits)
         checks = [check_request(model, r, dtype, logits_of) for r in sorted(finished, key=lambda r: r.rid)]
     result = DemoResult(
-        cfg, len(step_us), sum(len(r.prompt) for r in reqs), sum(r.shared for r in reqs),
-        sum(r.shared > 0 for r in reqs), sum(r.max_new for r in reqs), served, pages.reused, plan_us, step_us, checks,
-        engine.commit_us, engine.graph_us, engine.eager_us, engine.num_graphs, engine.capture_s,
-        {r.rid: r.tokens for r in reqs}, held if own is not None else None, sum(len(r.encoder) for r in reqs),
-        table is not None, cascades,
+        config=cfg, steps=len(step_us), prompt_tokens=sum(len(r.prompt) for r in reqs),
+        shared_tokens=sum(r.shared for r in reqs), prefix_hits=sum(r.shared > 0 for r in reqs),
+        generated_tokens=sum(r.max_new for r in reqs), served=served, pages_reused=pages.reused, plan_us=plan_us,
+        step_us=step_us, checks=checks, commit_us=engine.commit_us, graph_us=engine.graph_us, eager_us=engine.eager_us,
+        num_graphs=engine.num_graphs, capture_s=engine.capture_s, tokens={r.rid: r.tokens for r in reqs},
+        pages_held=held if own is not None else None, encoder_tokens=sum(len(r.encoder) for r in reqs),
+        cross_rows=table is not None, cascade_steps=cascades, compile_s=engine.compile_s,
+        graph_breaks=sum(counters["graph_break"].values()) - breaks,
     )
     if out is not None:
         write(out, summary(result))

@@ -29,14 +29,27 @@ def step_plan(step, where: str, plans_ok: bool = False) -> AttentionPlan:
                     + (" or an AttentionPlan" if plans_ok else "") + f", got {type(step).__name__}")
 
 
-def stored_first(step, k, v, cache, where: str) -> None:
-    """PlanError when k or v reach a backend that reads the step's new K/V from the cache, on a committed
-    step no write_kv has stored into this layer's `cache`: they would be ignored (the backends that
-    take them are the prefix-free ones, which attend over k and v alone)."""
-    if (k is not None or v is not None) and isinstance(step, DeviceStep) and not step.stored_in(cache):
+def stored_first(step, k, v, cache, group: int, where: str) -> None:
+    """PlanError when run reads a committed step's new K/V from `cache` (one layer of `group`) before
+    they are there: no write_kv stored them and the engine did not say it stores them itself
+    (step.mark_stored(cache)). k or v given to such a backend would be ignored: that is an error too.
+    Skipped while a CUDA graph is being captured (the capture's own write_kv marks the step; one
+    stored outside the graph is the engine's contract). A cross group with nothing to store this
+    step reads what earlier steps stored."""
+    if not isinstance(step, DeviceStep) or step.stored_in(cache):
+        return
+    plan = step.plan
+    gp = plan.groups[group]
+    new = gp.stored if gp.group.cross else plan.num_tokens
+    if k is not None or v is not None:
         raise PlanError(f"{where}: k and v are given, but no write_kv has stored this step's new K/V in this layer's cache; backend "
-                        f"{step.plan.backend!r} reads them from the cache (only prefix-free backends such as "
+                        f"{plan.backend!r} reads them from the cache (only prefix-free backends such as "
                         "flashinfer_ragged take k and v): call write_kv(step, k, v, cache, group) before run")
+    if new == 0 or (cache.k.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    raise PlanError(f"{where}: layer group {group}: this step's {new} new tokens were not stored in this layer's cache: "
+                    "call write_kv(step, k, v, cache, group) before run, or, where the engine stores K/V itself "
+                    "(a fused RoPE + store), call step.mark_stored(cache) after storing")
 
 
 def group_index(group, plan: AttentionPlan, where: str) -> int:

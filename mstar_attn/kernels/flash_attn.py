@@ -118,9 +118,9 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
         _check.new_kv(k, v, step, plan, cache, "run")
         return _varlen_func()(q, k, v, cu_seqlens_q=step.qo_indptr, cu_seqlens_k=step.qo_indptr,
                               max_seqlen_k=plan.max_q_len, **kw)[0]
-    _check.stored_first(step, k, v, cache, "run")
     _check.cache_fits(cache, plan, "run", finite=True, step=step, group=group)
     _check.query(q, step, plan, cache, "run")
+    _check.stored_first(step, k, v, cache, group, "run")
     b = q.shape[0] // step.q_len if step.bucket is not None else plan.batch_size
     return _varlen_func()(q, cache.k, cache.v, cu_seqlens_q=step.qo_indptr[: b + 1], seqused_k=step.groups[group].kv_lens[:b],
                           page_table=step.scheduled[group][:b], **kw)[0]

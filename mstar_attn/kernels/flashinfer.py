@@ -156,7 +156,7 @@ class Scheduler(SchedulerBase):
         """One entry per layer group: its planned wrapper, an XqaDecode (fp8_math decode), or the
         cascade group's Levels (a cascade step: plan.cascade)."""
         plan = step.plan
-        if plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before: its kept plans
+        if step.bucket is not None and plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before
             kept = self.kept_steps.get((step.slot, step.rows, step.q_len, plan.mode))
             if kept is not None:
                 return kept.wrappers if kept.fixed else self._kept(step, kept)
@@ -324,7 +324,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     _check.cache_fits(cache, plan, "run", finite=isinstance(w, XqaDecode), step=step, group=group)
     _check.query(q, step, plan, cache, "run")
     if plan.backend != "flashinfer_ragged":  # (k and v are read from the cache: stored first)
-        _check.stored_first(step, k, v, cache, "run")
+        _check.stored_first(step, k, v, cache, group, "run")
     if isinstance(w, XqaDecode):
         return run_xqa(step, q, cache, group, w)
     if isinstance(w, _cascade.Levels):

@@ -112,9 +112,9 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     """
     plan = _check.step_plan(step, "run")
     group = _check.layer_group(group, plan, "run")
-    _check.stored_first(step, k, v, cache, "run")
     _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run")
+    _check.stored_first(step, k, v, cache, group, "run")
     rows = q.shape[0]
     if rows < step.num_rows:  # eager call on a bucket-padded step: the wrapper was planned for all rows
         q = torch.cat([q, q[:1].expand(step.num_rows - rows, -1, -1)])

@@ -51,9 +51,9 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=
     """
     plan = _check.step_plan(step, "run", plans_ok=True)
     group = _check.layer_group(group, plan, "run")
-    _check.stored_first(step, k, v, cache, "run")
     _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run", (plan.spec.dtype, *_ORACLE_DTYPES))
+    _check.stored_first(step, k, v, cache, group, "run")
     gp = plan.groups[group]
     if plan.cascade is not None and group in plan.spec.cascade_groups:
         return _attend_cascade(plan, q, cache, group)

@@ -8,7 +8,7 @@ from mstar_attn import AttentionSpec, LayerGroup, PlanError, PoolLimits, build_p
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
-from tests.helpers import GPU_GROUPS, assert_close_per_request, fresh_seed, random_batch, random_cache, spec_for
+from tests.helpers import GPU_GROUPS, assert_close_per_request, fresh_seed, marked, random_batch, random_cache, spec_for
 
 
 def cpu_graphs(groups=(LayerGroup(),), rows=64):
@@ -121,15 +121,15 @@ def test_commits_on_a_side_stream(backend):
              for b in rng.integers(1, 64, 9)]
     qs = [torch.randn(p.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16) for p in plans]
     for p, q in zip(plans, qs):  # warm up (JIT) outside the timed-out region
-        kernels.run(pool.commit(p), q, cache)
+        kernels.run(marked(pool.commit(p), cache), q, cache)  # (random K/V already at every slot)
     torch.cuda.synchronize()
     torch.cuda._sleep(300_000_000)  # the compute stream is busy for ~0.15 s
     outs = []
     for i, (p, q) in enumerate(zip(plans, qs)):
         if i % 3 == 2:  # a commit on the compute stream itself: it runs there, no wait needed, and the
-            step = pool.commit(p)  # side-stream commit that next reuses its slot must wait for it
+            step = marked(pool.commit(p), cache)  # side-stream commit that next reuses its slot must wait for it
         else:
-            step = pool.commit(p, stream=side)
+            step = marked(pool.commit(p, stream=side), cache)
             with pytest.raises(PlanError, match="side stream"):
                 kernels.run(step, q, cache)
             step.wait()  # the current (compute) stream waits for the commit's copies

@@ -10,7 +10,7 @@ from mstar_attn import AttentionSpec, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture import lease
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.batch import StepRows
-from tests.helpers import assert_close_per_request, fresh_seed, random_cache
+from tests.helpers import assert_close_per_request, attend_filled, fresh_seed, random_cache
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -34,8 +34,8 @@ def _run_behind(seed: int, steps: int, defer: bool = False, churn: bool = False,
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=B, max_num_tokens=256, max_num_pages=spec.num_pages,
                                             buckets=(B,), max_requests=B, max_pages_per_request=PAGES))
-    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(B, 32, 128, device="cuda",
-                                                                                        dtype=torch.bfloat16)})
+    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": torch.zeros(B, 32, 128, device="cuda",
+                                                                               dtype=torch.bfloat16)})
     graphs.capture()
     free = rng.permutation(spec.num_pages).astype(np.int32)
     rows = rng.permutation(B).astype(np.int32)
@@ -156,8 +156,8 @@ def _replanning_walk(seed: int, steps: int, monkeypatch):
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=64, max_num_pages=spec.num_pages,
                                             buckets=(8,), max_requests=8, max_pages_per_request=128))
-    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(8, 32, 128, device="cuda",
-                                                                                        dtype=torch.bfloat16)})
+    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": torch.zeros(8, 32, 128, device="cuda",
+                                                                               dtype=torch.bfloat16)})
     graphs.capture()
     free = rng.permutation(spec.num_pages).astype(np.int32)
     for r in range(8):

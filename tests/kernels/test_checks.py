@@ -100,8 +100,15 @@ def test_fa4_checks_before_its_kernel(monkeypatch):
             call()
 
 
-def test_run_with_k_and_v_before_any_write_kv_is_refused():
-    """run(step, q, cache, k=k, v=v) on a backend that reads the cache, with no write_kv of the step into that cache
+def test_run_before_write_kv_is_refused():
+    """run on a committed step whose new tokens no write_kv stored in this layer's cache reads stale
+    slots: a PlanError naming write_kv and the token count, with or without k and v (k and v on a
+    backend that reads the cache would be ignored). Another layer's write_kv does not count; an
+    engine that stores K/V itself says so with step.mark_stored(cache); after write_kv the same
+    call runs, equal to run without k and v; plans (the reference
+    oracle) are not committed steps and are not checked.
+
+    run(step, q, cache, k=k, v=v) on a backend that reads the cache, with no write_kv of the step into that cache
     (another layer's does not count):
     k and v would be ignored (and the step attend over stale slots), so it is a PlanError naming
     write_kv; after write_kv the same call runs, equal to run without k and v; plans (the reference
@@ -118,8 +125,16 @@ def test_run_with_k_and_v_before_any_write_kv_is_refused():
     q = torch.randn(plan.num_tokens, 4, 16, generator=gen)
     k, v = (torch.randn(plan.num_tokens, 2, 16, generator=gen) for _ in range(2))
     step = pool.commit(plan)
-    with pytest.raises(PlanError, match="write_kv"):
+    with pytest.raises(PlanError, match="k and v are given.*call write_kv"):
         kernels.run(step, q, cache, 0, k, v)
+    with pytest.raises(PlanError, match=f"this step's {plan.num_tokens} new tokens were not stored.*write_kv.*mark_stored"):
+        kernels.run(step, q, cache, 0)
+    engine_stored = pool.commit(plan)  # the engine stores K/V itself (here: the plan's slots, as a fused kernel would)
+    cache_copy = PagedKVCache(cache.k.clone(), cache.v.clone())
+    kernels.write_kv(plan, k, v, cache_copy)
+    engine_stored.mark_stored(cache_copy)
+    assert torch.equal(kernels.run(engine_stored, q, cache_copy, 0), reference.run(plan, q, cache_copy, 0)), seed
+    step = pool.commit(plan)
     other = PagedKVCache.allocate(spec, "cpu")  # another layer's cache: its write_kv does not count for this one
     kernels.write_kv(step, k, v, other)
     with pytest.raises(PlanError, match="this layer's cache"):

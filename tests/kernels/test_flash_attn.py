@@ -311,6 +311,7 @@ def test_a_cache_not_known_finite_is_refused():
     rows) is refused by name; from_tensors checks it once and lets it through."""
     spec, plan, cache, q, *_ = gpu_step(fresh_seed(), [1, 1], [5, 40])
     step = gpu_pool(spec).commit(plan)
+    step.mark_stored(cache)  # (the values do not matter here)
     with pytest.raises(PlanError, match="known finite"):
         fa.run(step, q, PagedKVCache(cache.k, cache.v))
     fa.run(step, q, PagedKVCache.from_tensors(cache.k, cache.v))

@@ -11,7 +11,7 @@ from mstar_attn.kernels import reference
 from tests.helpers import (
     smoke_first,
     GPU_GROUPS, MODES, assert_close_per_request, check_modes, check_replay, fresh_seed, gpu_pool, make_step,
-    many_steps, no_sync_on_the_step_path, random_batch, random_cache, table_steps,
+    many_steps, no_sync_on_the_step_path, random_batch, random_cache, table_steps, attend_filled, marked,
 )
 
 pytestmark = pytest.mark.gpu
@@ -101,12 +101,12 @@ def test_double_buffering_lets_the_host_run_ahead():
     for slots, stalls in [(2, 0), (1, 1)]:
         pool = gpu_pool(spec, num_slots=slots)
         for _ in range(2):  # warm up the wrappers
-            fi.run(pool.commit(plan_a), q_a, cache)
+            fi.run(marked(pool.commit(plan_a), cache), q_a, cache)  # (the cache is filled by hand)
         torch.cuda.synchronize()
         pool.stalls = 0
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the commits
-        out_a = fi.run(pool.commit(plan_a), q_a, cache).clone()
-        out_b = fi.run(pool.commit(plan_b), q_a, cache)
+        out_a = fi.run(marked(pool.commit(plan_a), cache), q_a, cache).clone()
+        out_b = fi.run(marked(pool.commit(plan_b), cache), q_a, cache)
         torch.cuda.synchronize()
         assert pool.stalls == stalls
         for plan, out in ((plan_a, out_a), (plan_b, out_b)):
@@ -141,7 +141,7 @@ def test_fast_replan_matches_public_plan(heads, q_len):
     for i in range(6):
         kv = rng.integers(q_len + 1, 6 * ps, B)
         plan = build_plan(random_batch(rng, [q_len] * B, kv, ps, spec.num_pages), spec)
-        public, fast = (pool.commit(plan, slot=0) for pool in pools)
+        public, fast = (marked(pool.commit(plan, slot=0), cache) for pool in pools)  # (random K/V already at every slot)
         wp, wf = public.scheduled[0], fast.scheduled[0]
         assert wp is not wf and (0, 0, B, q_len) in pools[1].scheduler_for("flashinfer").fast
         assert (0, 0, B, q_len) not in pools[0].scheduler_for("flashinfer").fast
@@ -165,7 +165,7 @@ def test_wrappers_share_the_slot_workspaces():
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=512, max_num_pages=9000,
                                             buckets=(4, 16, 64)))
     static = torch.zeros(256, 32, 128, device="cuda", dtype=torch.bfloat16)
-    graphs = [DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g), {"q": static}) for g in range(2)]
+    graphs = [DecodeGraphs(pool, attend_filled(fi.run, cache, g), {"q": static}) for g in range(2)]
     for gr in graphs:
         gr.capture(q_lens=(1, 4))
     sched = pool.scheduler_for("flashinfer")
@@ -203,7 +203,8 @@ def test_replay_follows_new_plans_on_the_public_plan_path():
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=16, max_num_tokens=256, max_num_pages=2000, buckets=(8, 16)))
     pool.scheduler_for("flashinfer").use_fast = False
-    graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache), {"q": torch.zeros(16, 32, 128, device="cuda", dtype=torch.bfloat16)})
+    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": torch.zeros(16, 32, 128, device="cuda",
+                                                                                dtype=torch.bfloat16)})
     graphs.capture()
     for i in range(20):
         B = int(rng.integers(1, 17))
@@ -234,8 +235,8 @@ def test_fixed_schedule_buckets_are_planned_once_and_stay_correct():
     pool = gpu_pool(spec, buckets=(4, 128))
     sched = pool.scheduler_for("flashinfer")
     sched.fixed_min_ctas = 4 * torch.cuda.get_device_properties(0).multi_processor_count  # (off by default)
-    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(128, 32, 128, device="cuda",
-                                                                                         dtype=torch.bfloat16)})
+    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": torch.zeros(128, 32, 128, device="cuda",
+                                                                                dtype=torch.bfloat16)})
     graphs.capture()  # planned on kv_len 1
     assert 128 * 8 >= sched.fixed_min_ctas > 4 * 8
     assert {k[2] for k in sched.fixed} == {128} and {k[2] for k in sched.fast} == {4}
@@ -256,8 +257,8 @@ def test_no_device_sync_on_the_page_table_path():
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=16, max_num_tokens=64, max_num_pages=4000, buckets=(8,),
                                             max_requests=32, max_pages_per_request=64))
-    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": torch.zeros(8, 32, 128, device="cuda",
-                                                                                         dtype=torch.bfloat16)})
+    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": torch.zeros(8, 32, 128, device="cuda",
+                                                                                dtype=torch.bfloat16)})
     graphs.capture()
     for r in range(6):
         pool.table.assign(r, list(range(r * 20, r * 20 + 10)))
@@ -329,7 +330,7 @@ def test_fp8_kv_eager_and_replayed():
         cache.store(idx, *(torch.randn(idx.shape[0], 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(2)))
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=2048, max_num_pages=4000,
                                             buckets=(8, 32)))
-    graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache),
+    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache),  # (write_kv: eagerly, below)
                           {"q": torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)})
     graphs.capture(q_lens=(1, 4))
     u = UNIT_ROUNDOFF[torch.bfloat16]

@@ -17,7 +17,7 @@ import torch
 
 from mstar_attn import AttentionSpec, LayerGroup, PoolLimits, StepBatch, build_plan
 from mstar_attn.kernels import reference
-from tests.helpers import smoke_first, assert_close_per_request, fresh_seed, random_cache, replay_or_run
+from tests.helpers import smoke_first, assert_close_per_request, attend_filled, fresh_seed, marked, random_cache, replay_or_run
 from tests.support.prefix_batches import prefix_batch
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +56,7 @@ def test_cascade_steps_eager_and_replayed(page_size, kind):
                                                      max_num_pages=200_000 // ps, buckets=(8, 32)))
                        for s in (spec, flat_spec))
     verify = all(g.causal for g in groups)
-    graphs = [DecodeGraphs(pool, lambda step, x, g=g: fi.run(step, x["q"], cache, group=g),
+    graphs = [DecodeGraphs(pool, attend_filled(fi.run, cache, g),
                            {"q": torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)}) for g in range(2)]
     for gr in graphs:
         gr.capture(q_lens=(1, 4) if verify else (1,))
@@ -73,7 +73,7 @@ def test_cascade_steps_eager_and_replayed(page_size, kind):
         batch = StepBatch.from_pages(q, kv, pages, ps)
         plan, flat = build_plan(batch, spec), build_plan(batch, flat_spec)
         assert plan.cascade is not None and plan.cascade.num_groups == len(families), (seed, i)
-        step, flat_step = pool.commit(plan), flat_pool.commit(flat)
+        step, flat_step = marked(pool.commit(plan), cache), marked(flat_pool.commit(flat), cache)  # (random K/V at every slot)
         qt = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
         for g in range(2):
             ctx = (f"seed {seed}", f"step {i}", plan.mode.value, f"group {g}", f"B {plan.batch_size}")
@@ -103,14 +103,14 @@ def test_the_largest_verify_bucket_captures_and_replays():
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=20000,
                                             buckets=(256,)))
-    graphs = DecodeGraphs(pool, lambda step, x: fi.run(step, x["q"], cache),
+    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache),
                           {"q": torch.zeros(256 * 16, 32, 128, device="cuda", dtype=torch.bfloat16)})
     graphs.capture(q_lens=(16,))
     q, kv, pages = prefix_batch(rng, 16, 16, 20000, [int(rng.integers(20, 30)) for _ in range(8)], 10,
                                 max_prefix_pages=32, max_own_pages=4)
     batch = StepBatch.from_pages(q, kv, pages, 16)
     plan, flat = build_plan(batch, spec), build_plan(batch, flat_spec)
-    step = pool.commit(plan)
+    step = marked(pool.commit(plan), cache)  # (random K/V already at every slot)
     assert graphs.serves(step) and step.rows == 256 and plan.cascade.num_groups == 8, seed
     qt = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
     out, replayed = replay_or_run(graphs, step, {"q": qt}, lambda st, x: fi.run(st, x["q"], cache), (f"seed {seed}",))

@@ -10,7 +10,7 @@ import torch
 from mstar_attn import AttentionSpec, PoolLimits, build_plan
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.batch import StepRows
-from tests.helpers import GPU_GROUPS, assert_close_per_request, fresh_seed, random_cache
+from tests.helpers import GPU_GROUPS, assert_close_per_request, attend_filled, fresh_seed, marked, random_cache
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -29,7 +29,7 @@ def _table_graphs(spec, cache, max_batch: int):
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=max_batch, max_num_tokens=64, max_num_pages=spec.num_pages,
                                             buckets=(4,), max_requests=8, max_pages_per_request=128))
     q = torch.zeros(4, spec.num_qo_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
-    graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache), {"q": q})
+    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": q})
     graphs.capture()
     return pool, graphs
 
@@ -51,7 +51,7 @@ def _walk(seed: int, steps: int, tensor_cores: bool):
         kv += rng.integers(1, 40, 3).astype(np.int32)  # (several tokens a step: chunk boundaries come sooner)
         kv = np.minimum(kv, 127 * 16)
         plan = build_plan(StepRows.decode(np.arange(3, dtype=np.int32), kv), spec)
-        step = pool.commit(plan)
+        step = marked(pool.commit(plan), cache)  # (random K/V already at every slot)
         out = graphs(step, q=q)[:3].clone()
         yield plan, out, reference.run(step, q.float(), cache)
 
@@ -106,7 +106,7 @@ def test_a_kept_plan_is_planned_again_after_another_wrapper_planned_into_its_wor
     for i, B in enumerate([3, 3, 3, 3, 6, 3, 3, 3]):  # the slots alternate; step 4 (B 6) runs unbucketed
         plan = build_plan(StepRows.decode(np.arange(B, dtype=np.int32), kv[:B]), spec)
         before = len(planned)
-        step = pool.commit(plan)
+        step = marked(pool.commit(plan), cache)  # (random K/V already at every slot)
         out = (graphs(step, q=q[:B]) if graphs.serves(step) else fi.run(step, q[:B], cache))[:B].clone()
         assert_close_per_request(out, reference.run(step, q[:B].float(), cache), plan, torch.bfloat16, f"seed {seed}, step {i}")
         if step.bucket is not None and last.get(step.slot) == "bucketed":  # same lengths, nothing planned in between

@@ -11,7 +11,7 @@ import torch
 
 from mstar_attn import AttentionSpec, PoolLimits, build_plan
 from mstar_attn.kernels import reference
-from tests.helpers import smoke_first, assert_close_per_request, fresh_seed, random_batch, random_cache
+from tests.helpers import smoke_first, assert_close_per_request, attend_filled, fresh_seed, random_batch, random_cache
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -35,7 +35,7 @@ def test_mla_eager_and_replayed(page_size, heads):
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=32, max_num_tokens=1024, max_num_pages=num_pages,
                                             buckets=(8, 32), max_pages_per_request=2400 // page_size + 2))
-    graphs = DecodeGraphs(pool, lambda step, x: mla.run(step, x["q"], cache),
+    graphs = DecodeGraphs(pool, attend_filled(mla.run, cache),  # (write_kv: eagerly, below)
                           {"q": torch.zeros(32 * 4, heads, CKV + ROPE, device="cuda", dtype=torch.bfloat16)})
     graphs.capture(q_lens=(1, 4))
     shapes = {"decode": lambda B: ([1] * B, rng.integers(1, 2000, B)),

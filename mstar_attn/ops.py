@@ -1,0 +1,109 @@
+"""Attention as `torch.library` custom ops, so a `torch.compile`d model keeps its attention layers in
+one graph (`fullgraph=True`, no graph break) and CUDA graphs capture the compiled step.
+
+    torch.ops.mstar_attn.attention(q, k, v, out, key)   store k, v (if given), attend, write into out
+    torch.ops.mstar_attn.store(k, v, key)               store k, v only (a layer that splits the two)
+
+`key` names the `Attention` layer (its cache, layer group and spec: `Attention.key`); the step comes
+from `step_context(step)`, which the engine enters around each forward:
+
+    with mstar_attn.step_context(step):        # step: the committed DeviceStep (or, reference: a plan)
+        logits = compiled_model(ids, positions)  # its layers call Attention.forward(q, k, v) (no step)
+
+Why this shape (docs/architecture.md, "Compiled models"): a DeviceStep is a host object, not a
+tensor; as an argument of a compiled function it would be a guard (a recompile per step). Dynamo
+does not trace into a custom op's implementation, so the op may read the step from the context,
+as vLLM's unified attention op reads its forward context. The KV caches are not op arguments: as
+mutable arguments, functionalization would clone a whole cache per layer wherever Inductor cannot
+re-inplace it (and the eager `aot_eager` path always does). They are mutated behind the ops, like
+vLLM's, and ordering holds because every layer's attention output feeds the next layer; `store`
+is registered as a side effect so it is never dead-code eliminated. `out` is the one declared
+mutation (Tensor(a!)), written in place: a preallocated output as vLLM's op has.
+
+The implementations run `Attention.forward` / `Attention.store` with the context's step, so every
+check of the direct call runs and bad input raises the same PlanError, at run time (the fake
+implementations only give shapes). Registered with `torch.library.define` + `impl` (a cheaper
+dispatch than the `@custom_op` decorator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from typing import Iterator
+
+import torch
+
+from mstar_attn.metadata.errors import PlanError
+
+_LIB = torch.library.Library("mstar_attn", "DEF")  # noqa: TOR901  (held for the process: the ops stay registered)
+_LIB.define("attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) out, int key) -> ()")
+_LIB.define("store(Tensor k, Tensor v, int key) -> ()")
+
+_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> Attention (the ops' layers)
+_keys = itertools.count()
+_step: list = [None]  # the step of the forward in progress (step_context), None outside one
+
+
+def register(layer) -> int:
+    """A fresh key for `layer` (an Attention), by which the ops find it; held weakly."""
+    key = next(_keys)
+    _layers[key] = layer
+    return key
+
+
+@contextlib.contextmanager
+def step_context(step) -> Iterator:
+    """The step the mstar_attn ops of a forward run with: a committed DeviceStep (or, on the reference
+    backend, an AttentionPlan). Enter it around the model's forward, eager, compiled or being captured
+    into a CUDA graph; contexts nest (the inner step wins until it exits)."""
+    before = _step[0]
+    _step[0] = step
+    try:
+        yield step
+    finally:
+        _step[0] = before
+
+
+def current_step(where: str):
+    """The step of the enclosing step_context; PlanError outside one."""
+    step = _step[0]
+    if step is None:
+        raise PlanError(f"{where}: no step: call the layer with forward(q, k, v, step), or run the model inside "
+                        "`with mstar_attn.step_context(step):`")
+    return step
+
+
+def _layer(key: int, where: str):
+    layer = _layers.get(int(key))
+    if layer is None:
+        raise PlanError(f"{where}: no mstar_attn.Attention layer has key {key} (its object was deleted, or the key "
+                        "is not an Attention.key)")
+    return layer
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor, key: int) -> None:
+    layer, step = _layer(key, "mstar_attn.attention"), current_step("mstar_attn.attention")
+    result = layer.attend(q, step) if k is None and v is None else layer.forward(q, k, v, step)
+    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+        raise PlanError(f"mstar_attn.attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; layer "
+                        f"{layer.layer} returns {tuple(result.shape)} {result.dtype} on {result.device}")
+    out.copy_(result)
+
+
+def _store(k: torch.Tensor, v: torch.Tensor, key: int) -> None:
+    _layer(key, "mstar_attn.store").store(k, v, current_step("mstar_attn.store"))
+
+
+def _nothing(*args) -> None:
+    """Fake (meta) implementation: the ops return nothing and `out` keeps its shape and dtype."""
+    return None
+
+
+_LIB.impl("attention", _attention, "CompositeExplicitAutograd")
+_LIB.impl("store", _store, "CompositeExplicitAutograd")
+torch.library.register_fake("mstar_attn::attention", _nothing, lib=_LIB)
+torch.library.register_fake("mstar_attn::store", _nothing, lib=_LIB)
+torch.fx.node.has_side_effect(torch.ops.mstar_attn.store.default)
+
