@@ -3,7 +3,8 @@
 CPU tests run the real pool and Scheduler with FA4 replaced by `fake_varlen`, a plain-torch model
 of the contract FA4's interface.py documents (page table rows, seqused_k, bottom-right masks):
 they check the page tables, lengths and arguments this backend passes. GPU tests (marker gpu)
-run the real kernels, eagerly and replayed through DecodeGraphs.
+run the real kernels: here what only FA4 has (varlen prefill, its page-table bounds, finite caches);
+the scenarios every paged backend runs are in test_paged_backends.py.
 """
 
 import attrs
@@ -15,12 +16,7 @@ from mstar_attn import AttentionSpec, LayerGroup, Mode, PagedKVCache, PlanError,
 from mstar_attn.kernels import flash_attn as fa
 from mstar_attn.kernels import reference
 from tests.helpers import (
-    pool_of,
-    smoke_first,
-    GPU_GROUPS, assert_close_per_request, check_modes, check_replay, fresh_seed, gpu_pool, make_step, many_steps,
-    random_cache,
-    table_steps,
-    no_sync_on_the_step_path, random_batch,
+    GPU_GROUPS, assert_close_per_request, fresh_seed, gpu_pool, make_step, pool_of, random_batch, random_cache,
 )
 from tests.helpers import MODES as GPU_MODES
 
@@ -252,30 +248,6 @@ def gpu_step(seed, q_lens, kv_lens, page_size=16, dtype=torch.bfloat16, heads=(3
                      device="cuda", backend=backend, soft_cap=soft_cap, write=False)
 
 
-# Kernel variants compile once each (seconds): the combos are chosen to cover the features
-# with few of them. Pages 1, 16 and 64 use FA4's cp.async page loader, page 128 its TMA loader.
-COMBOS = {
-    "bf16-gqa4-p16-d128": dict(page_size=16, dtype=torch.bfloat16, heads=(32, 8)),
-    "fp16-mha-p64-cap": dict(page_size=64, dtype=torch.float16, heads=(8, 8), soft_cap=20.0),
-    "bf16-gqa8-p128-tma": dict(page_size=128, dtype=torch.bfloat16, heads=(16, 2), groups=GROUPS[:1]),
-    "bf16-gqa4-p1-d64-cap": dict(page_size=1, dtype=torch.bfloat16, heads=(16, 4), head_dim=64, soft_cap=30.0,
-                                 groups=GROUPS[:2]),
-}
-GPU_CASES = [(c, *m) for c in COMBOS for m in GPU_MODES if c != "bf16-gqa8-p128-tma" or m[2] in ("decode", "verify")]
-
-
-@gpu
-@pytest.mark.parametrize("combo, q_lens, kv_lens, mode", smoke_first(GPU_CASES, lambda c: c[0] == GPU_CASES[0][0]))
-def test_every_mode_matches_the_reference(combo, q_lens, kv_lens, mode):
-    check_modes(fa, gpu_step, COMBOS[combo], q_lens, kv_lens, mode, fresh_seed())
-
-
-@gpu
-@pytest.mark.parametrize("combo", list(COMBOS))
-def test_decode_and_verify_replay_equal_eager(combo):
-    check_replay(fa, gpu_step, COMBOS[combo], fresh_seed())
-
-
 @pytest.mark.smoke
 @gpu
 def test_varlen_prefill_matches_the_reference():
@@ -287,15 +259,6 @@ def test_varlen_prefill_matches_the_reference():
         out = fa.run(step, q, cache, group=g, k=k_new, v=v_new)
         want = reference.run(plan, q.float(), cache, group=g)
         assert_close_per_request(out, want, plan, spec.dtype, (f"seed {seed}", spec.groups[g]))
-
-
-@gpu
-def test_hundreds_of_steps_eager_and_replayed():
-    """Changing batch sizes (across buckets and past the largest), lengths and pages, 200 steps:
-    decode and verify (q_len 4, captured) replayed, other modes (short steps: one kernel) eager."""
-    # FA4: one kernel per (group, short/long), the same table rows, no split-KV: each row is
-    # computed the same way eagerly (the real rows) and replayed (all bucket rows)
-    many_steps(fa.run, "flash_attn", fresh_seed(), max_pages_per_request=128)
 
 
 @gpu
@@ -321,20 +284,6 @@ def test_a_cache_not_known_finite_is_refused():
         PagedKVCache.from_tensors(bad, cache.v)
 
 
-@gpu
-def test_no_device_sync_on_the_step_path():
-    no_sync_on_the_step_path(fa, gpu_step, fresh_seed())
-
-
-@gpu
-def test_page_table_steps_eager_and_replayed():
-    """StepRows steps: FA4's page tables gathered on the device from the pool's page table (window
-    groups shifted by their first page), eager and replayed, against the reference per request."""
-    seed = fresh_seed()
-    counts = table_steps(fa.run, fa.write_kv, "flash_attn", seed)
-    assert counts.get(128, 0) >= 3 and counts.get(None, 0) >= 2, (seed, counts)
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cpu_own_page_lists_through_the_pool(cpu_pool, page_size):
     """A hybrid model's window group on its own page list, its passed pages given back and reused:
@@ -351,24 +300,6 @@ def test_cpu_own_page_lists_through_the_pool(cpu_pool, page_size):
     assert {m for m, _ in ran} >= {"decode", "verify"}, ran
 
 
-@gpu
-def test_own_page_lists_eager_and_replayed():
-    """As the FlashInfer test of the same name: a window group on its own page list, eager and replayed."""
-    from tests.support.group_pages import gpu_hybrid
-
-    gpu_hybrid(fa, "flash_attn", fresh_seed())
-
-
-@gpu
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_draft_rounds_eager_and_replayed(page_size):
-    """As the FlashInfer test of the same name: draft rounds of K = 1..8, eager and replayed."""
-    from tests.support.draft_rounds import gpu_rounds
-
-    ran = gpu_rounds(fa, "flash_attn", fresh_seed(), page_size)
-    assert any(replayed for _, replayed in ran) and any(not replayed for _, replayed in ran), ran
-
-
 def test_cpu_cross_attention_through_the_pool(cpu_pool):
     """Cross-attention layers through the pool and this backend's page tables: encoder K/V stored
     at each request's first step, read non-causally after, every request against the exact attention."""
@@ -381,15 +312,6 @@ def test_cpu_cross_attention_through_the_pool(cpu_pool):
     caches = [attrs.evolve(random_cache(spec, seed + g, device="cpu"), group=g) for g in range(2)]
     ran = serve(trace, pool, fa, caches, 12, seed)
     assert any(stored for *_, stored in ran) and any(m == "decode" for m, *_ in ran), ran
-
-
-@gpu
-@pytest.mark.parametrize("page_size, rows", [(1, True), (16, False), (64, True)])
-def test_cross_attention_eager_and_replayed(page_size, rows):
-    """As the FlashInfer test of the same name."""
-    from tests.support.cross_pages import gpu_cross
-
-    gpu_cross(fa, "flash_attn", fresh_seed(), page_size, rows)
 
 
 def test_cpu_cross_rows_through_the_pool(cpu_pool):

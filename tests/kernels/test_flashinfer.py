@@ -1,4 +1,6 @@
-"""FlashInfer backend through GraphBufferPool, eager and replayed, against the reference per request (GPU only)."""
+"""FlashInfer backend through GraphBufferPool, eager and replayed, against the reference per request (GPU only):
+what only FlashInfer has (its signatures, ragged prefill, wrappers and workspaces, the fixed schedule, FP8 KV).
+The scenarios every paged backend runs are in test_paged_backends.py."""
 
 import inspect
 
@@ -6,12 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, LayerGroup, PoolLimits, StepBatch, build_plan
+from mstar_attn import AttentionSpec, PoolLimits, StepBatch, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import (
-    smoke_first,
-    GPU_GROUPS, MODES, assert_close_per_request, check_modes, check_replay, fresh_seed, gpu_pool, make_step,
-    many_steps, no_sync_on_the_step_path, random_batch, random_cache, table_steps, attend_filled, marked,
+    GPU_GROUPS, assert_close_per_request, attend_filled, fresh_seed, gpu_pool, make_step, marked, random_batch,
+    random_cache,
 )
 
 pytestmark = pytest.mark.gpu
@@ -22,16 +23,6 @@ flashinfer = pytest.importorskip("flashinfer")
 from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
 from mstar_attn.capture.pool import GraphBufferPool  # noqa: E402
 from mstar_attn.kernels import flashinfer as fi  # noqa: E402
-
-NON_WINDOW = (LayerGroup(), LayerGroup("noncausal"))
-# Each combo compiles its own FlashInfer modules (dtype, head dim, soft-cap, window are template
-# parameters; page size is not): chosen to cover the features with few of them.
-COMBOS = {
-    "bf16-gqa4-p16-d128": dict(page_size=16, dtype=torch.bfloat16, heads=(32, 8), head_dim=128, groups=GPU_GROUPS),
-    "fp16-mha-p64-d64-cudacores": dict(page_size=64, dtype=torch.float16, heads=(8, 8), head_dim=64, groups=NON_WINDOW),
-    "bf16-gqa4-p1-d256-cap-tensorcores": dict(page_size=1, dtype=torch.bfloat16, heads=(16, 4), head_dim=256,
-                                              soft_cap=30.0, groups=(LayerGroup(),)),
-}
 
 
 def gpu_step(seed, q_lens, kv_lens, page_size=16, dtype=torch.bfloat16, heads=(32, 8), head_dim=128, soft_cap=0.0,
@@ -59,17 +50,6 @@ def _owner(fn):
     return getattr(flashinfer, fn.__qualname__.split(".")[0])
 
 
-@pytest.mark.parametrize("combo", smoke_first(COMBOS))
-@pytest.mark.parametrize("q_lens, kv_lens, mode", MODES, ids=[m[2] for m in MODES])
-def test_every_mode_matches_the_reference(combo, q_lens, kv_lens, mode):
-    check_modes(fi, gpu_step, COMBOS[combo], q_lens, kv_lens, mode, fresh_seed())
-
-
-@pytest.mark.parametrize("combo", smoke_first(COMBOS))
-def test_decode_and_verify_replay_equal_eager(combo):
-    check_replay(fi, gpu_step, COMBOS[combo], fresh_seed())
-
-
 @pytest.mark.smoke
 def test_ragged_prefill_matches_the_reference():
     seed = fresh_seed()
@@ -81,12 +61,6 @@ def test_ragged_prefill_matches_the_reference():
     for g in range(len(spec.groups)):
         out = fi.run(step, q, cache, group=g, k=k_new, v=v_new)
         assert_close_per_request(out, reference.run(plan, q.float(), cache, group=g), plan, spec.dtype, (f"seed {seed}", g))
-
-
-def test_hundreds_of_steps_eager_and_replayed():
-    """Changing batch sizes (across buckets and past the largest), lengths and pages, 200 steps:
-    decode and verify (q_len 4, captured) replayed, other modes eager."""
-    many_steps(fi.run, "flashinfer", fresh_seed())
 
 
 def test_double_buffering_lets_the_host_run_ahead():
@@ -111,10 +85,6 @@ def test_double_buffering_lets_the_host_run_ahead():
         assert pool.stalls == stalls
         for plan, out in ((plan_a, out_a), (plan_b, out_b)):
             assert_close_per_request(out, reference.run(plan, q_a.float(), cache), plan, spec.dtype, (f"seed {seed}", slots))
-
-
-def test_no_device_sync_on_the_step_path():
-    no_sync_on_the_step_path(fi, gpu_step, fresh_seed())
 
 
 @pytest.mark.parametrize("heads, q_len", [((32, 8), 1), ((8, 8), 1), ((32, 8), 4)], ids=["tensor-cores", "cuda-cores", "verify"])
@@ -216,17 +186,6 @@ def test_replay_follows_new_plans_on_the_public_plan_path():
     assert not pool.scheduler_for("flashinfer").fast
 
 
-@pytest.mark.smoke
-def test_page_table_steps_eager_and_replayed():
-    """StepRows steps over the pool's page table (pages gathered on the device, one graph per
-    bucket), arrivals, growth, departures and a shared prefix, against the reference per request.
-    Bucket 128 x 8 KV heads is past the fixed-schedule threshold on an H100 (4 x 132 CTAs): planned
-    once on scratch steps at capture, then replayed over thousands of tokens."""
-    seed = fresh_seed()
-    counts = table_steps(fi.run, fi.write_kv, "flashinfer", seed)
-    assert counts.get(128, 0) >= 3 and counts.get(None, 0) >= 2, (seed, counts)
-
-
 def test_fixed_schedule_buckets_are_planned_once_and_stay_correct():
     """A bucket at or past fixed_min_ctas is planned once without split-KV (the plan info says so)
     and never re-planned; smaller ones keep split-KV. Lengths grow 40x after the plan."""
@@ -278,35 +237,6 @@ def test_no_device_sync_on_the_page_table_path():
         torch.cuda.set_sync_debug_mode(0)
     csr = build_plan(StepBatch.from_pages([1] * 6, kv, [pool.table.pages(r) for r in range(6)], 16), spec)
     assert_close_per_request(out, reference.run(csr, q.float(), cache), csr, torch.bfloat16, f"seed {seed}")
-
-
-def test_own_page_lists_eager_and_replayed():
-    """A hybrid model's window group on its own page list (passed pages given back and reused by
-    later requests): prompts shorter than, equal to and far past the window, decode and verify
-    replayed, prefill and mixed eager, both groups per request against the exact attention."""
-    from tests.support.group_pages import gpu_hybrid
-
-    gpu_hybrid(fi, "flashinfer", fresh_seed())
-
-
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_draft_rounds_eager_and_replayed(page_size):
-    """Speculative draft rounds of K = 1..8 steps (planned and committed once, captured as one graph
-    per round), a full and a window group: every step of every request against the exact
-    attention; rejected drafts' K/V (overwritten with large values) never read."""
-    from tests.support.draft_rounds import gpu_rounds
-
-    ran = gpu_rounds(fi, "flashinfer", fresh_seed(), page_size)
-    assert any(replayed for _, replayed in ran) and any(not replayed for _, replayed in ran), ran
-
-
-@pytest.mark.parametrize("page_size, rows", smoke_first([(1, True), (16, False), (64, True)]))
-def test_cross_attention_eager_and_replayed(page_size, rows):
-    """Encoder-decoder cross attention: encoder K/V (1 to 3,000 tokens) stored once, read by every
-    decoder step, decode replayed, every request of both groups against the exact attention."""
-    from tests.support.cross_pages import gpu_cross
-
-    gpu_cross(fi, "flashinfer", fresh_seed(), page_size, rows)
 
 
 @pytest.mark.smoke

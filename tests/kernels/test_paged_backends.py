@@ -1,0 +1,80 @@
+"""Every GPU paged backend (FlashInfer, FlashAttention-4) through the same scenarios, eager and replayed,
+against the reference per request: every mode over each backend's kernel combos, decode and verify
+replays, a 200-step walk, no device sync on the step path, page-table steps, own page lists, draft
+rounds and cross attention. The scenarios and each backend's combos: tests/support/paged_backends.py;
+what only one backend has stays in its own file (test_flashinfer.py, test_flash_attn.py)."""
+
+import pytest
+
+from tests.helpers import check_modes, check_replay, fresh_seed, many_steps, no_sync_on_the_step_path, table_steps
+from tests.support.paged_backends import BACKENDS, params
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name, combo, q_lens, kv_lens, mode", params("modes", lambda b: b.mode_cases))
+def test_every_mode_matches_the_reference(name, combo, q_lens, kv_lens, mode):
+    b = BACKENDS[name]
+    check_modes(b.load(), b.gpu_step, b.combos[combo], q_lens, kv_lens, mode, fresh_seed())
+
+
+@pytest.mark.parametrize("name, combo", params("replay", lambda b: list(b.combos)))
+def test_decode_and_verify_replay_equal_eager(name, combo):
+    b = BACKENDS[name]
+    check_replay(b.load(), b.gpu_step, b.combos[combo], fresh_seed())
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_hundreds_of_steps_eager_and_replayed(name):
+    """Changing batch sizes (across buckets and past the largest), lengths and pages, 200 steps:
+    decode and verify (q_len 4, captured) replayed, other modes eager."""
+    b = BACKENDS[name]
+    many_steps(b.load().run, name, fresh_seed(), **b.walk)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_no_device_sync_on_the_step_path(name):
+    b = BACKENDS[name]
+    no_sync_on_the_step_path(b.load(), b.gpu_step, fresh_seed())
+
+
+@pytest.mark.parametrize("name", params("table", lambda b: [()]))
+def test_page_table_steps_eager_and_replayed(name):
+    """StepRows steps over the pool's page table (pages gathered on the device, one graph per bucket;
+    FA4's page tables gathered from it, window groups shifted by their first page), arrivals, growth,
+    departures and a shared prefix, against the reference per request. FlashInfer's bucket 128 x 8 KV
+    heads is past its fixed-schedule threshold on an H100 (4 x 132 CTAs): planned once on scratch
+    steps at capture, then replayed over thousands of tokens."""
+    module, seed = BACKENDS[name].load(), fresh_seed()
+    counts = table_steps(module.run, module.write_kv, name, seed)
+    assert counts.get(128, 0) >= 3 and counts.get(None, 0) >= 2, (seed, counts)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_own_page_lists_eager_and_replayed(name):
+    """A hybrid model's window group on its own page list (passed pages given back and reused by
+    later requests): prompts shorter than, equal to and far past the window, decode and verify
+    replayed, prefill and mixed eager, both groups per request against the exact attention."""
+    from tests.support.group_pages import gpu_hybrid
+
+    gpu_hybrid(BACKENDS[name].load(), name, fresh_seed())
+
+
+@pytest.mark.parametrize("name, page_size", params("rounds", lambda b: [1, 16, 64]))
+def test_draft_rounds_eager_and_replayed(name, page_size):
+    """Speculative draft rounds of K = 1..8 steps (planned and committed once, captured as one graph
+    per round), a full and a window group: every step of every request against the exact
+    attention; rejected drafts' K/V (overwritten with large values) never read."""
+    from tests.support.draft_rounds import gpu_rounds
+
+    ran = gpu_rounds(BACKENDS[name].load(), name, fresh_seed(), page_size)
+    assert any(replayed for _, replayed in ran) and any(not replayed for _, replayed in ran), ran
+
+
+@pytest.mark.parametrize("name, page_size, rows", params("cross", lambda b: [(1, True), (16, False), (64, True)]))
+def test_cross_attention_eager_and_replayed(name, page_size, rows):
+    """Encoder-decoder cross attention: encoder K/V (1 to 3,000 tokens) stored once, read by every
+    decoder step, decode replayed, every request of both groups against the exact attention."""
+    from tests.support.cross_pages import gpu_cross
+
+    gpu_cross(BACKENDS[name].load(), name, fresh_seed(), page_size, rows)
