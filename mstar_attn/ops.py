@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import weakref
 from typing import Iterator
 
@@ -43,7 +44,7 @@ _LIB.define("store(Tensor k, Tensor v, int key) -> ()")
 
 _layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> Attention (the ops' layers)
 _keys = itertools.count()
-_step: list = [None]  # the step of the forward in progress (step_context), None outside one
+_local = threading.local()  # .step: the step of this thread's forward in progress (step_context)
 
 
 def register(layer) -> int:
@@ -57,18 +58,19 @@ def register(layer) -> int:
 def step_context(step) -> Iterator:
     """The step the mstar_attn ops of a forward run with: a committed DeviceStep (or, on the reference
     backend, an AttentionPlan). Enter it around the model's forward, eager, compiled or being captured
-    into a CUDA graph; contexts nest (the inner step wins until it exits)."""
-    before = _step[0]
-    _step[0] = step
+    into a CUDA graph; contexts nest (the inner step wins until it exits) and belong to their thread
+    (an engine serving two pools from two threads gives each its own)."""
+    before = getattr(_local, "step", None)
+    _local.step = step
     try:
         yield step
     finally:
-        _step[0] = before
+        _local.step = before
 
 
 def current_step(where: str):
     """The step of the enclosing step_context; PlanError outside one."""
-    step = _step[0]
+    step = getattr(_local, "step", None)
     if step is None:
         raise PlanError(f"{where}: no step: call the layer with forward(q, k, v, step), or run the model inside "
                         "`with mstar_attn.step_context(step):`")

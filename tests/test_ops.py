@@ -2,6 +2,8 @@
 fullgraph=True and no graph break matching the direct calls per request, the same PlanError through
 the op as through the direct call, and a CUDA graph of the compiled step (GPU)."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -108,6 +110,11 @@ def test_the_op_path_names_what_is_missing():
         with step_context("inner"):
             assert ma.ops.current_step("x") == "inner"
         assert ma.ops.current_step("x") is plan
+        seen = []  # and belong to their thread: another thread has none
+        worker = threading.Thread(target=lambda: seen.append(pytest.raises(PlanError, ma.ops.current_step, "x")))
+        worker.start()
+        worker.join()
+        assert len(seen) == 1 and "no step" in str(seen[0].value)
 
 
 @pytest.mark.gpu
