@@ -92,10 +92,17 @@ class Attention:
     def attend(self, q: torch.Tensor, step: DeviceStep | None = None) -> torch.Tensor:
         """Attention over what the cache holds, nothing stored: for a layer whose K/V were stored apart
         (`store`; or the engine's own fused kernel into the same slots, step.slot_mapping, after which it
-        calls `stored_by_engine(step)`). step None: the step_context's, through the custom op."""
+        calls `stored_by_engine(step)`, before a compiled forward for each layer). step None: the
+        step_context's, through the custom op."""
         if step is None:
-            return self.forward(q, None, None)
+            out = q.new_empty((q.shape[0], self.spec.num_qo_heads, self.spec.head_dim))
+            torch.ops.mstar_attn.attention(q, None, None, out, self.key, True)
+            return out
         return kernels.run(step, q, self.cache, self.group)
+
+    def __reduce__(self):
+        """Copies and pickles are new layers over (a copy of) the cache, each with a key of its own."""
+        return type(self), (self.spec, self.layer, self.cache)
 
     def stored_by_engine(self, step: DeviceStep) -> None:
         """Say that the engine stored this step's new K/V in this layer's cache itself (a fused RoPE + store

@@ -78,6 +78,10 @@ def build_dense_plan(seq_lens, *args, **kwargs) -> DensePlan:
         warnings.warn("build_dense_plan(seq_lens, num_qo_heads, num_kv_heads, head_dim, ...) is deprecated: pass "
                       "DenseHeads(num_qo_heads, num_kv_heads, head_dim)", DeprecationWarning, stacklevel=2)
         args = (DenseHeads(*numbers), *args[3:])
+    if len(args) > 1:
+        raise PlanError(f"build_dense_plan: unexpected positional arguments after heads: {args[1:]!r}")
+    if not args and "heads" not in kwargs:
+        raise PlanError("heads: expected a DenseHeads(num_qo_heads, num_kv_heads, head_dim), got none")
     return _build_dense_plan(seq_lens, *args, **kwargs)
 
 

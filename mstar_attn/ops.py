@@ -1,7 +1,9 @@
 """Attention as `torch.library` custom ops, so a `torch.compile`d model keeps its attention layers in
 one graph (`fullgraph=True`, no graph break) and CUDA graphs capture the compiled step.
 
-    torch.ops.mstar_attn.attention(q, k, v, out, key)   store k, v (if given), attend, write into out
+    torch.ops.mstar_attn.attention(q, k, v, out, key, attend_only=False)
+                                      store k, v (as Attention.forward), or attend only (Attention.attend),
+                                      writing into out
     torch.ops.mstar_attn.store(k, v, key)               store k, v only (a layer that splits the two)
 
 `key` names the `Attention` layer (its cache, layer group and spec: `Attention.key`); the step comes
@@ -16,8 +18,10 @@ does not trace into a custom op's implementation, so the op may read the step fr
 as vLLM's unified attention op reads its forward context. The KV caches are not op arguments: as
 mutable arguments, functionalization would clone a whole cache per layer wherever Inductor cannot
 re-inplace it (and the eager `aot_eager` path always does). They are mutated behind the ops, like
-vLLM's, and ordering holds because every layer's attention output feeds the next layer; `store`
-is registered as a side effect so it is never dead-code eliminated. `out` is the one declared
+vLLM's, and ordering holds because every layer's attention output feeds the next layer; both ops
+are registered as side effects. Inductor (torch 2.13) may still drop an attention call whose output
+nothing reads, and orders a separate `store` before `attend` by program order only: keep attention
+outputs used, and prefer `forward(q, k, v)` over a split store + attend inside a compiled model. `out` is the one declared
 mutation (Tensor(a!)), written in place: a preallocated output as vLLM's op has.
 
 The implementations run `Attention.forward` / `Attention.store` with the context's step, so every
@@ -39,7 +43,7 @@ import torch
 from mstar_attn.metadata.errors import PlanError
 
 _LIB = torch.library.Library("mstar_attn", "DEF")  # noqa: TOR901  (held for the process: the ops stay registered)
-_LIB.define("attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) out, int key) -> ()")
+_LIB.define("attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) out, int key, bool attend_only=False) -> ()")
 _LIB.define("store(Tensor k, Tensor v, int key) -> ()")
 
 _layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> Attention (the ops' layers)
@@ -85,13 +89,14 @@ def _layer(key: int, where: str):
     return layer
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor, key: int) -> None:
+def _attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor, key: int,
+               attend_only: bool = False) -> None:
     layer, step = _layer(key, "mstar_attn.attention"), current_step("mstar_attn.attention")
-    result = layer.attend(q, step) if k is None and v is None else layer.forward(q, k, v, step)
-    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+    want = (q.shape[0], layer.spec.num_qo_heads, layer.spec.head_dim)
+    if tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:  # (before any work)
         raise PlanError(f"mstar_attn.attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; layer "
-                        f"{layer.layer} returns {tuple(result.shape)} {result.dtype} on {result.device}")
-    out.copy_(result)
+                        f"{layer.layer} writes {want} {q.dtype} on {q.device}")
+    out.copy_(layer.attend(q, step) if attend_only else layer.forward(q, k, v, step))
 
 
 def _store(k: torch.Tensor, v: torch.Tensor, key: int) -> None:
@@ -108,4 +113,5 @@ _LIB.impl("store", _store, "CompositeExplicitAutograd")
 torch.library.register_fake("mstar_attn::attention", _nothing, lib=_LIB)
 torch.library.register_fake("mstar_attn::store", _nothing, lib=_LIB)
 torch.fx.node.has_side_effect(torch.ops.mstar_attn.store.default)
+torch.fx.node.has_side_effect(torch.ops.mstar_attn.attention.default)
 

@@ -43,7 +43,7 @@ def test_opcheck_passes_for_every_op(on):
     with step_context(step):
         torch.library.opcheck(torch.ops.mstar_attn.store.default, (k, v, layers[0].key))
         torch.library.opcheck(torch.ops.mstar_attn.attention.default, (q, k, v, out, layers[0].key))
-        torch.library.opcheck(torch.ops.mstar_attn.attention.default, (q, None, None, out, layers[0].key))
+        torch.library.opcheck(torch.ops.mstar_attn.attention.default, (q, None, None, out, layers[0].key, True))
         torch.ops.mstar_attn.attention(q, k, v, out, layers[1].key)
     assert torch.equal(out, layers[1].forward(q, k, v, step)), seed  # the op writes what the direct call returns
 
@@ -95,6 +95,37 @@ def test_bad_input_through_the_op_is_the_direct_calls_plan_error():
     with step_context(plan), pytest.raises(PlanError) as compiled_error:
         compiled(layers, q[:-1], k, v)
     assert str(compiled_error.value) == str(direct.value)
+    with pytest.raises(PlanError) as direct:  # forward without k and v on a layer that stores
+        layers[0].forward(q, None, None, plan)
+    with step_context(plan), pytest.raises(PlanError) as through_op:
+        layers[0].forward(q, None, None)
+    assert str(through_op.value) == str(direct.value) and "give its k and v" in str(direct.value)
+
+
+def test_a_wrong_out_is_refused_before_anything_is_stored():
+    seed = fresh_seed()
+    spec, plan, layers, q, k, v = setup(seed, num_layers=1)
+    before = layers[0].cache.k.clone()
+    with step_context(plan), pytest.raises(PlanError, match=r"out is \(3, 4, 16\)"):
+        torch.ops.mstar_attn.attention(q, k, v, torch.empty(3, 4, 16), layers[0].key)
+    with step_context(plan), pytest.raises(PlanError, match=r"out is .*torch.float64"):
+        torch.ops.mstar_attn.attention(q, k, v, torch.empty_like(q, dtype=torch.float64), layers[0].key)
+    assert torch.equal(layers[0].cache.k, before), seed
+
+
+def test_a_copied_layer_has_its_own_key_and_cache():
+    import copy
+    import pickle
+
+    seed = fresh_seed()
+    spec, plan, layers, q, k, v = setup(seed, num_layers=1)
+    for twin in (copy.deepcopy(layers[0]), pickle.loads(pickle.dumps(layers[0]))):
+        assert twin.key != layers[0].key and twin.cache.k.data_ptr() != layers[0].cache.k.data_ptr()
+        with step_context(plan):
+            twin.forward(q, k, v)
+        assert not torch.equal(twin.cache.k, layers[0].cache.k), seed  # the copy's cache took the K/V
+    shallow = copy.copy(layers[0])
+    assert shallow.key != layers[0].key and shallow.cache is layers[0].cache
 
 
 def test_the_op_path_names_what_is_missing():
@@ -104,8 +135,6 @@ def test_the_op_path_names_what_is_missing():
         layers[0].forward(q, k, v)
     with step_context(plan), pytest.raises(PlanError, match="no mstar_attn.Attention layer has key -1"):
         torch.ops.mstar_attn.attention(q, k, v, torch.empty_like(q), -1)
-    with step_context(plan), pytest.raises(PlanError, match=r"out is \(3, 4, 16\)"):
-        torch.ops.mstar_attn.attention(q, k, v, torch.empty(3, 4, 16), layers[0].key)
     with step_context(plan):  # contexts nest: the inner step wins, the outer one comes back
         with step_context("inner"):
             assert ma.ops.current_step("x") == "inner"
