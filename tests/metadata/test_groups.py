@@ -22,7 +22,7 @@ def hybrid_spec(ps, window, num_pages=4096, own=True):
 def hybrid_steps(draw):
     """A random step, each request's own list starting anywhere from page 0 to the first page its
     window sees, with 0-2 spare pages after; shared pages from ids 0..2047, own ones from 2048.."""
-    ps, q, kv = draw_lengths(draw, (1, 4, 16), 8, 40, 300)
+    ps, q, kv = draw_lengths(draw, (1, 4, 16), 8, 40, 200)  # (at most 8 x 240 pages of 1 token: within the 2048 ids)
     window = draw(st.integers(1, 70))
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
