@@ -64,17 +64,13 @@ class Attention:
         layer at a step that stores no encoder tokens for it: PlanError otherwise (the layer would attend over
         slots nothing wrote)."""
         if step is None:
-            out = q.new_empty((q.shape[0], self.spec.num_qo_heads, self.spec.head_dim))
-            torch.ops.mstar_attn.attention(q, k, v, out, self.key)
-            return out
+            return self._through_op(q, k, v, False)
         if k is not None or v is not None:
             self.store(k, v, step)
-        else:
-            plan = step.plan if isinstance(step, DeviceStep) else step
+        elif (step.plan if isinstance(step, DeviceStep) else step).stored_rows(self.group):
             cross = self.spec.groups[self.group].cross
-            if not cross or plan.groups[self.group].stored:
-                raise PlanError(f"forward: layer {self.layer} (group {self.group}) stores "
-                                + ("this step's encoder K/V" if cross else "this step's new K/V") + ": give its k and v")
+            raise PlanError(f"forward: layer {self.layer} (group {self.group}) stores "
+                            + ("this step's encoder K/V" if cross else "this step's new K/V") + ": give its k and v")
         return kernels.run(step, q, self.cache, self.group, k, v)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, step: DeviceStep | None = None) -> None:
@@ -95,10 +91,17 @@ class Attention:
         calls `stored_by_engine(step)`, before a compiled forward for each layer). step None: the
         step_context's, through the custom op."""
         if step is None:
-            out = q.new_empty((q.shape[0], self.spec.num_qo_heads, self.spec.head_dim))
-            torch.ops.mstar_attn.attention(q, None, None, out, self.key, True)
-            return out
+            return self._through_op(q, None, None, True)
         return kernels.run(step, q, self.cache, self.group)
+
+    def out_shape(self, rows: int) -> tuple[int, int, int]:
+        """What forward and attend return for `rows` query rows: (rows, num_qo_heads, head_dim)."""
+        return rows, self.spec.num_qo_heads, self.spec.head_dim
+
+    def _through_op(self, q, k, v, attend_only: bool) -> torch.Tensor:
+        out = q.new_empty(self.out_shape(q.shape[0]))
+        torch.ops.mstar_attn.attention(q, k, v, out, self.key, attend_only)
+        return out
 
     def __reduce__(self):
         """Copies and pickles are new layers over (a copy of) the cache, each with a key of its own."""

@@ -92,7 +92,7 @@ def _layer(key: int, where: str):
 def _attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor, key: int,
                attend_only: bool = False) -> None:
     layer, step = _layer(key, "mstar_attn.attention"), current_step("mstar_attn.attention")
-    want = (q.shape[0], layer.spec.num_qo_heads, layer.spec.head_dim)
+    want = layer.out_shape(q.shape[0])
     if tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:  # (before any work)
         raise PlanError(f"mstar_attn.attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; layer "
                         f"{layer.layer} writes {want} {q.dtype} on {q.device}")

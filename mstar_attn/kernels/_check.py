@@ -39,8 +39,7 @@ def stored_first(step, k, v, cache, group: int, where: str) -> None:
     if not isinstance(step, DeviceStep) or step.stored_in(cache):
         return
     plan = step.plan
-    gp = plan.groups[group]
-    new = gp.stored if gp.group.cross else plan.num_tokens
+    new = plan.stored_rows(group)
     if k is not None or v is not None:
         raise PlanError(f"{where}: k and v are given, but no write_kv has stored this step's new K/V in this layer's cache; backend "
                         f"{plan.backend!r} reads them from the cache (only prefix-free backends such as "

@@ -11,7 +11,6 @@ import torch
 
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
-from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.spec import Kind
 
@@ -28,8 +27,7 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group:
     group = _check.layer_group(group, plan, "write_kv")
     _check.cache_fits(cache, plan, "write_kv", step=step, group=group)
     _check.new_kv(k, v, step, plan, cache, "write_kv", group)
-    gp = plan.groups[group]
-    T = plan.num_tokens if not gp.group.cross else gp.stored
+    gp, T = plan.groups[group], plan.stored_rows(group)
     if plan.rows is not None or gp.table_rows is not None:  # StepRows / CrossRows: the pool derived the slots
         slots = step.groups[group].slot_mapping[:T]
     else:

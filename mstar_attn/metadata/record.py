@@ -179,6 +179,13 @@ class AttentionPlan:
     def group_for_layer(self, layer: int) -> GroupPlan:
         return self.groups[self.spec.group_of(layer)]
 
+    def stored_rows(self, group: int) -> int:
+        """The new K/V rows a layer of `group` stores this step: every token (T), or for a cross group
+        the encoder tokens it stores this step (0 at a step that stores none)."""
+        if not self.spec.groups[group].cross:  # (no derived arrays read: a lazy decode plan stays lazy)
+            return self.num_tokens
+        return self.groups[group].stored
+
     def slots_of(self, group: int) -> np.ndarray | None:
         """slot_mapping [T] int64 of layer group `group`: its own (own_pages) or the plan's."""
         own = self.groups[group].slot_mapping

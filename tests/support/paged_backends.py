@@ -40,11 +40,15 @@ class PagedBackend:
             pytest.skip(f"{self.name} needs {self.needs}: {e}")
         return importlib.import_module(self.module)
 
-    def gpu_step(self, seed, q_lens, kv_lens, page_size=16, dtype=torch.bfloat16, heads=(32, 8), head_dim=128,
-                 soft_cap=0.0, groups=GPU_GROUPS):
-        """make_step's tuple on CUDA for this backend, the step's new K/V not yet written."""
-        return make_step(seed, q_lens, kv_lens, page_size, dtype, groups=groups, heads=heads, head_dim=head_dim,
-                         device="cuda", backend=self.name, soft_cap=soft_cap, write=False)
+    def gpu_step(self, seed, q_lens, kv_lens, **combo):
+        """make_step's tuple on CUDA for this backend, the step's new K/V not yet written; combo: a combo's
+        keyword arguments over STEP_DEFAULTS."""
+        c = {**STEP_DEFAULTS, **combo}
+        return make_step(seed, q_lens, kv_lens, c.pop("page_size"), c.pop("dtype"), device="cuda", backend=self.name,
+                         write=False, **c)
+
+
+STEP_DEFAULTS = dict(page_size=16, dtype=torch.bfloat16, heads=(32, 8), head_dim=128, soft_cap=0.0, groups=GPU_GROUPS)
 
 
 def _all_modes(combos: dict, keep=lambda combo, mode: True) -> tuple:
