@@ -82,24 +82,12 @@ def random_batch(rng, q_lens, kv_lens, page_size: int, num_pages: int, extra: in
 
 
 def naive_attention(q, k, v, *, kind: Kind, window: int | None, scale: float, soft_cap: float = 0.0) -> torch.Tensor:
-    """One sequence in float64, queries at the end: q [n_q, Hq, D], k and v [n_k, Hkv, D]."""
-    q, k, v = (t.double().cpu() for t in (q, k, v))
-    n_q, n_k, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-    out = torch.empty_like(q)
-    for h in range(q.shape[1]):
-        logits = q[:, h] @ k[:, h // rep].T * scale
-        if soft_cap:
-            logits = soft_cap * torch.tanh(logits / soft_cap)
-        pos = torch.arange(n_k - n_q, n_k)[:, None]  # absolute position of each query
-        key = torch.arange(n_k)[None, :]
-        visible = torch.ones(n_q, n_k, dtype=torch.bool)
-        if kind is not Kind.NONCAUSAL:
-            visible &= key <= pos
-        if kind is Kind.WINDOW:
-            visible &= key > pos - window
-        logits = logits.masked_fill(~visible, float("-inf"))
-        out[:, h] = torch.softmax(logits, dim=-1) @ v[:, h // rep]
-    return out
+    """One sequence in float64 on the CPU, queries at the end: q [n_q, Hq, D], k and v [n_k, Hkv, D]
+    (support.exact.exact_attention with the mask of `kind`)."""
+    from tests.support.exact import exact_attention
+
+    return exact_attention(q.cpu(), k.cpu(), v.cpu(), scale=scale, soft_cap=soft_cap, causal=kind is not Kind.NONCAUSAL,
+                           window=window if kind is Kind.WINDOW else 0)
 
 
 def fill_prefix(cache: PagedKVCache, batch: StepBatch, k_seqs, v_seqs) -> None:

@@ -5,12 +5,31 @@ replays it as its own first nodes (capture/graphs.py), and one launch per step s
 
 from __future__ import annotations
 
-from typing import Callable
+import gc
+from typing import Callable, TypeVar
 
 import attrs
 import torch
 
 from mstar_attn.metadata.errors import PlanError
+
+
+_T = TypeVar("_T")
+
+
+def capture_into(graph: torch.cuda.CUDAGraph, memory, fn: Callable[[], _T]) -> _T:
+    """fn() captured into `graph` (of the memory pool `memory`); returns what fn returned. torch.cuda.graph
+    collects garbage before capturing; here nothing is collected during the capture either: a library
+    object finalized inside one (a kernel module unloaded, a buffer freed on another stream) is an illegal
+    call there and aborts the process."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=memory):
+            return fn()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 @attrs.frozen
@@ -52,8 +71,7 @@ class CommitGraphs:
             if self.memory is None:
                 self.memory = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory):
-                work()
+            capture_into(graph, self.memory, work)
             self.graphs[key], self.works[key] = graph, work
 
     def defer(self, slot: int, generation: int, key: tuple, make: Callable[[], Callable[[], None]], stream) -> None:

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from mstar_attn.capture.graph_cache import capture_into
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata.backends import AUTO, BACKENDS
@@ -30,8 +31,7 @@ def _record(fn, step, static: dict[str, torch.Tensor], memory) -> tuple[torch.cu
         fn(step, static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=memory):
-        out = fn(step, static)
+    out = capture_into(graph, memory, lambda: fn(step, static))
     return graph, out
 
 

@@ -252,13 +252,14 @@ def test_fp8_kv_eager_and_replayed():
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    spec = AttentionSpec(32, 8, 128, 16, 4000, kv_dtype=torch.float8_e4m3fn)
+    pages = 8000  # the most a step below can ask: 39 requests x 3,000 tokens / 16 = 7,313
+    spec = AttentionSpec(32, 8, 128, 16, pages, kv_dtype=torch.float8_e4m3fn)
     cache = PagedKVCache.allocate(spec, "cuda", k_scale=0.02, v_scale=0.015)
     n = cache.flat()[0].shape[0]
     for a in range(0, n, 8192):  # every slot random (through the quantizing store)
         idx = torch.arange(a, min(a + 8192, n), device="cuda")
         cache.store(idx, *(torch.randn(idx.shape[0], 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(2)))
-    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=2048, max_num_pages=4000,
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=2048, max_num_pages=pages,
                                             buckets=(8, 32)))
     graphs = DecodeGraphs(pool, attend_filled(fi.run, cache),  # (write_kv: eagerly, below)
                           {"q": torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)})
@@ -274,7 +275,7 @@ def test_fp8_kv_eager_and_replayed():
         B = int(rng.integers(1, 40 if mode in ("decode", "verify") else 6))
         q_lens, kv = shapes[mode](B)
         kv_lens = q_lens if kv is None else kv
-        plan = build_plan(random_batch(rng, q_lens, kv_lens, 16, 4000), spec)
+        plan = build_plan(random_batch(rng, q_lens, kv_lens, 16, pages), spec)
         step = pool.commit(plan)
         k, v = (torch.randn(plan.num_tokens, 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(2))
         fi.write_kv(step, k, v, cache)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from mstar_attn import AttentionSpec, CrossRows, GroupPages, LayerGroup, StepBatch, build_plan
+from tests.support.exact import TrueKV, exact_attention
 
 GROUPS = (LayerGroup(), LayerGroup("cross"))
 
@@ -27,8 +28,7 @@ class _Request:
     pages: list = attrs.Factory(list)
     cross: list = attrs.Factory(list)
     row: int = -1  # its cross-table row (table mode)
-    k: list = attrs.Factory(list)
-    v: list = attrs.Factory(list)
+    truth: TrueKV = attrs.Factory(TrueKV)  # its decoder tokens' true K / V (on the trace's device)
     enc_k: torch.Tensor | None = None
     enc_v: torch.Tensor | None = None
 
@@ -67,7 +67,7 @@ class CrossTrace:
             for _ in range(4 if i == 0 else int(self.rng.integers(1, 3))):
                 n = self._encoder_len()
                 prompt = int(self.rng.choice([1, 1, 2, 4]))
-                r = _Request(n, prompt, prompt + int(self.rng.integers(2, 30)))
+                r = _Request(n, prompt, prompt + int(self.rng.integers(2, 30)), truth=TrueKV(self.device))
                 r.cross = [self.free["cross"].pop() for _ in range(-(-n // self.spec.page_size))]
                 if self.table is not None:  # (rows are taken from the front: freed rows come back late)
                     r.row = self.free_rows.pop(0)
@@ -97,10 +97,9 @@ class CrossTrace:
         enc = []
         for i, r in enumerate(self.batch):
             a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
-            r.k += list(k[a:b].float())
-            r.v += list(v[a:b].float())
+            r.truth.append(k[a:b], v[a:b])
             if r.cached == 0:
-                r.enc_k, r.enc_v = self._randn(r.encoder, H), self._randn(r.encoder, H)
+                r.enc_k, r.enc_v = (self._randn(r.encoder, H).to(self.device) for _ in range(2))
                 enc.append(r)
         k_enc = torch.cat([r.enc_k for r in enc]).to(self.device) if enc else None
         v_enc = torch.cat([r.enc_v for r in enc]).to(self.device) if enc else None
@@ -110,23 +109,15 @@ class CrossTrace:
         return self._randn(plan.num_tokens, self.spec.num_qo_heads).to(self.device)
 
     def oracle(self, plan, q: torch.Tensor, group: int) -> torch.Tensor:
-        """Exact attention of layer group `group`, float64 on the CPU: causal over the decoder's K/V,
-        or (the cross group) every query over all of the request's encoder K/V."""
+        """Exact attention [T, qo_heads, head_dim] of layer group `group`, float64 on the trace's device:
+        causal over the decoder's K/V, or (the cross group) every query over all of the request's
+        encoder K/V (support.exact)."""
         spec, cross = self.spec, self.spec.groups[group].cross
-        q = q.double().cpu()
-        out = torch.empty_like(q)
-        rep = spec.num_qo_heads // spec.num_kv_heads
+        out = torch.empty(q.shape, dtype=torch.float64, device=self.device)
         for i, r in enumerate(self.batch):
             a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
-            k, v = (r.enc_k, r.enc_v) if cross else (torch.stack(r.k), torch.stack(r.v))
-            k, v = (x.double().repeat_interleave(rep, dim=1) for x in (k, v))
-            logits = torch.einsum("qhd,khd->hqk", q[a:b], k) * spec.sm_scale
-            if spec.soft_cap:
-                logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)
-            if not cross:
-                pos = torch.arange(k.shape[0] - (b - a), k.shape[0])[:, None]
-                logits = logits.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
-            out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, -1), v)
+            k, v = (r.enc_k, r.enc_v) if cross else r.truth.kv()
+            out[a:b] = exact_attention(q[a:b], k, v, scale=spec.sm_scale, soft_cap=spec.soft_cap, causal=not cross)
         return out
 
     def advance(self, plan) -> None:

@@ -16,14 +16,14 @@ import torch
 
 from mstar_attn import AttentionSpec, StepBatch
 from mstar_attn.metadata.draft import DraftRound, build_round
+from tests.support.exact import TrueKV, exact_attention
 
 
 @attrs.define
 class _Request:
     cached: int  # verified tokens in the cache
     pages: list = attrs.Factory(list)
-    k: list = attrs.Factory(list)  # true K / V per token: [kv_heads, head_dim] float32 on the CPU
-    v: list = attrs.Factory(list)
+    truth: TrueKV = attrs.Factory(TrueKV)  # its true K / V (on the trace's device)
 
 
 class DraftTrace:
@@ -48,9 +48,9 @@ class DraftTrace:
             self._leave(keep.pop(int(self.rng.integers(len(keep)))))
         while len(keep) < target:
             n = int(self.rng.choice([1, ps, ps + 1, int(self.rng.integers(1, self.max_context))]))
-            r = _Request(n)  # a prompt already in the cache (random K/V written through the pages)
+            r = _Request(n, truth=TrueKV(self.device))  # a prompt already in the cache (random K/V written through the pages)
             shape = (n, self.spec.num_kv_heads, self.spec.head_dim)  # (the truth: values the cache's dtype holds)
-            r.k, r.v = (list(torch.randn(shape, generator=self.gen).to(self.spec.dtype).float()) for _ in range(2))
+            r.truth.append(*(torch.randn(shape, generator=self.gen).to(self.spec.dtype) for _ in range(2)))
             r.pages = [self.free.pop() for _ in range(-(-n // ps))]
             self._prompts.append(r)
             keep.append(r)
@@ -67,10 +67,11 @@ class DraftTrace:
         ps = self.spec.page_size
         for r in self._prompts:
             slots = torch.tensor([r.pages[t // ps] * ps + t % ps for t in range(r.cached)])
+            k, v = r.truth.kv()
             for c in caches:
                 kf, vf = c.flat()
-                kf[slots.to(kf.device)] = torch.stack(r.k).to(c.k.dtype).to(kf.device)
-                vf[slots.to(vf.device)] = torch.stack(r.v).to(c.v.dtype).to(vf.device)
+                kf[slots.to(kf.device)] = k.to(device=kf.device, dtype=c.k.dtype)
+                vf[slots.to(vf.device)] = v.to(device=vf.device, dtype=c.v.dtype)
         self._prompts = []
 
     def new_kv(self, k: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +79,7 @@ class DraftTrace:
         shape = (len(self.live), k, self.spec.num_kv_heads, self.spec.head_dim)
         kk, vv = (torch.randn(shape, generator=self.gen).to(dtype or self.spec.dtype) for _ in range(2))
         for i, r in enumerate(self.live):
-            r.k += list(kk[i].float())
-            r.v += list(vv[i].float())
+            r.truth.append(kk[i], vv[i])
         return kk.to(self.device), vv.to(self.device)
 
     def query(self, k: int, dtype=None) -> torch.Tensor:
@@ -87,20 +87,16 @@ class DraftTrace:
         return torch.randn(shape, generator=self.gen).to(dtype or self.spec.dtype).to(self.device)
 
     def oracle(self, plan, q: torch.Tensor, group: int) -> torch.Tensor:
-        """Exact attention [B, qo_heads, head_dim] float64 (CPU) of draft step plan.draft_step for layer
-        group `group`: request i's query over its first kv_lens[i] true keys, with the group's window."""
+        """Exact attention [B, qo_heads, head_dim] float64 (on the trace's device) of draft step
+        plan.draft_step for layer group `group`, q [B, qo_heads, head_dim]: request i's query over its
+        first kv_lens[i] true keys, with the group's window (support.exact)."""
         g, spec = self.spec.groups[group], self.spec
-        rep = spec.num_qo_heads // spec.num_kv_heads
-        out = torch.empty(q.shape, dtype=torch.float64)
+        out = torch.empty(q.shape, dtype=torch.float64, device=self.device)
         for i, r in enumerate(self.live):
             n = r.cached + 1 + plan.draft_step  # (the trace's own count, not the plan under test)
-            k, v = (torch.stack(x[:n]).double().repeat_interleave(rep, dim=1) for x in (r.k, r.v))
-            logits = torch.einsum("hd,khd->hk", q[i].double().cpu(), k) * spec.sm_scale
-            if spec.soft_cap:
-                logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)
-            if g.window:
-                logits[:, : max(n - g.window, 0)] = float("-inf")
-            out[i] = torch.einsum("hk,khd->hd", torch.softmax(logits, -1), v)
+            k, v = r.truth.kv(n)
+            out[i] = exact_attention(q[i : i + 1], k, v, scale=spec.sm_scale, soft_cap=spec.soft_cap,
+                                     window=g.window or 0)[0]
         return out
 
     def verify(self, k: int, caches) -> None:
@@ -110,7 +106,7 @@ class DraftTrace:
         for r in self.live:
             start = r.cached
             r.cached += int(self.rng.integers(1, k + 1))
-            del r.k[r.cached :], r.v[r.cached :]
+            r.truth.truncate(r.cached)
             stale = [r.pages[t // ps] * ps + t % ps for t in range(r.cached, start + k)]
             if stale:
                 self.poisoned += len(stale)
@@ -157,7 +153,7 @@ def serve_rounds(trace: DraftTrace, pool, backend, caches, ks, seed: int, graphs
         out, replay = replay_or_run(graphs, steps, x, lambda s, x: round_layers(backend, caches, s, x), (f"seed {seed}", i, k))
         for j, plan in enumerate(draft.steps):
             for g in range(len(caches)):
-                want = trace.oracle(plan, x["q"][:, j].cpu(), g)
+                want = trace.oracle(plan, x["q"][:, j], g)
                 assert_close_per_request(out[: plan.batch_size, j, g], want, plan, trace.spec.dtype,
                                          (f"seed {seed}", f"round {i}", f"k {k}", f"step {j}", f"group {g}"))
         trace.verify(k, caches)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mstar_attn import AttentionSpec, GroupPages, StepBatch, build_plan
+from tests.support.exact import TrueKV, exact_attention
 
 
 @attrs.define
@@ -25,8 +26,7 @@ class _Request:
     shared: list = attrs.Factory(list)  # shared-list pages, logical pages 0, 1, ...
     first: int = 0  # own list: logical page of own[0]
     own: list = attrs.Factory(list)
-    k: list = attrs.Factory(list)  # true K / V per token: [kv_heads, head_dim] float32 on the CPU
-    v: list = attrs.Factory(list)
+    truth: TrueKV = attrs.Factory(TrueKV)  # its true K / V (on the trace's device)
 
 
 class HybridTrace:
@@ -57,7 +57,7 @@ class HybridTrace:
         if i == 0 or (len(self.live) < self.max_batch and self.rng.random() < 0.35):
             for _ in range(6 if i == 0 else int(self.rng.integers(1, 4))):
                 p = self._prompt()
-                new.append(_Request(p, p + int(self.rng.integers(3, 80))))
+                new.append(_Request(p, p + int(self.rng.integers(3, 80)), truth=TrueKV(self.device)))
         verify = not new and i % 3 == 1
         self.batch = (self.live + new)[: self.max_batch]
         self.live = self.live + new
@@ -80,8 +80,7 @@ class HybridTrace:
         k, v = (torch.randn(shape, generator=self.gen).to(dtype or self.spec.dtype) for _ in range(2))
         for i, r in enumerate(self.batch):
             a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
-            r.k += list(k[a:b].float())
-            r.v += list(v[a:b].float())
+            r.truth.append(k[a:b], v[a:b])
         return k.to(self.device), v.to(self.device)
 
     def query(self, plan, dtype=None) -> torch.Tensor:
@@ -89,23 +88,16 @@ class HybridTrace:
         return torch.randn(shape, generator=self.gen).to(dtype or self.spec.dtype).to(self.device)
 
     def oracle(self, plan, q: torch.Tensor, group: int) -> torch.Tensor:
-        """The exact attention of layer group `group` for the step's queries, float64 on the CPU:
-        each request's queries over its true K/V with the group's mask (helpers.naive_attention,
-        every head at once)."""
+        """The exact attention [T, qo_heads, head_dim] of layer group `group` for the step's queries q
+        [T, qo_heads, head_dim], float64 on the trace's device: each request's queries over its true
+        K/V with the group's mask (support.exact)."""
         g, spec = self.spec.groups[group], self.spec
-        q = q.double().cpu()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=torch.float64, device=self.device)
         for i, r in enumerate(self.batch):
             a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
-            rep = spec.num_qo_heads // spec.num_kv_heads
-            k, v = (torch.stack(x).double().repeat_interleave(rep, dim=1) for x in (r.k, r.v))  # [L, Hq, D]
-            logits = torch.einsum("qhd,khd->hqk", q[a:b], k) * spec.sm_scale
-            if spec.soft_cap:
-                logits = spec.soft_cap * torch.tanh(logits / spec.soft_cap)
-            pos = torch.arange(k.shape[0] - (b - a), k.shape[0])[:, None]
-            key = torch.arange(k.shape[0])[None, :]
-            hidden = ((key > pos) if g.causal else torch.zeros_like(key > pos)) | ((key <= pos - g.window) if g.window else False)
-            out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(logits.masked_fill(hidden, float("-inf")), -1), v)
+            k, v = r.truth.kv()
+            out[a:b] = exact_attention(q[a:b], k, v, scale=spec.sm_scale, soft_cap=spec.soft_cap, causal=g.causal,
+                                       window=g.window or 0)
         return out
 
     def advance(self, plan) -> None:
@@ -152,7 +144,7 @@ def serve(trace: HybridTrace, pool, backend, caches, steps: int, seed: int, grap
         x = {"q": trace.query(plan), "k": k, "v": v}
         out, replay = replay_or_run(graphs, step, x, lambda s, x: hybrid_layers(backend, caches, s, x), (f"seed {seed}", i, plan.mode))
         for g in range(len(caches)):
-            want = trace.oracle(plan, x["q"].cpu(), g)
+            want = trace.oracle(plan, x["q"], g)
             assert_close_per_request(out[:, g], want, plan, trace.spec.dtype, (f"seed {seed}", i, plan.mode, f"group {g}"))
         trace.advance(plan)
         key = (plan.mode.value, replay)
