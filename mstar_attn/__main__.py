@@ -25,10 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=int, default=8, help="requests in the trace (default: 8)")
     d.add_argument("--page-size", type=int, default=4, help="tokens per KV page (default: 4)")
     d.add_argument("--seed", type=int, default=0, help="seeds the weights and the trace (default: 0)")
-    d.add_argument("--model", choices=["llama", "gemma2", "bart"], default="llama",
+    d.add_argument("--model", choices=["llama", "gemma2", "bart", "gpt_oss"], default="llama",
                    help="the transformers family (default: llama); gemma2 interleaves sliding-window layers, on "
-                        "their own page lists, with full ones; bart is an encoder-decoder (cross attention)")
-    d.add_argument("--window", type=int, default=8, help="gemma2's sliding window in tokens (default: 8)")
+                        "their own page lists, with full ones; bart is an encoder-decoder (cross attention); "
+                        "gpt_oss has attention sinks beside window and full layers")
+    d.add_argument("--window", type=int, default=8, help="gemma2's and gpt_oss's sliding window in tokens (default: 8)")
     d.add_argument("--cascade", choices=["off", "auto", "always"], default="off",
                    help="shared-prefix attention: requests sharing a system prompt's pages read them once per step "
                         "(auto: where the cost model says it wins; default: off)")
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--draft", choices=["small", "self"], default="small",
                    help="with --speculate: the target's first half of the layers (default), or the target itself")
     w = sub.add_parser("warmup", help="build every kernel a demo model's steps can reach, with cold and warm times")
-    w.add_argument("--model", choices=["llama", "gemma2", "bart"], default="llama", help="the demo's model (default: llama)")
+    w.add_argument("--model", choices=["llama", "gemma2", "bart", "gpt_oss"], default="llama", help="the demo's model (default: llama)")
     w.add_argument("--backend", choices=[*sorted(BACKENDS), AUTO], default=None,
                    help="default: flashinfer with CUDA, else reference (with --list: flashinfer)")
     w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 for GPU backends")

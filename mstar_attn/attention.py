@@ -27,9 +27,12 @@ from mstar_attn.metadata.spec import AttentionSpec
 
 class Attention:
     """Layer `layer` of a model with AttentionSpec `spec`, over `cache` (a PagedKVCache fitting the spec,
-    tagged with the layer's group or untagged; PlanError otherwise, naming what differs)."""
+    tagged with the layer's group or untagged; PlanError otherwise, naming what differs). sinks: the
+    layer's attention sinks (gpt-oss), float32 [num_qo_heads] on the cache's device, required where its
+    group has them (LayerGroup.sinks) and refused where it has none; run reads them at every call (the
+    tensor is held, not copied: a captured graph reads the values it holds at replay)."""
 
-    def __init__(self, spec: AttentionSpec, layer: int, cache: PagedKVCache):
+    def __init__(self, spec: AttentionSpec, layer: int, cache: PagedKVCache, sinks: torch.Tensor | None = None):
         if not isinstance(spec, AttentionSpec):
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.group = spec.group_of(layer)  # (PlanError for what is not a layer index, or past layer_groups)
@@ -38,21 +41,42 @@ class Attention:
             raise PlanError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
         cache.check(spec, f"layer {layer}: cache", self.group)
         self.cache = cache
+        self.sinks = self._sinks(sinks)
         self.key = ops.register(self)  # how the custom ops (mstar_attn.ops) find this layer
+
+    def _sinks(self, sinks) -> torch.Tensor | None:
+        has, heads = self.spec.groups[self.group].sinks, self.spec.num_qo_heads
+        if sinks is None:
+            if has:
+                raise PlanError(f"sinks: layer {self.layer}'s group {self.group} has attention sinks (LayerGroup.sinks): "
+                                f"give the layer's sinks, a float32 tensor [{heads}]")
+            return None
+        if not has:
+            raise PlanError(f"sinks: layer {self.layer}'s group {self.group} has no attention sinks (LayerGroup.sinks is "
+                            "False): they would be ignored")
+        if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) \
+                or sinks.device != self.cache.k.device:
+            got = f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise PlanError(f"sinks: layer {self.layer}: expected float32 [{heads}] on {self.cache.k.device}, got {got}")
+        return sinks
 
     @classmethod
     def for_model(cls, spec: AttentionSpec, device: torch.device | str | None = None, num_layers: int | None = None,
-                  k_scale: float = 1.0, v_scale: float = 1.0) -> list[Attention]:
+                  k_scale: float = 1.0, v_scale: float = 1.0, sinks=None) -> list[Attention]:
         """One Attention per layer (num_layers, default len(spec.layer_groups)), each over a zero-filled cache
         of its own on `device` (None: CUDA when torch sees a device, else the CPU), tagged with the layer's group. An FP8 spec's caches take the model's
-        k_scale / v_scale (PagedKVCache)."""
+        k_scale / v_scale (PagedKVCache). sinks: one entry per layer (a float32 tensor [num_qo_heads] where the
+        layer's group has attention sinks, else None), or None for a spec without sinks."""
         n = len(spec.layer_groups) if num_layers is None else num_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PlanError(f"num_layers: expected a positive number of layers, got {num_layers!r}")
         groups = [spec.group_of(layer) for layer in range(n)]  # (PlanError past layer_groups, before allocating)
+        sinks = [None] * n if sinks is None else list(sinks)
+        if len(sinks) != n:
+            raise PlanError(f"sinks: expected one entry per layer ({n}), got {len(sinks)}")
         device = default_device(device)
-        return [cls(spec, layer, PagedKVCache.allocate(spec, device, group=g, k_scale=k_scale, v_scale=v_scale))
-                for layer, g in enumerate(groups)]
+        return [cls(spec, layer, PagedKVCache.allocate(spec, device, group=g, k_scale=k_scale, v_scale=v_scale), s)
+                for (layer, g), s in zip(enumerate(groups), sinks)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 step: DeviceStep | None = None) -> torch.Tensor:
@@ -71,7 +95,7 @@ class Attention:
             cross = self.spec.groups[self.group].cross
             raise PlanError(f"forward: layer {self.layer} (group {self.group}) stores "
                             + ("this step's encoder K/V" if cross else "this step's new K/V") + ": give its k and v")
-        return kernels.run(step, q, self.cache, self.group, k, v)
+        return kernels.run(step, q, self.cache, self.group, k, v, sinks=self.sinks)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, step: DeviceStep | None = None) -> None:
         """Store k, v in the layer's cache without attending: [rows, kv_heads, head_dim] (latent attention:
@@ -92,7 +116,7 @@ class Attention:
         step_context's, through the custom op."""
         if step is None:
             return self._through_op(q, None, None, True)
-        return kernels.run(step, q, self.cache, self.group)
+        return kernels.run(step, q, self.cache, self.group, sinks=self.sinks)
 
     def out_shape(self, rows: int) -> tuple[int, int, int]:
         """What forward and attend return for `rows` query rows: (rows, num_qo_heads, head_dim)."""
@@ -105,7 +129,7 @@ class Attention:
 
     def __reduce__(self):
         """Copies and pickles are new layers over (a copy of) the cache, each with a key of its own."""
-        return type(self), (self.spec, self.layer, self.cache)
+        return type(self), (self.spec, self.layer, self.cache, self.sinks)
 
     def stored_by_engine(self, step: DeviceStep) -> None:
         """Say that the engine stored this step's new K/V in this layer's cache itself (a fused RoPE + store

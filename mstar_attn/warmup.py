@@ -155,8 +155,10 @@ def _timed(pool: GraphBufferPool, caches: list[PagedKVCache], kind: WarmupKind, 
     q = randn(spec.num_qo_heads)
     k, v = randn(spec.num_kv_heads), randn(spec.num_kv_heads)
     step.mark_stored()  # every cache: timing the kernels, what the scratch caches hold does not matter
+    sinks = torch.zeros(spec.num_qo_heads, device=pool.device) if spec.has_sinks else None  # (a sink group's kernel variant)
     for g, cache in enumerate(caches):
-        run(step, q, cache, group=g, k=k, v=v) if BACKENDS[kind.backend].prefix_free else run(step, q, cache, group=g)
+        kv = dict(k=k, v=v) if BACKENDS[kind.backend].prefix_free else {}
+        run(step, q, cache, group=g, sinks=sinks if spec.groups[g].sinks else None, **kv)
     if pool.device.type == "cuda":
         torch.cuda.synchronize(pool.device)
     return time.perf_counter() - t0

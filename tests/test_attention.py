@@ -74,6 +74,37 @@ def test_attention_misuse_is_a_plan_error_naming_it():
     assert Attention.for_model(fp8, "cpu", k_scale=0.5)[0].cache.k_scale == 0.5
 
 
+def test_a_layer_with_attention_sinks_passes_its_own_and_refuses_misuse():
+    """Each layer of a sink group holds its own sinks and run reads them: forward equals the reference
+    given that layer's sinks, per request, and differs from it given another layer's. A sink layer
+    without sinks, sinks of another shape, or sinks on a layer whose group has none: PlanErrors."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    groups = (LayerGroup(sinks=True), LayerGroup("window", window=6))
+    spec = spec_for(page_size=4, num_pages=200, groups=groups, layer_groups=(0, 1, 0))
+    sinks = [3 * torch.randn(4, generator=gen), None, 3 * torch.randn(4, generator=gen)]
+    layers = Attention.for_model(spec, "cpu", sinks=sinks)
+    assert layers[0].sinks is sinks[0] and layers[1].sinks is None, seed
+    plan = build_plan(StepBatch.from_pages([5, 1], [5, 9], [[1, 2], [3, 4, 5]], 4), spec)
+    for layer, attn in enumerate(layers):
+        q = torch.randn(plan.num_tokens, 4, 16, generator=gen)
+        k, v = (torch.randn(plan.num_tokens, 2, 16, generator=gen) for _ in range(2))
+        out = attn.forward(q, k, v, plan)
+        want = reference.run(plan, q, attn.cache, attn.group, sinks=sinks[layer])
+        assert_close_per_request(out, want, plan, torch.float32, (f"seed {seed}", layer))
+        if layer != 1:
+            other = reference.run(plan, q, attn.cache, attn.group, sinks=sinks[2 - layer])
+            assert (out - other).abs().max() > 1e-3, (f"seed {seed}", layer)
+    with pytest.raises(PlanError, match=r"layer 0's group 0 has attention sinks .* float32 tensor \[4\]"):
+        Attention(spec, 0, PagedKVCache.allocate(spec, group=0))
+    with pytest.raises(PlanError, match=r"layer 2: expected float32 \[4\] on cpu, got torch.float32 \(3,\)"):
+        Attention(spec, 2, PagedKVCache.allocate(spec, group=0), sinks=torch.zeros(3))
+    with pytest.raises(PlanError, match="layer 1's group 1 has no attention sinks"):
+        Attention(spec, 1, PagedKVCache.allocate(spec, group=1), sinks=torch.zeros(4))
+    with pytest.raises(PlanError, match=r"sinks: expected one entry per layer \(3\), got 2"):
+        Attention.for_model(spec, "cpu", sinks=sinks[:2])
+
+
 @pytest.mark.gpu
 def test_attention_on_the_gpu_eager_and_replayed_matches_the_reference():
     """FlashInfer through Attention on the H100: a prefill step eagerly, then StepRows decode steps over

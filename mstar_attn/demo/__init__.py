@@ -1,4 +1,4 @@
-"""End-to-end demo: a small random Llama (or Gemma 2, or BART) from `transformers`, served through mstar_attn,
+"""End-to-end demo: a small random Llama (or Gemma 2, BART, gpt-oss) from `transformers`, served through mstar_attn,
 checked against it.
 
 The engine here is a toy (one process, greedy sampling, whole-prompt prefill) but its attention is the
@@ -19,6 +19,7 @@ Modules, each importing only those above it:
     llama.py      the model adapter: build_model, spec_fields, forward (HF Llama modules, RoPE, attention through the seam)
     gemma2.py     Gemma 2: sliding-window layers on their own page lists (LayerGroup.own_pages), soft-caps
     bart.py       BART, an encoder-decoder: the encoder on the dense path, cross attention on paged encoder K/V
+    gpt_oss.py    gpt-oss: attention sinks (each layer's own), sliding-window and full layers, experts
     check.py      the check against transformers: Check, check_request, the tolerances REL / ABS
     report.py     DemoResult, Progress, summary, write
     run.py        run_demo: the serving loop

@@ -52,9 +52,11 @@ class StepAttention:
 
     layer_class = Attention  # the class of the model's layers (a subclass counts calls or injects faults in tests)
 
-    def layers(self, spec: AttentionSpec, caches: list[PagedKVCache]) -> list[Attention]:
-        """One `layer_class` per model layer, over caches[layer] (tagged with the layer's group)."""
-        return [self.layer_class(spec, i, cache) for i, cache in enumerate(caches)]
+    def layers(self, spec: AttentionSpec, caches: list[PagedKVCache], sinks=None) -> list[Attention]:
+        """One `layer_class` per model layer, over caches[layer] (tagged with the layer's group), with
+        sinks[layer] (float32 [heads]) where the model has attention sinks (None: none)."""
+        sinks = [None] * len(caches) if sinks is None else sinks
+        return [self.layer_class(spec, i, cache, s) for i, (cache, s) in enumerate(zip(caches, sinks))]
 
     @property
     def capture_rows(self) -> int:

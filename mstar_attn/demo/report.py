@@ -12,6 +12,7 @@ import torch
 from mstar_attn import Mode
 from mstar_attn.demo.check import Check
 from mstar_attn.demo.config import DemoConfig
+from mstar_attn.demo.gpt_oss import EXPERTS, SINK_MEAN, SINK_STD
 
 
 @attrs.define
@@ -146,7 +147,9 @@ def summary(res: DemoResult) -> str:
     host = [p + q for p, q in zip(res.plan_us, res.commit_us)]
     clock = "CUDA events" if torch.device(c.device).type == "cuda" else "host clock"
     family = {"llama": "Llama", "gemma2": f"Gemma 2 (sliding window {c.window} / full layers, soft-capped)",
-              "bart": "BART encoder-decoder (encoder through the dense path, cross attention on paged encoder K/V)"}[c.model]
+              "bart": "BART encoder-decoder (encoder through the dense path, cross attention on paged encoder K/V)",
+              "gpt_oss": f"gpt-oss (attention sinks drawn N({SINK_MEAN:g}, {SINK_STD:g}^2) per head, sliding window {c.window} "
+                         f"/ full layers, {EXPERTS} experts)"}[c.model]
     lines = [
         f"model     {family} {c.layers} layers, hidden {c.hidden}, {c.heads} q / {c.heads if c.model == 'bart' else c.kv_heads} "
         f"kv heads, vocab {c.vocab}, "

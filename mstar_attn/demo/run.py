@@ -1,7 +1,7 @@
 """The serving loop: `run_demo` serves the trace through the engine and checks it against transformers.
 
-The model family is named here only (FAMILIES): `llama` or `gemma2`, modules with the same surface
-(build_model, spec_fields, forward). Layer groups with their own page lists (Gemma 2's window layers)
+The model family is named here only (FAMILIES): `llama`, `gemma2`, `bart` or `gpt_oss`, modules with the same
+surface (build_model, spec_fields, forward; gpt_oss adds layer_sinks). Layer groups with their own page lists (Gemma 2's window layers)
 get a second page allocator: their pages are taken as requests grow and given back as the window passes.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from mstar_attn import AttentionSpec, CrossRows, GroupPages, PagedKVCache, StepBatch, build_plan
-from mstar_attn.demo import bart, gemma2, llama
+from mstar_attn.demo import bart, gemma2, gpt_oss, llama
 from mstar_attn.demo.attention import StepAttention, make_attention
 from mstar_attn.demo.check import check_request, decoder_logits
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError
@@ -24,7 +24,7 @@ from mstar_attn.demo.engine import Engine, PageAllocator, drop_passed, grow_page
 from mstar_attn.demo.report import DemoResult, PagesHeld, Progress, summary, write
 from mstar_attn.warmup import kinds, warmup_model
 
-FAMILIES = {"llama": llama, "gemma2": gemma2, "bart": bart}
+FAMILIES = {"llama": llama, "gemma2": gemma2, "bart": bart, "gpt_oss": gpt_oss}
 DENSE = {"reference": "reference", "flash_attn": "flash_attn_varlen"}  # the encoder's dense backend (else flashinfer_ragged)
 
 
@@ -82,7 +82,8 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         # the largest batch, as a power of two (the decode buckets), and the most tokens one step can have
         attn.bind(spec, 1 << (cfg.requests - 1).bit_length(), sum(len(r.prompt) for r in reqs) + len(reqs),
                   sum(len(r.encoder) for r in reqs) or None)
-        layers = attn.layers(spec, caches)  # the model's Attention layers, one per layer over its cache
+        sinks = family.layer_sinks(model) if hasattr(family, "layer_sinks") else None  # (gpt-oss: each layer's own)
+        layers = attn.layers(spec, caches, sinks)  # the model's Attention layers, one per layer over its cache
         breaks = sum(counters["graph_break"].values())
         engine = Engine(family.forward, model, attn, layers, device, cfg.graphs, compiled=cfg.compile == "full")
         if cfg.graphs:

@@ -40,7 +40,8 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = 
 
 
 def run(step, q: torch.Tensor, cache, group: int | None = None, k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None) -> torch.Tensor:
+        v: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for one layer of layer group `group` (required when the spec has own_pages
-    groups, else default 0) through the backend that step.plan names (see each backend's run)."""
-    return _backend_of(step, "run").run(step, q, cache, group, k, v)
+    groups, else default 0) through the backend that step.plan names (see each backend's run).
+    sinks: the layer's attention sinks, float32 [num_qo_heads], where its group has them (LayerGroup.sinks)."""
+    return _backend_of(step, "run").run(step, q, cache, group, k, v, sinks=sinks)

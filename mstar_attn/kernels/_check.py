@@ -51,6 +51,25 @@ def stored_first(step, k, v, cache, group: int, where: str) -> None:
                     "(a fused RoPE + store), call step.mark_stored(cache) after storing")
 
 
+def sinks(s, plan: AttentionPlan, group: int, q: torch.Tensor, where: str) -> torch.Tensor | None:
+    """The layer's attention sinks, checked against its group: a float32 tensor [num_qo_heads] on q's
+    device where the group has sinks (LayerGroup.sinks), None where it has none (given ones would be
+    ignored: an error too)."""
+    heads, has = plan.spec.num_qo_heads, plan.spec.groups[group].sinks
+    if s is None:
+        if has:
+            raise PlanError(f"{where}: layer group {group} has attention sinks (LayerGroup.sinks): pass the layer's "
+                            f"sinks=, a float32 tensor [{heads}]")
+        return None
+    if not has:
+        raise PlanError(f"{where}: sinks given, but layer group {group} has none (LayerGroup.sinks is False): "
+                        "they would be ignored")
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (heads,) or s.device != q.device:
+        got = (f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__)
+        raise PlanError(f"{where}: sinks must be float32 [{heads}] (one logit per query head) on {q.device}, got {got}")
+    return s
+
+
 def group_index(group, plan: AttentionPlan, where: str) -> int:
     if type(group) is not int and (isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer))):
         raise PlanError(f"{where}: group must be a layer-group index (spec.group_of(layer)), got {group!r}")

@@ -4,7 +4,9 @@ A backend is one module under kernels/ plus one line in `metadata.backends.BACKE
 Capabilities: the dtypes, head dims, modes and features it serves, as data). The module exposes
 
     write_kv(step, k, v, cache, group=None)      store the step's new K/V in the paged cache
-    run(step, q, cache, group=None, k=None, v=None) -> out   attention for one layer of `group`
+    run(step, q, cache, group=None, k=None, v=None, sinks=None) -> out   attention for one layer of `group`
+                                                 (sinks: the layer's, where its group has them; a backend
+                                                 without Capabilities.sinks checks there are none)
     Scheduler(pool)  (backends that keep device state per pool; host-only backends have none)
 
 and its Scheduler is a `SchedulerBase`: `GraphBufferPool.commit` calls

@@ -94,7 +94,7 @@ def _mask(group: LayerGroup) -> dict:
 
 
 def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | None = None,
-        k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        k: torch.Tensor | None = None, v: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for one layer of layer group `group` (required when the spec has own_pages groups,
     else default 0). Returns [q rows, qo_heads, head_dim], q.dtype.
 
@@ -104,12 +104,17 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     graph passes step.num_rows, an eager caller the real tokens). k, v: [T, kv_heads, head_dim],
     the step's new keys and values, read only by "flash_attn_varlen" (the paged path reads the
     cache, so write_kv must run first). The paged path needs a cache known finite (see PagedKVCache).
+    sinks: float32 [qo_heads] on q's device where the group has attention sinks (LayerGroup.sinks), else
+    None: FA4's learnable sink.
     """
     plan = _check.step_plan(step, "run")
     group = _check.layer_group(group, plan, "run")
+    sinks = _check.sinks(sinks, plan, group, q, "run")
     spec = plan.spec
     kw = dict(softmax_scale=spec.sm_scale, softcap=spec.soft_cap, num_splits=1, max_seqlen_q=plan.max_q_len,
               **_mask(spec.groups[group]))
+    if sinks is not None:  # FA4's learnable sink: one more softmax column per head, natural-log units, no value
+        kw["learnable_sink"] = sinks
     if plan.backend == VARLEN:
         _check.cache_fits(cache, plan, "run", step=step, group=group)
         _check.query(q, step, plan, cache, "run")

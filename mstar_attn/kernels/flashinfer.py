@@ -308,7 +308,7 @@ class Scheduler(SchedulerBase):
 
 
 def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | None = None,
-        k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        k: torch.Tensor | None = None, v: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for one layer of layer group `group` (required when the spec has own_pages groups, else default 0).
 
     q: [T, qo_heads, head_dim] (a bucketed step also takes its padding requests' rows, see
@@ -319,6 +319,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     """
     plan = _check.step_plan(step, "run")
     group = _check.layer_group(group, plan, "run")
+    _check.sinks(sinks, plan, group, q, "run")  # (none: this backend serves no sink group, Capabilities.sinks)
     w = step.scheduled[group]
     # XQA reads whole 64-token tiles (masking logits, not values): the rows past a length must be finite
     _check.cache_fits(cache, plan, "run", finite=isinstance(w, XqaDecode), step=step, group=group)

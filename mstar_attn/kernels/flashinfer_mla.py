@@ -102,7 +102,7 @@ class Scheduler(SchedulerBase):
 
 
 def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | None = None,
-        k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        k: torch.Tensor | None = None, v: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Latent attention for one layer of layer group `group` (default 0).
 
     q: [T, heads, head_dim + mla_rope_dim] ([q_nope absorbed through W_UK | q_pe]), spec.dtype, on
@@ -112,6 +112,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     """
     plan = _check.step_plan(step, "run")
     group = _check.layer_group(group, plan, "run")
+    _check.sinks(sinks, plan, group, q, "run")  # (none: this backend serves no sink group, Capabilities.sinks)
     _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run")
     _check.stored_first(step, k, v, cache, group, "run")

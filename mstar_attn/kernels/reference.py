@@ -37,7 +37,8 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, group:
         step.mark_stored(cache)
 
 
-def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=None, v=None) -> torch.Tensor:
+def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=None, v=None,
+        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the step's queries over the cache for one layer of layer group `group`
     (required when the spec has own_pages groups, else default 0).
 
@@ -45,21 +46,34 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=
     attention)] on the cache's device, in spec.dtype or, as an oracle, float32 / float64. Returns
     [rows, num_qo_heads, head_dim] in q's dtype, computed in
     float32 (float64 for float64 q); padding rows past T are zero. Queries sit at the end of each
-    sequence. k, v: unused, the new K/V are read from the cache (write_kv first).
+    sequence. k, v: unused, the new K/V are read from the cache (write_kv first). sinks: float32
+    [num_qo_heads] on q's device where the group has attention sinks (LayerGroup.sinks), else None:
+    each head's sink logit joins its softmax denominator (with_sinks).
     """
     plan = _check.step_plan(step, "run", plans_ok=True)
     group = _check.layer_group(group, plan, "run")
     _check.cache_fits(cache, plan, "run", step=step, group=group)
     _check.query(q, step, plan, cache, "run", (plan.spec.dtype, *_ORACLE_DTYPES))
     _check.stored_first(step, k, v, cache, group, "run")
+    sinks = _check.sinks(sinks, plan, group, q, "run")
     gp = plan.groups[group]
     if plan.cascade is not None and group in plan.spec.cascade_groups:
-        return _attend_cascade(plan, q, cache, group)
+        return _attend_cascade(plan, q, cache, group, sinks)
     indices = gp.kv_indices if gp.kv_indices is not None else step.groups[group].kv_indices[: gp.kv_indptr[-1]].cpu().numpy()
-    return _attend(plan, q, cache, group, indices)
+    return _attend(plan, q, cache, group, indices, sinks)
 
 
-def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int, kv_indices) -> torch.Tensor:
+def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention output o [T, H, D] with lse [T, H] (natural log of each row's sum of exp(logit)) turned
+    into the output with attention sinks [H]: each head's sink logit s joins the denominator, so
+    o * S / (S + exp(s)) = o * sigmoid(lse - s). None: o unchanged."""
+    if sinks is None:
+        return o
+    return o * torch.sigmoid(lse - sinks.to(lse.dtype))[..., None]
+
+
+def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int, kv_indices,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     spec, gp = plan.spec, plan.groups[group]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rep = spec.num_qo_heads // spec.num_kv_heads
@@ -73,7 +87,7 @@ def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: in
         if spec.mla:  # keys [c_kv, k_pe] against [q_nope, q_pe]; values c_kv
             k, v = torch.cat([k, v], dim=-1), k
         hidden = _hidden(gp.group, int(plan.kv_lens[i]), q1 - q0, start, start + n_kv, q.device)
-        out[q0:q1] = _partial(spec, q[q0:q1].to(work), k, v, hidden)[0].to(q.dtype)
+        out[q0:q1] = with_sinks(*_partial(spec, q[q0:q1].to(work), k, v, hidden), sinks).to(q.dtype)
     return out
 
 
@@ -111,7 +125,8 @@ def _partial(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden) ->
     return torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v), lse.transpose(0, 1)
 
 
-def _attend_cascade(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int) -> torch.Tensor:
+def _attend_cascade(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`_attend` in the two levels of plan.cascade (metadata/cascade.py): each prefix group's
     queries over its shared pages at once (every key visible), each request's queries over its own
     suffix (causal: bottom-right aligned), merged by log-sum-exp (merge_states). Reads only the
@@ -139,5 +154,5 @@ def _attend_cascade(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, g
         o2, l2 = _partial(spec, ql[a:b], k, v, _hidden(grp, n, b - a, 0, n, q.device))
         out[a:b], lse[a:b] = merge_states(out[a:b], lse[a:b], o2, l2)
     result = q.new_zeros(q.shape[0], q.shape[1], spec.head_dim)
-    result[rows] = out.to(q.dtype)
+    result[rows] = with_sinks(out, lse, sinks).to(q.dtype)  # (sinks once, after the levels merged)
     return result

@@ -47,6 +47,7 @@ class Capabilities:
     mla_only: bool = False  # it serves latent attention and nothing else
     cascade: bool = False  # it runs shared-prefix (cascade) steps (AttentionSpec.cascade)
     fp8_math: bool = False  # it runs FP8 decode math (AttentionSpec.fp8_math: FlashInfer's XQA)
+    sinks: bool = False  # it serves attention sinks (LayerGroup.sinks: run(..., sinks=))
 
     def serves_kv(self, spec) -> bool:
         """Whether it serves spec's KV cache dtype (the query dtype, or one of kv_dtypes)."""
@@ -64,6 +65,9 @@ class Capabilities:
         if not self.serves_kv(spec):
             raise PlanError(f"spec.kv_dtype: backend {name!r} keeps K/V in the query dtype, not {spec.kv_cache_dtype}"
                             + (f" ({self.kv_note})" if self.kv_note else ""))
+        if spec.has_sinks and not self.sinks:
+            raise PlanError(f"spec.groups: a group has attention sinks (LayerGroup.sinks) and backend {name!r} does not "
+                            f"serve them (backends that do: {', '.join(repr(n) for n in SINK_BACKENDS)})")
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             raise PlanError(f"spec.head_dim: backend {name!r} serves head dims {sorted(self.head_dims)}, not {spec.head_dim}")
 
@@ -75,16 +79,17 @@ _FA_DIMS = frozenset({64, 96, 128})
 _FA_FP8 = "FlashAttention-4 4.0.0b36 reads FP8 K/V on SM100 only, and this package targets Hopper"
 BACKENDS: dict[str, Capabilities] = {
     "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}, kv_dtypes=FP8,
-                              mla=True, cascade=True, fp8_math=True),
+                              mla=True, cascade=True, fp8_math=True, sinks=True),
     "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8, cascade=True, fp8_math=True),
     "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer",
                                       kv_note="it attends over the step's K/V as given, not as an FP8 cache holds them"),
     "flashinfer_mla": Capabilities("mstar_attn.kernels.flashinfer_mla", frozenset({torch.bfloat16}), frozenset({128, 256, 512}),
                                    package="flashinfer", mla=True, mla_only=True,
                                    kv_note="FP8 latent caches are not served yet"),
-    "flash_attn": Capabilities(_FA, HALF, _FA_DIMS, package="flash_attn.cute", needs_finite_cache=True, kv_note=_FA_FP8),
+    "flash_attn": Capabilities(_FA, HALF, _FA_DIMS, package="flash_attn.cute", needs_finite_cache=True, kv_note=_FA_FP8,
+                               sinks=True),
     "flash_attn_varlen": Capabilities(_FA, HALF, _FA_DIMS, frozenset({"prefill"}), True, "flash_attn.cute",
-                                      kv_note=_FA_FP8),
+                                      kv_note=_FA_FP8, sinks=True),
 }
 
 # what backend="auto" serves with where the dispatch table says nothing, latent attention, and cascade steps
@@ -92,6 +97,7 @@ AUTO_DEFAULT, AUTO_MLA, AUTO_CASCADE = "flashinfer", "flashinfer_mla", "flashinf
 _GPU_FIRST = sorted(BACKENDS, key=lambda n: BACKENDS[n].package is None)
 CASCADE_BACKENDS = tuple(n for n in _GPU_FIRST if BACKENDS[n].cascade)  # the backends that run cascade steps
 FP8_MATH_BACKENDS = tuple(n for n in _GPU_FIRST if BACKENDS[n].fp8_math)
+SINK_BACKENDS = tuple(n for n in _GPU_FIRST if BACKENDS[n].sinks)  # the backends that serve attention sinks
 
 
 def capabilities(name: str) -> Capabilities:

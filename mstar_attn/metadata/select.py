@@ -220,7 +220,7 @@ def _serves(caps, spec, mode: str, prefix_free: bool) -> bool:
     return (mode in caps.modes and (prefix_free or not caps.prefix_free) and spec.dtype in caps.dtypes and caps.serves_kv(spec)
             and (caps.mla if spec.mla else not caps.mla_only)
             and (caps.head_dims is None or spec.head_dim in caps.head_dims)
-            and not spec.soft_cap and all(g.kind is Kind.CAUSAL for g in spec.groups))
+            and not spec.soft_cap and all(g.kind is Kind.CAUSAL for g in spec.groups) and (caps.sinks or not spec.has_sinks))
 
 
 def select_backend(spec, mode: str, batch_size: int, num_tokens: int, max_q_len: int, max_kv_len: int,

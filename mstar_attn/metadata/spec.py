@@ -53,11 +53,18 @@ class LayerGroup:
     batch's shared list (page_indptr / page_indices), as every group of a plain model does.
     Kind.CROSS groups always keep their own list (own_pages is True for them): the encoder's K/V,
     written once, read non-causally by every decoder query of the request.
+
+    sinks: the group's layers have attention sinks (gpt-oss): a learned logit s_h per query head joins
+    every softmax denominator, out = sum_j exp(l_j) v_j / (sum_j exp(l_j) + exp(s_h)), l_j the scaled
+    (and soft-capped) logits; no value goes with it. Each layer has its own sinks, a float32 tensor
+    [num_qo_heads] passed at run time (`run(..., sinks=)`, `Attention(..., sinks=)`). Only backends whose
+    Capabilities declare sinks serve such a spec (PlanError at construction for the others).
     """
 
     kind: Kind = attrs.field(default=Kind.CAUSAL, converter=_kind)
     window: int | None = None
     own_pages: bool = False
+    sinks: bool = False
 
     def __attrs_post_init__(self):
         if (self.kind is Kind.WINDOW) != (self.window is not None):
@@ -67,6 +74,9 @@ class LayerGroup:
         if not isinstance(self.own_pages, (bool, np.bool_)):
             raise PlanError(f"LayerGroup.own_pages: expected True or False, got {self.own_pages!r}")
         object.__setattr__(self, "own_pages", bool(self.own_pages) or self.kind is Kind.CROSS)
+        if not isinstance(self.sinks, (bool, np.bool_)):
+            raise PlanError(f"LayerGroup.sinks: expected True or False, got {self.sinks!r}")
+        object.__setattr__(self, "sinks", bool(self.sinks))
 
     @property
     def causal(self) -> bool:
@@ -162,6 +172,8 @@ class AttentionSpec:
     """Indices of the groups that keep their own page list (LayerGroup.own_pages; cross groups among them)."""
     has_cross: bool = attrs.field(init=False, eq=False, repr=False)
     """Whether some group is cross attention (Kind.CROSS)."""
+    has_sinks: bool = attrs.field(init=False, eq=False, repr=False)
+    """Whether some group has attention sinks (LayerGroup.sinks)."""
 
     @sm_scale.default
     def _default_scale(self):  # a bad head_dim is reported by its validator, not here
@@ -235,6 +247,7 @@ class AttentionSpec:
                    and "causal or non-causal groups sharing one page list")
             if why:
                 raise PlanError(f"spec: backend {AUTO_MLA!r} (FlashInfer MLA) needs {why}; the reference backend serves it")
+        object.__setattr__(self, "has_sinks", any(group.sinks for group in self.groups))
         BACKENDS[name].check(self, name)
         shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))
         object.__setattr__(self, "cache_shape", shape)

@@ -1,7 +1,8 @@
 """Every paged backend this machine can run, every feature it declares, one step each, every request
 against exact attention (tests/support/conformance.py). On a CPU-only machine that is the reference
 backend; with CUDA and the GPU extras, FlashInfer and FlashAttention-4 too. A backend that declares
-a feature and ignores it fails the suite: one injected here that drops the soft-cap is caught."""
+a feature and ignores it fails the suite: ones injected here that drop the soft-cap or the attention
+sinks are caught."""
 
 from __future__ import annotations
 
@@ -38,22 +39,33 @@ def test_every_backend_serves_every_feature_it_declares(name, feature):
     check(name, feature, CUDA if BACKENDS[name].package else CPU, fresh_seed())
 
 
-def _drops_soft_cap(step, q, cache, group=None, k=None, v=None):
+def _drops_soft_cap(step, q, cache, group=None, k=None, v=None, sinks=None):
     """A backend's run that ignores the spec's soft-cap: the reference over the same pages, planned for the
     spec without it."""
     plan = step.plan
     spec = attrs.evolve(plan.spec, soft_cap=0.0, backend="reference")
     batch = StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, spec.page_size)
+    return reference.run(build_plan(batch, spec), q, cache, sinks=sinks)
+
+
+def _drops_sinks(step, q, cache, group=None, k=None, v=None, sinks=None):
+    """A backend's run that ignores the layer's attention sinks: the reference over the same pages, planned
+    for the spec without them."""
+    plan = step.plan
+    spec = attrs.evolve(plan.spec, groups=tuple(attrs.evolve(g, sinks=False) for g in plan.spec.groups), backend="reference")
+    batch = StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, spec.page_size)
     return reference.run(build_plan(batch, spec), q, cache)
 
 
-def test_a_backend_that_ignores_a_declared_feature_fails_the_suite(monkeypatch):
-    """A backend registered beside the others, declaring what the reference declares, whose run drops the
-    soft-cap: the suite's soft-cap step fails, and only that one."""
+@pytest.mark.parametrize("run, dropped", [(_drops_soft_cap, ["soft_cap"]), (_drops_sinks, ["sinks", "sinks_window"])])
+def test_a_backend_that_ignores_a_declared_feature_fails_the_suite(monkeypatch, run, dropped):
+    """A backend registered beside the others, declaring what the reference declares (attention sinks
+    included), whose run drops the soft-cap, or the sinks: the suite's steps of that feature fail, and
+    only those."""
     fake = types.ModuleType("tests_fake_backend")
-    fake.write_kv, fake.run = reference.write_kv, _drops_soft_cap
+    fake.write_kv, fake.run = reference.write_kv, run
     monkeypatch.setitem(sys.modules, "tests_fake_backend", fake)
-    monkeypatch.setitem(BACKENDS, "fake", Capabilities("tests_fake_backend", BACKENDS["reference"].dtypes))
+    monkeypatch.setitem(BACKENDS, "fake", Capabilities("tests_fake_backend", BACKENDS["reference"].dtypes, sinks=True))
     seed = fresh_seed()
     failed = []
     for feature in features(BACKENDS["fake"]):
@@ -61,4 +73,4 @@ def test_a_backend_that_ignores_a_declared_feature_fails_the_suite(monkeypatch):
             check("fake", feature, CPU, seed)
         except AssertionError:
             failed.append(feature.name)
-    assert failed == ["soft_cap"], (f"seed {seed}", failed)
+    assert failed == dropped, (f"seed {seed}", failed)

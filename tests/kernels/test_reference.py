@@ -10,6 +10,7 @@ from mstar_attn.kernels import reference
 from tests.helpers import (
     assert_close_per_request, fresh_seed, make_step, naive_attention, random_batch, random_cache, request_errors, spec_for,
 )
+from tests.support.exact import exact_attention
 
 GROUPS = (LayerGroup(), LayerGroup("window", window=37), LayerGroup("noncausal"))
 
@@ -172,20 +173,22 @@ def test_cross_attention_matches_the_exact_attention(page_size):
         reference.write_kv(plan, k, k, caches[1], group=1)
 
 
-@pytest.mark.parametrize("kind, soft_cap", [("causal", 0.0), ("noncausal", 0.0), ("causal", 5.0)])
+@pytest.mark.parametrize("kind, soft_cap, sinks", [("causal", 0.0, False), ("noncausal", 0.0, False), ("causal", 5.0, False),
+                                                   ("causal", 0.0, True), ("noncausal", 5.0, True)])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_cascade_plans_equal_the_flat_attention_per_request(kind, soft_cap, page_size, q_len):
+def test_cascade_plans_equal_the_flat_attention_per_request(kind, soft_cap, sinks, page_size, q_len):
     """A cascade plan (spec.cascade "always": each prefix group's shared pages once, each request's
     suffix, merged by log-sum-exp, read from the plan's level arrays) equals the flat plan of the
     same step per request (float64), decode and verify: several prefix groups, loners, prefixes
-    ending mid-page; a window group beside it reads flat in the same step."""
+    ending mid-page; a window group beside it reads flat in the same step. With attention sinks, the
+    sinks join once, after the levels merged."""
     from tests.support.prefix_batches import prefix_batch
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     q, kv, pages = prefix_batch(rng, page_size, q_len, 3000)
-    groups = (LayerGroup(kind), LayerGroup("window", window=int(rng.integers(1, 40))))
+    groups = (LayerGroup(kind, sinks=sinks), LayerGroup("window", window=int(rng.integers(1, 40)), sinks=sinks))
     specs = [spec_for(page_size=page_size, num_pages=3000, dtype=torch.float64, groups=groups, soft_cap=soft_cap,
                       cascade=c) for c in ("always", "off")]
     batch = StepBatch.from_pages(q, kv, pages, page_size)
@@ -196,8 +199,9 @@ def test_cascade_plans_equal_the_flat_attention_per_request(kind, soft_cap, page
     gen = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(*(torch.randn(specs[0].cache_shape, generator=gen, dtype=torch.float64) for _ in range(2)))
     qt = torch.randn(plan.num_tokens, 4, 16, generator=gen, dtype=torch.float64)
+    s = 3 * torch.randn(4, generator=gen) if sinks else None
     for g in range(2):
-        got, want = reference.run(plan, qt, cache, group=g), reference.run(flat, qt, cache, group=g)
+        got, want = reference.run(plan, qt, cache, group=g, sinks=s), reference.run(flat, qt, cache, group=g, sinks=s)
         for i in range(plan.batch_size):
             a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
             err = ((got[a:b] - want[a:b]).norm() / want[a:b].norm()).item()
@@ -238,3 +242,66 @@ def test_merge_states_of_a_split_key_set_is_the_whole_attention():
     assert torch.allclose(merged, whole, rtol=1e-12, atol=1e-12) and torch.allclose(lse2, lse, rtol=1e-12)
     empty = torch.full((3, 4), float("-inf"), dtype=torch.float64)  # one side without keys: the other one
     assert torch.equal(merge_states(torch.zeros_like(whole), empty, whole, lse)[0], whole)
+
+
+SINK_GROUPS = tuple(attrs.evolve(g, sinks=True) for g in GROUPS)
+
+
+def _sink_step(seed, soft_cap, page_size):
+    """A random mixed step over the sink groups (float32), its cache filled, and large random sinks: N(0, 3^2)
+    per head, so some heads' sinks take most of the softmax and others almost none."""
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 7))
+    kv = rng.integers(1, 120, B)
+    q = np.minimum(kv, rng.choice([1, 1, 4, 30], B))
+    made = make_step(seed, q.tolist(), kv.tolist(), page_size, groups=SINK_GROUPS, soft_cap=soft_cap, heads=(6, 2))
+    sinks = 3 * torch.randn(6, generator=torch.Generator().manual_seed(seed + 1))
+    return made, sinks
+
+
+def _sink_want(made, g, sinks):
+    spec, plan, _, q, k_seqs, v_seqs = made[:6]
+    group = spec.groups[g]
+    return torch.cat([
+        exact_attention(q[plan.qo_indptr[i] : plan.qo_indptr[i + 1]], k_seqs[i], v_seqs[i], scale=spec.sm_scale,
+                        soft_cap=spec.soft_cap, causal=group.causal, window=group.window or 0, sinks=sinks)
+        for i in range(plan.batch_size)])
+
+
+@pytest.mark.parametrize("soft_cap", [0.0, 4.0])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", range(4))
+def test_sinks_equal_a_softmax_with_a_sink_column(soft_cap, page_size, case):
+    """Attention sinks in the reference (o * sigmoid(lse - sink) after the softmax) against the direct
+    form (one more column per head in a float64 softmax, its probability dropped: gpt-oss's), per
+    request, causal, window and non-causal groups, with and without soft-capping, to float32 rounding.
+    Negative controls: the reference with the sinks zeroed, and the direct form without sinks, are
+    far off."""
+    seed = fresh_seed()
+    made, sinks = _sink_step(seed, soft_cap, page_size)
+    spec, plan, cache, q = made[:4]
+    for g in range(len(spec.groups)):
+        want = _sink_want(made, g, sinks)
+        got = reference.run(plan, q, cache, group=g, sinks=sinks)
+        for i, (err, _, _) in enumerate(request_errors(got, want, plan)):
+            assert err < TOL[torch.float32], f"seed {seed}, group {g}, request {i}: relative error {err:.2e}"
+        zeroed = reference.run(plan, q, cache, group=g, sinks=torch.zeros_like(sinks))
+        assert max(e for e, _, _ in request_errors(zeroed, want, plan)) > 100 * TOL[torch.float32], f"seed {seed}"
+        dropped = _sink_want(made, g, None)
+        assert max(e for e, _, _ in request_errors(got, dropped, plan)) > 100 * TOL[torch.float32], f"seed {seed}"
+
+
+def test_sinks_are_refused_where_missing_misshapen_or_unexpected():
+    """A sink group run without its sinks, with sinks of the wrong dtype, shape or device, and sinks given to a
+    group that has none: PlanErrors naming the group and the numbers."""
+    made, sinks = _sink_step(fresh_seed(), 0.0, 4)
+    plan, cache, q = made[1], made[2], made[3]
+    with pytest.raises(PlanError, match=r"layer group 0 has attention sinks .* float32 tensor \[6\]"):
+        reference.run(plan, q, cache, group=0)
+    with pytest.raises(PlanError, match=r"sinks must be float32 \[6\] .* got torch.float64 \(6,\)"):
+        reference.run(plan, q, cache, group=0, sinks=sinks.double())
+    with pytest.raises(PlanError, match=r"got torch.float32 \(4,\)"):
+        reference.run(plan, q, cache, group=0, sinks=sinks[:4])
+    plain = make_step(fresh_seed(), [1, 3], [5, 9], 4)
+    with pytest.raises(PlanError, match="sinks given, but layer group 0 has none"):
+        reference.run(plain[1], plain[3], plain[2], group=0, sinks=sinks[:4])

@@ -49,6 +49,31 @@ def test_layer_group_errors(kwargs):
         LayerGroup(**kwargs)
 
 
+def test_sinks_are_served_only_by_the_backends_that_declare_them():
+    """A spec with an attention-sink group builds for each backend whose Capabilities declare sinks and is
+    refused, naming the backend and those that serve them, for every other (and for "auto", whose steps
+    fall back to FlashInfer); LayerGroup.sinks takes True or False only."""
+    from mstar_attn.metadata.backends import BACKENDS, SINK_BACKENDS
+
+    assert SINK_BACKENDS and all(BACKENDS[n].sinks for n in SINK_BACKENDS)
+    groups = (LayerGroup(sinks=True), LayerGroup("window", window=4, sinks=True))
+    for name, caps in BACKENDS.items():
+        args = dict(num_qo_heads=6, num_kv_heads=2, head_dim=64, page_size=16, num_pages=8, groups=groups[:1], backend=name,
+                    dtype=torch.float32 if torch.float32 in caps.dtypes else torch.bfloat16)
+        if caps.mla_only:
+            args.update(num_qo_heads=16, num_kv_heads=1, head_dim=128, mla_rope_dim=64)
+        if caps.sinks:
+            assert AttentionSpec(**args).has_sinks, name
+        else:
+            with pytest.raises(PlanError, match=rf"backend '{name}' does not serve them \(backends that do: .*'reference'"):
+                AttentionSpec(**args)
+    with pytest.raises(PlanError, match="does not serve them"):
+        AttentionSpec(6, 2, 64, 16, 8, groups=groups, layer_groups=(0, 1), backend="auto")
+    assert not AttentionSpec(6, 2, 64, 16, 8, backend="reference").has_sinks
+    with pytest.raises(PlanError, match="LayerGroup.sinks: expected True or False"):
+        LayerGroup(sinks=1)
+
+
 def test_scratch_page_and_cache_shape():
     spec = AttentionSpec(8, 2, 64, 16, 100, backend="reference")
     assert spec.scratch_page == 100 and spec.cache_shape == (101, 16, 2, 64)

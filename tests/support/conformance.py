@@ -3,7 +3,8 @@ against exact attention (float64, per request, from the sequences themselves: in
 backend, the reference included).
 
 A feature is a step shape and a spec: each mode a paged backend declares (`Capabilities.modes`), a
-sliding-window group, a non-causal group, soft-capping, grouped-query heads. What a backend declares
+sliding-window group, a non-causal group, soft-capping, grouped-query heads, and attention sinks where
+it declares them (`Capabilities.sinks`; large random sinks, so dropping them is far off). What a backend declares
 is data (metadata/backends.py); `features(caps)` lists what the suite holds it to, so a backend that
 declares a feature and ignores it fails (tests/kernels/test_conformance.py shows one that does).
 """
@@ -15,7 +16,8 @@ import torch
 
 from mstar_attn import LayerGroup
 from mstar_attn.metadata.backends import Capabilities, load
-from tests.helpers import assert_close_per_request, make_step, naive_attention, pool_of
+from tests.helpers import assert_close_per_request, make_step, pool_of
+from tests.support.exact import exact_attention
 
 
 @attrs.frozen
@@ -43,12 +45,16 @@ SHAPES = (
     Feature("noncausal", (5, 33, 90), (5, 33, 90), "prefill", LayerGroup("noncausal")),
     Feature("soft_cap", (1, 30, 1, 4), (50, 30, 2, 100), "mixed", soft_cap=2.0),
 )
+SINKS = (
+    Feature("sinks", (1, 30, 1, 4), (50, 30, 2, 100), "mixed", LayerGroup(sinks=True)),
+    Feature("sinks_window", (1, 1, 4, 1), (300, 20, 90, 1), "mixed", LayerGroup("window", window=24, sinks=True)),
+)
 
 
 def features(caps: Capabilities) -> list[Feature]:
-    """What a paged backend declaring `caps` is held to: each mode it serves, and every layer-group kind
-    and soft-capping (which every paged backend serves)."""
-    return [f for f in MODES if f.mode in caps.modes] + list(SHAPES)
+    """What a paged backend declaring `caps` is held to: each mode it serves, every layer-group kind
+    and soft-capping (which every paged backend serves), and attention sinks if it declares them."""
+    return [f for f in MODES if f.mode in caps.modes] + list(SHAPES) + (list(SINKS) if caps.sinks else [])
 
 
 @attrs.frozen
@@ -88,13 +94,17 @@ def check(name: str, feature: Feature, machine: Machine, seed: int) -> None:
     assert plan.mode.value == feature.mode and plan.backend == name, (context, plan.mode, plan.backend)
     step = pool_of(spec, max_batch_size=8, max_num_tokens=512, max_num_pages=spec.num_pages, max_pages_per_request=128,
                    device=machine.device).commit(plan)
+    sinks = None
+    if feature.group.sinks:  # N(0, 3^2) per head: some heads' sinks take most of the softmax, others almost none
+        sinks = 3 * torch.randn(spec.num_qo_heads, generator=torch.Generator().manual_seed(seed)).to(machine.device)
     backend.write_kv(step, k_new, v_new, cache)
-    out = backend.run(step, q, cache, group=0, k=k_new, v=v_new)
+    out = backend.run(step, q, cache, group=0, k=k_new, v=v_new, sinks=sinks)
     assert out.shape == q.shape and out.dtype == q.dtype, (context, out.shape, out.dtype)
-    want = torch.empty(q.shape, dtype=torch.float64)
+    want = torch.empty(q.shape, dtype=torch.float64, device=machine.device)
+    g = feature.group
     for i in range(plan.batch_size):
         a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
-        want[a:b] = naive_attention(q[a:b], k_seqs[i], v_seqs[i], kind=feature.group.kind, window=feature.group.window,
-                                    scale=spec.sm_scale, soft_cap=feature.soft_cap)
+        want[a:b] = exact_attention(q[a:b], k_seqs[i], v_seqs[i], scale=spec.sm_scale, soft_cap=feature.soft_cap,
+                                    causal=g.causal, window=g.window or 0, sinks=sinks)
     assert_close_per_request(out, want, plan, machine.dtype, context, units=machine.units)
 

@@ -8,13 +8,15 @@ import torch
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, soft_cap: float = 0.0,
-                    causal: bool = True, window: int = 0) -> torch.Tensor:
+                    causal: bool = True, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One request's attention in float64 on k's device.
 
     q [n_q, Hq, D], the request's last n_q positions (any float dtype and device); k [n_k, Hkv, D] and
     v [n_k, Hkv, Dv] with Hq a multiple of Hkv (query head h reads KV head h // (Hq / Hkv)). A query at
     position p sees key j when j <= p (causal; every key if not) and j > p - window (window > 0).
-    Returns [n_q, Hq, Dv] float64 on k's device."""
+    sinks [Hq] (attention sinks): each head's sink logit is one more column of its softmax, with no value
+    (gpt-oss: the probabilities over [logits, sink], the sink's dropped). Returns [n_q, Hq, Dv] float64
+    on k's device."""
     n_q, hq, d = q.shape
     n_k, hkv, dv = v.shape
     k, v = k.double(), v.double()
@@ -29,7 +31,12 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         hidden |= key > pos
     if window:
         hidden |= key <= pos - window
-    p = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+    logits = logits.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(device=k.device, dtype=torch.float64).reshape(hkv, hq // hkv, 1, 1).expand(-1, -1, n_q, 1)
+        p = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(logits, dim=-1)
     return torch.einsum("grqk,kgd->qgrd", p, v).reshape(n_q, hq, dv)
 
 
