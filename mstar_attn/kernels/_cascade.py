@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 import torch
 
+from mstar_attn.kernels._common import with_sinks
 from mstar_attn.kernels._flashinfer_fast import share_workspace
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
 
@@ -240,9 +241,10 @@ def stage(h: np.ndarray, c, B: int, rows: int, R: int, q_len: int, Gf: int, spec
     return out
 
 
-def run(step: DeviceStep, q: torch.Tensor, cache, lv: Levels) -> torch.Tensor:
+def run(step: DeviceStep, q: torch.Tensor, cache, lv: Levels, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One layer of a cascade group: q [rows, qo_heads, head_dim] (a bucketed step's padded rows
-    included), spec.dtype, on the cache's device; returns the same shape, in batch order."""
+    included), spec.dtype, on the cache's device; returns the same shape, in batch order. sinks (float32
+    [qo_heads]): applied once, by the merged log-sum-exp."""
     R = lv.perm.shape[0]
     rows = q.shape[0]
     if rows < R:  # an eager call on a bucket-padded step: padding rows read the scratch page
@@ -256,5 +258,5 @@ def run(step: DeviceStep, q: torch.Tensor, cache, lv: Levels) -> torch.Tensor:
         lv.shared.run(qp, (cache.k, cache.v), out=o1, lse=lse1)
     o2, lse2 = lv.suffix.run(qp, (cache.k, cache.v), return_lse=True)
     main.wait_stream(side)
-    lv.state.fi.merge_state_in_place(o2, lse2, o1, lse1, mask=lv.mask)
-    return o2[lv.inv][:rows]
+    lv.state.fi.merge_state_in_place(o2, lse2, o1, lse1, mask=lv.mask)  # (o2, lse2: the merged states)
+    return with_sinks(o2, lse2, sinks, lse_base2=True)[lv.inv][:rows]

@@ -1,6 +1,8 @@
-"""Code shared by the GPU backends. Imports no GPU package."""
+"""Code shared by the backends. Imports no GPU package."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -22,3 +24,16 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = 
     _check.new_kv(k, v, step, plan, cache, "write_kv", group)
     cache.store(step.groups[group].slot_mapping[: k.shape[0]], k, v)
     step.mark_stored(cache)
+
+
+def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, lse_base2: bool = False) -> torch.Tensor:
+    """Attention output o [T, H, D] with its log-sum-exp lse [T, H] (each row's log of sum_j exp(logit_j);
+    base 2 where lse_base2, as FlashInfer returns it) turned into the output with attention sinks [H]
+    (float32): each head's sink logit s joins the denominator, so o * S / (S + exp(s)) = o * sigmoid(ln S - s).
+    Computed in float32 (float64 for a float64 o or lse: the reference as an oracle), rounded once to o's
+    dtype; None: o unchanged."""
+    if sinks is None:
+        return o
+    work = torch.float64 if torch.float64 in (o.dtype, lse.dtype) else torch.float32
+    ln_sum = lse.to(work) * math.log(2) if lse_base2 else lse.to(work)
+    return (o.to(work) * torch.sigmoid(ln_sum - sinks.to(work))[..., None]).to(o.dtype)

@@ -18,7 +18,7 @@ import torch
 
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _cascade, _check
-from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
+from mstar_attn.kernels._common import with_sinks, write_kv  # noqa: F401  (write_kv: this backend's)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
 from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
 from mstar_attn.kernels.base import SchedulerBase
@@ -319,7 +319,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     """
     plan = _check.step_plan(step, "run")
     group = _check.layer_group(group, plan, "run")
-    _check.sinks(sinks, plan, group, q, "run")  # (none: this backend serves no sink group, Capabilities.sinks)
+    sinks = _check.sinks(sinks, plan, group, q, "run")
+    lse = sinks is not None  # sinks: applied to the output by its log-sum-exp (base 2 from FlashInfer), in the graph
     w = step.scheduled[group]
     # XQA reads whole 64-token tiles (masking logits, not values): the rows past a length must be finite
     _check.cache_fits(cache, plan, "run", finite=isinstance(w, XqaDecode), step=step, group=group)
@@ -329,15 +330,17 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     if isinstance(w, XqaDecode):
         return run_xqa(step, q, cache, group, w)
     if isinstance(w, _cascade.Levels):
-        return _cascade.run(step, q, cache, w)
+        return _cascade.run(step, q, cache, w, sinks)
     if plan.backend == "flashinfer_ragged":
         if k is None or v is None:
             raise PlanError("run: this step is planned as ragged attention (flashinfer_ragged); pass its k and v")
         _check.new_kv(k, v, step, plan, cache, "run")
-        return w.run(q, k, v)
+        return with_sinks(*w.run(q, k, v, return_lse=True), sinks, lse_base2=True) if lse else w.run(q, k, v)
     rows = q.shape[0]
     if rows < step.num_rows:  # eager call on a bucket-padded step: padding requests read the scratch page
         q = torch.cat([q, q[:1].expand(step.num_rows - rows, -1, -1)])
-    if plan.spec.fp8_kv:  # FlashInfer folds k_scale into the softmax scale and scales the output by v_scale
-        return w.run(q, (cache.k, cache.v), k_scale=cache.k_scale, v_scale=cache.v_scale)[:rows]
-    return w.run(q, (cache.k, cache.v))[:rows]
+    # an FP8 cache: FlashInfer folds k_scale into the softmax scale (the lse too) and scales the output by v_scale
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale) if plan.spec.fp8_kv else {}
+    if lse:
+        return with_sinks(*w.run(q, (cache.k, cache.v), return_lse=True, **scales), sinks, lse_base2=True)[:rows]
+    return w.run(q, (cache.k, cache.v), **scales)[:rows]

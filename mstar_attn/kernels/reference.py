@@ -11,6 +11,7 @@ import torch
 
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
+from mstar_attn.kernels._common import with_sinks
 from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.spec import Kind
 
@@ -48,7 +49,7 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=
     float32 (float64 for float64 q); padding rows past T are zero. Queries sit at the end of each
     sequence. k, v: unused, the new K/V are read from the cache (write_kv first). sinks: float32
     [num_qo_heads] on q's device where the group has attention sinks (LayerGroup.sinks), else None:
-    each head's sink logit joins its softmax denominator (with_sinks).
+    each head's sink logit joins its softmax denominator (_common.with_sinks).
     """
     plan = _check.step_plan(step, "run", plans_ok=True)
     group = _check.layer_group(group, plan, "run")
@@ -61,15 +62,6 @@ def run(step, q: torch.Tensor, cache: PagedKVCache, group: int | None = None, k=
         return _attend_cascade(plan, q, cache, group, sinks)
     indices = gp.kv_indices if gp.kv_indices is not None else step.groups[group].kv_indices[: gp.kv_indptr[-1]].cpu().numpy()
     return _attend(plan, q, cache, group, indices, sinks)
-
-
-def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Attention output o [T, H, D] with lse [T, H] (natural log of each row's sum of exp(logit)) turned
-    into the output with attention sinks [H]: each head's sink logit s joins the denominator, so
-    o * S / (S + exp(s)) = o * sigmoid(lse - s). None: o unchanged."""
-    if sinks is None:
-        return o
-    return o * torch.sigmoid(lse - sinks.to(lse.dtype))[..., None]
 
 
 def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: int, kv_indices,

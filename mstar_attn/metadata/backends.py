@@ -80,8 +80,9 @@ _FA_FP8 = "FlashAttention-4 4.0.0b36 reads FP8 K/V on SM100 only, and this packa
 BACKENDS: dict[str, Capabilities] = {
     "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}, kv_dtypes=FP8,
                               mla=True, cascade=True, fp8_math=True, sinks=True),
-    "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8, cascade=True, fp8_math=True),
-    "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer",
+    "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8, cascade=True, fp8_math=True,
+                               sinks=True),
+    "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer", sinks=True,
                                       kv_note="it attends over the step's K/V as given, not as an FP8 cache holds them"),
     "flashinfer_mla": Capabilities("mstar_attn.kernels.flashinfer_mla", frozenset({torch.bfloat16}), frozenset({128, 256, 512}),
                                    package="flashinfer", mla=True, mla_only=True,

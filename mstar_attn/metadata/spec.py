@@ -225,6 +225,7 @@ class AttentionSpec:
                    or self.page_size not in XQA_PAGE_SIZES and f"a page size in {XQA_PAGE_SIZES}, not {self.page_size}"
                    or self.soft_cap and "no logit soft cap" or self.mla_rope_dim and "standard (not latent) attention"
                    or self.num_qo_heads // self.num_kv_heads > 128 and "a GQA ratio of at most 128"
+                   or any(g.sinks for g in self.groups) and "no attention sinks (XQA returns no log-sum-exp)"
                    or self.backend not in (*FP8_MATH_BACKENDS, AUTO)
                    and f"backend {' or '.join(FP8_MATH_BACKENDS)}, not {self.backend!r}")
             if why:

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from mstar_attn import Attention, PlanError  # noqa: E402
+from mstar_attn import Attention  # noqa: E402
 from mstar_attn.demo import StepAttention, run_demo, summary  # noqa: E402
 from mstar_attn.demo import gpt_oss  # noqa: E402
 from tests.demo.common import SMALL  # noqa: E402
@@ -51,27 +51,15 @@ def test_the_model_draws_large_sinks_and_its_layers_carry_them():
     assert all(g.sinks for g in fields["groups"]) and fields["layer_groups"] == (1, 0)
 
 
-def test_a_backend_without_sinks_is_refused_at_the_spec():
-    """The demo's spec for a backend that does not declare sinks (FlashInfer today; "auto", whose steps fall
-    back to it) is a PlanError naming it, before any cache, pool or step."""
-    from mstar_attn.demo.run import model_spec
-
-    cfg = attrs.evolve(GPT_OSS.resolve(), layers=2)
-    model = gpt_oss.build_model(cfg, torch.float32, torch.device("cpu"))
-    for backend in ("flashinfer", "auto"):
-        with pytest.raises(PlanError, match="does not serve them"):
-            model_spec(attrs.evolve(cfg, dtype="bfloat16"), gpt_oss, model, 64, backend)
-    assert model_spec(cfg, gpt_oss, model, 64, "reference").has_sinks
-
-
 @pytest.mark.gpu
-def test_gpt_oss_on_the_gpu_with_graphs_matches_transformers():
-    """FlashAttention-4's learnable sink, bf16, decode steps replayed as CUDA graphs: every logit and greedy
-    token against transformers."""
+@pytest.mark.parametrize("backend, package", [("flashinfer", "flashinfer"), ("flash_attn", "flash_attn.cute")])
+def test_gpt_oss_on_the_gpu_with_graphs_matches_transformers(backend, package):
+    """FlashInfer (sinks applied by the log-sum-exp) and FlashAttention-4 (its learnable sink), bf16, decode
+    steps replayed as CUDA graphs: every logit and greedy token against transformers."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pytest.importorskip("flash_attn.cute")
-    res = run_demo(attrs.evolve(GPT_OSS, backend="flash_attn", device=None, dtype=None, hidden=None, graphs=True,
+    pytest.importorskip(package)
+    res = run_demo(attrs.evolve(GPT_OSS, backend=backend, device=None, dtype=None, hidden=None, graphs=True,
                                 requests=8))
     assert res.matched and res.tokens_match, [(c.rid, c.err, c.tol, c.token_mismatches) for c in res.checks]
     assert res.graph_us, "no decode step replayed"

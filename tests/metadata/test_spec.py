@@ -67,9 +67,11 @@ def test_sinks_are_served_only_by_the_backends_that_declare_them():
         else:
             with pytest.raises(PlanError, match=rf"backend '{name}' does not serve them \(backends that do: .*'reference'"):
                 AttentionSpec(**args)
-    with pytest.raises(PlanError, match="does not serve them"):
-        AttentionSpec(6, 2, 64, 16, 8, groups=groups, layer_groups=(0, 1), backend="auto")
     assert not AttentionSpec(6, 2, 64, 16, 8, backend="reference").has_sinks
+    assert AttentionSpec(6, 2, 64, 16, 8, groups=groups, layer_groups=(0, 1), backend="flashinfer").has_sinks
+    with pytest.raises(PlanError, match=r"fp8_math: .* needs no attention sinks"):
+        AttentionSpec(6, 2, 64, 16, 8, groups=groups, layer_groups=(0, 1), backend="flashinfer",
+                      kv_dtype=torch.float8_e4m3fn, fp8_math=True)
     with pytest.raises(PlanError, match="LayerGroup.sinks: expected True or False"):
         LayerGroup(sinks=1)
 
