@@ -78,7 +78,8 @@ def _attend(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, group: in
         k, v = (x[:n_kv].repeat_interleave(rep, dim=1) for x in cache.read(pages, work))  # (FP8: dequantized)
         if spec.mla:  # keys [c_kv, k_pe] against [q_nope, q_pe]; values c_kv
             k, v = torch.cat([k, v], dim=-1), k
-        hidden = _hidden(gp.group, int(plan.kv_lens[i]), q1 - q0, start, start + n_kv, q.device)
+        hidden = (_hidden(gp.group, int(plan.kv_lens[i]), q1 - q0, start, start + n_kv, q.device) if plan.tree is None
+                  else _tree_hidden(plan.tree, i, n_kv, q.device))
         out[q0:q1] = with_sinks(*_partial(spec, q[q0:q1].to(work), k, v, hidden), sinks).to(q.dtype)
     return out
 
@@ -94,6 +95,16 @@ def _hidden(group, q_end: int, q_len: int, k_first: int, k_end: int, device) -> 
     if group.kind is Kind.WINDOW:
         hidden |= k_pos <= q_pos - group.window
     return hidden
+
+
+def _tree_hidden(tree, request: int, n_kv: int, device) -> torch.Tensor:
+    """[n, n_kv] bool for request `request` of a token-tree step (full causal groups only): every cached key
+    seen, and of the n new keys (the last n) only each token's ancestors and itself (DraftTree.visible)."""
+    visible = torch.from_numpy(tree.visible(request))
+    n = visible.shape[0]
+    hidden = torch.zeros(n, n_kv, dtype=torch.bool)
+    hidden[:, n_kv - n :] = ~visible
+    return hidden.to(device)
 
 
 def merge_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ class Capabilities:
     cascade: bool = False  # it runs shared-prefix (cascade) steps (AttentionSpec.cascade)
     fp8_math: bool = False  # it runs FP8 decode math (AttentionSpec.fp8_math: FlashInfer's XQA)
     sinks: bool = False  # it serves attention sinks (LayerGroup.sinks: run(..., sinks=))
+    tree: bool = False  # it serves verify steps of draft token trees (build_tree_plan)
 
     def serves_kv(self, spec) -> bool:
         """Whether it serves spec's KV cache dtype (the query dtype, or one of kv_dtypes)."""
@@ -79,7 +80,7 @@ _FA_DIMS = frozenset({64, 96, 128})
 _FA_FP8 = "FlashAttention-4 4.0.0b36 reads FP8 K/V on SM100 only, and this package targets Hopper"
 BACKENDS: dict[str, Capabilities] = {
     "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}, kv_dtypes=FP8,
-                              mla=True, cascade=True, fp8_math=True, sinks=True),
+                              mla=True, cascade=True, fp8_math=True, sinks=True, tree=True),
     "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8, cascade=True, fp8_math=True,
                                sinks=True),
     "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer", sinks=True,
@@ -99,6 +100,7 @@ _GPU_FIRST = sorted(BACKENDS, key=lambda n: BACKENDS[n].package is None)
 CASCADE_BACKENDS = tuple(n for n in _GPU_FIRST if BACKENDS[n].cascade)  # the backends that run cascade steps
 FP8_MATH_BACKENDS = tuple(n for n in _GPU_FIRST if BACKENDS[n].fp8_math)
 SINK_BACKENDS = tuple(n for n in _GPU_FIRST if BACKENDS[n].sinks)  # the backends that serve attention sinks
+TREE_BACKENDS = tuple(n for n in _GPU_FIRST if BACKENDS[n].tree)  # the backends that verify token trees
 
 
 def capabilities(name: str) -> Capabilities:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from mstar_attn.metadata._arrays import INT32_MAX, fail_at, read_only
-from mstar_attn.metadata.backends import AUTO, AUTO_CASCADE, CASCADE_BACKENDS
+import attrs
+
+from mstar_attn.metadata.backends import AUTO, AUTO_CASCADE, BACKENDS, CASCADE_BACKENDS, TREE_BACKENDS
 from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.cascade import plan_cascade
 from mstar_attn.metadata.errors import PlanError
@@ -17,9 +19,10 @@ from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_
 from mstar_attn.metadata.pages import gather_ranges, read_pages, scan_ownership
 from mstar_attn.metadata.select import resolve_backend
 from mstar_attn.metadata.record import ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, decode_qo_indptr, groups_of
-from mstar_attn.metadata.spec import AttentionSpec
+from mstar_attn.metadata.spec import AttentionSpec, Kind
+from mstar_attn.metadata.tree import DraftTree
 
-__all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "scratch_plan"]
+__all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "build_tree_plan", "scratch_plan"]
 
 
 def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_ownership: bool = True) -> AttentionPlan:
@@ -46,6 +49,39 @@ def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_owners
     if not isinstance(check_ownership, bool):
         raise PlanError(f"check_ownership: expected True or False, got {check_ownership!r}")
     return _plan(batch, spec, check_ownership, spec.num_pages)
+
+
+def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: DraftTree) -> AttentionPlan:
+    """The verify step of draft token trees (metadata/tree.py): `batch` as for build_plan, request i's new
+    tokens being tree i's tokens in its order (q_lens == tree.sizes), stored like any step's; each token
+    attends to the cached prefix and to its ancestors and itself (plan.tree), and sits at position
+    prefix + depth (plan.positions: the RoPE positions). Pure; PlanError for a tree that does not match
+    the batch, a spec with window, non-causal or cross groups or cascade on, or a backend that does not
+    declare token trees (Capabilities.tree)."""
+    if not isinstance(tree, DraftTree):
+        raise PlanError(f"tree: expected a DraftTree (DraftTree.from_parents), got {type(tree).__name__}")
+    if not isinstance(spec, AttentionSpec):
+        raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+    bad = [g for g, group in enumerate(spec.groups) if group.kind is not Kind.CAUSAL]
+    if bad:
+        raise PlanError(f"spec.groups[{bad[0]}]: tree verify serves full causal layer groups, not "
+                        f"{spec.groups[bad[0]].kind.value}")
+    if spec.cascade != "off":
+        raise PlanError(f"spec.cascade: tree verify reads every page flat (cascade {spec.cascade!r}: use 'off')")
+    plan = build_plan(batch, spec)
+    q = plan.q_lens
+    if q.shape != tree.sizes.shape:
+        raise PlanError(f"tree: {tree.batch_size} trees for a batch of {plan.batch_size} requests")
+    if (q != tree.sizes).any():
+        fail_at("q_lens", q != tree.sizes, "its new tokens are not its tree's tokens (q_len != tree.sizes)")
+    if not BACKENDS[plan.backend].tree:
+        raise PlanError(f"backend: {plan.backend!r} does not serve token trees (backends that do: "
+                        f"{', '.join(repr(n) for n in TREE_BACKENDS)})")
+    positions = np.repeat((plan.kv_lens - q).astype(np.int64), q) + tree.depth
+    read_only(positions)
+    out = attrs.evolve(plan, positions=positions, tree=tree)
+    object.__setattr__(out, "sealed", True)
+    return out
 
 
 def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: str | None = None,

@@ -13,6 +13,7 @@ from mstar_attn.metadata.cascade import CascadePlan
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays, first_read_page, window_plan
 from mstar_attn.metadata.spec import AttentionSpec, Kind
+from mstar_attn.metadata.tree import DraftTree
 
 __all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "Mode", "decode_qo_indptr", "groups_of", "rows_decode_arrays"]
 
@@ -89,6 +90,9 @@ class AttentionPlan:
     # (kv_last_page_len may be <= 0); commit it with GraphBufferPool.commit_round, never alone
     draft_step: int | None = None
     cascade: CascadePlan | None = attrs.field(default=None, repr=False)
+    # a verify step of draft token trees (metadata/tree.py: build_tree_plan), else None: each new token
+    # attends to its own ancestors among the new tokens, not to every earlier one; positions by depth
+    tree: DraftTree | None = attrs.field(default=None, repr=False)
     _qo_indptr: np.ndarray | None = _array_arg("qo_indptr")
     _kv_indptr: np.ndarray | None = _array_arg("kv_indptr")
     _kv_last_page_len: np.ndarray | None = _array_arg("kv_last_page_len")

@@ -305,3 +305,56 @@ def test_sinks_are_refused_where_missing_misshapen_or_unexpected():
     plain = make_step(fresh_seed(), [1, 3], [5, 9], 4)
     with pytest.raises(PlanError, match="sinks given, but layer group 0 has none"):
         reference.run(plain[1], plain[3], plain[2], group=0, sinks=sinks[:4])
+
+
+def _tree_oracle(q, k_seq, v_seq, prefix, visible, scale):
+    """Each tree token over the cached prefix and the new tokens `visible` marks (float64): dense attention
+    with the token's own key set."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for j in range(q.shape[0]):
+        keys = list(range(prefix)) + [prefix + i for i in np.flatnonzero(visible[j])]
+        out[j] = exact_attention(q[j : j + 1], k_seq[keys], v_seq[keys], scale=scale, causal=False)[0]
+    return out
+
+
+@pytest.mark.parametrize("shape", ["chain", "star", "random"])
+@pytest.mark.parametrize("committed", [False, True])
+def test_tree_verify_equals_attention_over_each_tokens_ancestors(shape, committed):
+    """A verify step of random draft trees (chains, stars, random; up to 64 tokens, prefixes from 0 to 300
+    tokens), per request and token against dense attention over the prefix and the token's ancestors and
+    itself; as a plan and committed to a CPU pool. Negative control: the oracle with one ancestor bit
+    flipped (a token that also sees one non-ancestor, or misses one ancestor) is far off."""
+    from mstar_attn import DraftTree, GraphBufferPool, PoolLimits, build_tree_plan
+    from tests.support.trees import random_parents
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 5))
+    sizes = [int(rng.integers(2, 65)) for _ in range(B)]
+    prefix = [int(rng.choice([0, 1, int(rng.integers(2, 300))])) for _ in range(B)]
+    tree = DraftTree.from_parents([random_parents(rng, n, shape) for n in sizes])
+    kv = [p + n for p, n in zip(prefix, sizes)]
+    spec, plan, cache, q, k_seqs, v_seqs, k_new, v_new = make_step(seed, sizes, kv, 16, heads=(4, 2))
+    plan = build_tree_plan(StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, 16), spec, tree)
+    step = plan
+    if committed:
+        pool = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=512, max_num_pages=spec.num_pages,
+                                                max_pages_per_request=64), device="cpu")
+        step = pool.commit(plan)
+        step.mark_stored()  # (make_step stored the new K/V through the plan's slots: the same slots)
+    out = reference.run(step, q, cache)
+    flipped = False
+    for i in range(B):
+        a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
+        vis = tree.visible(i)
+        want = _tree_oracle(q[a:b], k_seqs[i], v_seqs[i], prefix[i], vis, spec.sm_scale)
+        err = ((out[a:b].double() - want).norm() / want.norm()).item()
+        assert err < TOL[torch.float32], (f"seed {seed}", shape, f"request {i}", err)
+        j = int(rng.integers(1, sizes[i]))  # (a token past the root: it has a non-self bit to flip)
+        col = int(rng.integers(0, j))
+        bad = vis.copy()
+        bad[j, col] = not bad[j, col]
+        wrong = _tree_oracle(q[a + j : a + j + 1], k_seqs[i], v_seqs[i], prefix[i], bad[j : j + 1], spec.sm_scale)
+        off = ((out[a + j : a + j + 1].double() - wrong).norm() / wrong.norm()).item()
+        flipped |= off > 100 * TOL[torch.float32]
+    assert flipped, f"seed {seed}: no flipped ancestor bit changed an output"

@@ -1,0 +1,73 @@
+"""Draft token trees: validation naming the request and the node, depths and ancestor bitsets against a
+walk up the parents, and the tree plan's positions and refusals."""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import AttentionSpec, DraftTree, LayerGroup, PlanError, StepBatch, build_tree_plan
+from mstar_attn.metadata.tree import MAX_TREE_NODES
+from tests.helpers import fresh_seed
+from tests.support.trees import random_parents
+
+
+def _ancestors(parents: list[int], j: int) -> set[int]:
+    out = set()
+    while j != -1:
+        out.add(j)
+        j = parents[j]
+    return out
+
+
+@pytest.mark.parametrize("shape", ["chain", "star", "random"])
+def test_depths_and_ancestor_sets_equal_a_walk_up_the_parents(shape):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    trees = [random_parents(rng, int(rng.integers(1, MAX_TREE_NODES + 1)), shape) for _ in range(5)]
+    t = DraftTree.from_parents(trees)
+    assert t.sizes.tolist() == [len(p) for p in trees] and t.masks.dtype == np.uint64, seed
+    a = 0
+    for r, p in enumerate(trees):
+        vis = t.visible(r)
+        for j in range(len(p)):
+            want = _ancestors(p, j)
+            assert set(np.flatnonzero(vis[j]).tolist()) == want, (seed, r, j)
+            assert t.depth[a + j] == len(want) - 1 and t.parents[a + j] == p[j], (seed, r, j)
+        a += len(p)
+    assert not t.sizes.flags.writeable and not t.masks.flags.writeable
+
+
+@pytest.mark.parametrize("parents, match", [
+    ([[-1, 0], []], r"tree.parents\[1\]: an empty tree \(request 1\)"),
+    ([[-1] + [0] * MAX_TREE_NODES], rf"tree.parents\[0\]: {MAX_TREE_NODES + 1} tokens, more than the {MAX_TREE_NODES}"),
+    ([[0, -1]], r"tree.parents\[0\]\[0\] = 0: token 0 is the root"),
+    ([[-1, 0, -1]], r"tree.parents\[0\]\[2\] = -1: a second root \(request 0, node 2\)"),
+    ([[-1], [-1, 2, 1]], r"tree.parents\[1\]\[1\] = 2: a parent must be an earlier token .* request 1, node 1"),
+    ([[-1, 0, 2]], r"tree.parents\[0\]\[2\] = 2: .* node 2\): a parent after its child, or a cycle"),
+    ([[-1, -5]], r"tree.parents\[0\]\[1\] = -5"),
+    ([[-1, 0.5]], r"tree.parents\[0\]: expected a 1-D list of integers"),
+    ([], r"one parent list per request"),
+])
+def test_malformed_trees_name_the_request_and_the_node(parents, match):
+    with pytest.raises(PlanError, match=match):
+        DraftTree.from_parents(parents)
+
+
+def test_the_tree_plan_positions_tokens_by_depth_and_refuses_what_it_cannot_serve():
+    spec = AttentionSpec(4, 2, 16, 4, 64, dtype=torch.float32, backend="reference")
+    tree = DraftTree.from_parents([[-1, 0, 0, 1], [-1, 0]])
+    batch = StepBatch.from_pages([4, 2], [10, 3], [[1, 2, 3], [4]], 4)
+    plan = build_tree_plan(batch, spec, tree)
+    assert plan.positions.tolist() == [6, 7, 7, 8, 1, 2] and plan.tree is tree and plan.sealed
+    with pytest.raises(PlanError, match=r"q_lens\[1\]: its new tokens are not its tree's tokens"):
+        build_tree_plan(StepBatch.from_pages([4, 3], [10, 3], [[1, 2, 3], [4]], 4), spec, tree)
+    with pytest.raises(PlanError, match="2 trees for a batch of 1 requests"):
+        build_tree_plan(StepBatch.from_pages([4], [10], [[1, 2, 3]], 4), spec, tree)
+    with pytest.raises(PlanError, match=r"backend: 'flashinfer' does not serve token trees \(backends that do: 'reference'\)"):
+        build_tree_plan(batch, AttentionSpec(4, 2, 64, 4, 64), tree)
+    window = AttentionSpec(4, 2, 16, 4, 64, dtype=torch.float32, backend="reference",
+                           groups=(LayerGroup(), LayerGroup("window", window=4)), layer_groups=(0, 1))
+    with pytest.raises(PlanError, match=r"spec.groups\[1\]: tree verify serves full causal layer groups, not window"):
+        build_tree_plan(batch, window, tree)
+    with pytest.raises(PlanError, match="tree: expected a DraftTree"):
+        build_tree_plan(batch, spec, [[-1, 0, 0, 1], [-1, 0]])
