@@ -58,8 +58,9 @@ def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: Draf
     prefix + depth (plan.positions: the RoPE positions). Pure; PlanError for a tree that does not match
     the batch, a spec with window, non-causal or cross groups or cascade on, or a backend that does not
     declare token trees (Capabilities.tree)."""
-    if not isinstance(tree, DraftTree):
-        raise PlanError(f"tree: expected a DraftTree (DraftTree.from_parents), got {type(tree).__name__}")
+    if not isinstance(tree, DraftTree) or not tree.sealed:
+        raise PlanError(f"tree: expected a DraftTree made by DraftTree.from_parents, got {type(tree).__name__}"
+                        + (" (hand-made or attrs.evolve'd: not checked)" if isinstance(tree, DraftTree) else ""))
     if not isinstance(spec, AttentionSpec):
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
     bad = [g for g, group in enumerate(spec.groups) if group.kind is not Kind.CAUSAL]

@@ -34,12 +34,14 @@ class DraftTree:
     parents [T] int32     each token's parent, an index among its request's tokens (-1: the root)
     depth [T] int32       the root 0, a child one more than its parent
     masks [T] uint64      bit i: token i of the same request is this token or one of its ancestors
-    Made by `from_parents`; read-only arrays."""
+    Made by `from_parents` (which marks it `sealed`: a hand-made or attrs.evolve'd tree is not taken for a
+    checked one); read-only arrays."""
 
     sizes: np.ndarray = array_field()
     parents: np.ndarray = array_field()
     depth: np.ndarray = array_field()
     masks: np.ndarray = array_field()
+    sealed: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
     @classmethod
     def from_parents(cls, parents: Sequence[Sequence[int]]) -> DraftTree:
@@ -65,6 +67,7 @@ class DraftTree:
         out = cls(sizes=np.array(sizes, np.int32), parents=np.concatenate(flat_parents),
                   depth=np.concatenate(flat_depth), masks=np.concatenate(flat_masks))
         read_only(out.sizes, out.parents, out.depth, out.masks)
+        object.__setattr__(out, "sealed", True)
         return out
 
     @property

@@ -69,5 +69,9 @@ def test_the_tree_plan_positions_tokens_by_depth_and_refuses_what_it_cannot_serv
                            groups=(LayerGroup(), LayerGroup("window", window=4)), layer_groups=(0, 1))
     with pytest.raises(PlanError, match=r"spec.groups\[1\]: tree verify serves full causal layer groups, not window"):
         build_tree_plan(batch, window, tree)
-    with pytest.raises(PlanError, match="tree: expected a DraftTree"):
+    with pytest.raises(PlanError, match="tree: expected a DraftTree made by DraftTree.from_parents, got list"):
         build_tree_plan(batch, spec, [[-1, 0, 0, 1], [-1, 0]])
+    import attrs
+
+    with pytest.raises(PlanError, match="attrs.evolve'd: not checked"):
+        build_tree_plan(batch, spec, attrs.evolve(tree, masks=tree.masks ^ np.uint64(2)))
