@@ -58,7 +58,7 @@ class Attention:
                 or sinks.device != self.cache.k.device:
             got = f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
             raise PlanError(f"sinks: layer {self.layer}: expected float32 [{heads}] on {self.cache.k.device}, got {got}")
-        return sinks
+        return sinks.detach()  # (model weights: a kernel must not take its autograd path, which saves state for backward)
 
     @classmethod
     def for_model(cls, spec: AttentionSpec, device: torch.device | str | None = None, num_layers: int | None = None,
@@ -129,7 +129,7 @@ class Attention:
 
     def __reduce__(self):
         """Copies and pickles are new layers over (a copy of) the cache, each with a key of its own."""
-        return type(self), (self.spec, self.layer, self.cache, self.sinks)
+        return type(self), (self.spec, self.layer, self.cache) + (() if self.sinks is None else (self.sinks,))
 
     def stored_by_engine(self, step: DeviceStep) -> None:
         """Say that the engine stored this step's new K/V in this layer's cache itself (a fused RoPE + store

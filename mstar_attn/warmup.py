@@ -155,7 +155,7 @@ def _timed(pool: GraphBufferPool, caches: list[PagedKVCache], kind: WarmupKind, 
     q = randn(spec.num_qo_heads)
     k, v = randn(spec.num_kv_heads), randn(spec.num_kv_heads)
     step.mark_stored()  # every cache: timing the kernels, what the scratch caches hold does not matter
-    sinks = torch.zeros(spec.num_qo_heads, device=pool.device) if spec.has_sinks else None  # (a sink group's kernel variant)
+    sinks = torch.zeros(spec.num_qo_heads, dtype=torch.float32, device=pool.device) if spec.has_sinks else None  # (a sink group's kernel variant)
     for g, cache in enumerate(caches):
         kv = dict(k=k, v=v) if BACKENDS[kind.backend].prefix_free else {}
         run(step, q, cache, group=g, sinks=sinks if spec.groups[g].sinks else None, **kv)

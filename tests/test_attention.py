@@ -84,7 +84,7 @@ def test_a_layer_with_attention_sinks_passes_its_own_and_refuses_misuse():
     spec = spec_for(page_size=4, num_pages=200, groups=groups, layer_groups=(0, 1, 0))
     sinks = [3 * torch.randn(4, generator=gen), None, 3 * torch.randn(4, generator=gen)]
     layers = Attention.for_model(spec, "cpu", sinks=sinks)
-    assert layers[0].sinks is sinks[0] and layers[1].sinks is None, seed
+    assert torch.equal(layers[0].sinks, sinks[0]) and layers[1].sinks is None, seed
     plan = build_plan(StepBatch.from_pages([5, 1], [5, 9], [[1, 2], [3, 4, 5]], 4), spec)
     for layer, attn in enumerate(layers):
         q = torch.randn(plan.num_tokens, 4, 16, generator=gen)

@@ -18,10 +18,10 @@ _T = TypeVar("_T")
 
 
 def capture_into(graph: torch.cuda.CUDAGraph, memory, fn: Callable[[], _T]) -> _T:
-    """fn() captured into `graph` (of the memory pool `memory`); returns what fn returned. torch.cuda.graph
-    collects garbage before capturing; here nothing is collected during the capture either: a library
-    object finalized inside one (a kernel module unloaded, a buffer freed on another stream) is an illegal
-    call there and aborts the process."""
+    """fn() captured into `graph` (of the memory pool `memory`); returns what fn returned. No garbage is
+    collected during the capture (the collector is off, and back on after, also when fn raises): a library
+    object finalized inside a capture (a kernel module unloaded, a buffer freed on another stream) is an
+    illegal call there and aborts the process."""
     collecting = gc.isenabled()
     gc.disable()
     try:

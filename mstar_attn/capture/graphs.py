@@ -166,10 +166,12 @@ class DecodeGraphs:
         step: every kernel it launches has run by now (the forward graph's warm-up, the commit's work)."""
         static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory):
+
+        def both():
             commit_work()
-            out = self.fn(step, static)
-        return graph, out
+            return self.fn(step, static)
+
+        return graph, capture_into(graph, self.memory, both)
 
 
 class RoundGraphs:

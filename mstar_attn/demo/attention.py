@@ -55,8 +55,11 @@ class StepAttention:
     def layers(self, spec: AttentionSpec, caches: list[PagedKVCache], sinks=None) -> list[Attention]:
         """One `layer_class` per model layer, over caches[layer] (tagged with the layer's group), with
         sinks[layer] (float32 [heads]) where the model has attention sinks (None: none)."""
-        sinks = [None] * len(caches) if sinks is None else sinks
-        return [self.layer_class(spec, i, cache, s) for i, (cache, s) in enumerate(zip(caches, sinks))]
+        if sinks is None:
+            return [self.layer_class(spec, i, cache) for i, cache in enumerate(caches)]
+        if len(sinks) != len(caches):
+            raise DemoError(f"sinks: {len(sinks)} entries for {len(caches)} layers")
+        return [self.layer_class(spec, i, cache, sinks=s) for i, (cache, s) in enumerate(zip(caches, sinks))]
 
     @property
     def capture_rows(self) -> int:

@@ -44,4 +44,7 @@ def run(step, q: torch.Tensor, cache, group: int | None = None, k: torch.Tensor 
     """Attention for one layer of layer group `group` (required when the spec has own_pages
     groups, else default 0) through the backend that step.plan names (see each backend's run).
     sinks: the layer's attention sinks, float32 [num_qo_heads], where its group has them (LayerGroup.sinks)."""
-    return _backend_of(step, "run").run(step, q, cache, group, k, v, sinks=sinks)
+    backend = _backend_of(step, "run")
+    if sinks is None:  # (a backend written before sinks takes no such argument: it serves no sink group)
+        return backend.run(step, q, cache, group, k, v)
+    return backend.run(step, q, cache, group, k, v, sinks=sinks)

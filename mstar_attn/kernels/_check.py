@@ -64,9 +64,12 @@ def sinks(s, plan: AttentionPlan, group: int, q: torch.Tensor, where: str) -> to
     if not has:
         raise PlanError(f"{where}: sinks given, but layer group {group} has none (LayerGroup.sinks is False): "
                         "they would be ignored")
-    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (heads,) or s.device != q.device:
+    device = q.device if isinstance(q, torch.Tensor) else None  # (a q that is no tensor: the query check names it)
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (heads,) \
+            or (device is not None and s.device != device):
         got = (f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__)
-        raise PlanError(f"{where}: sinks must be float32 [{heads}] (one logit per query head) on {q.device}, got {got}")
+        raise PlanError(f"{where}: sinks must be float32 [{heads}] (one logit per query head) on {device or 'q.device'}, "
+                        f"got {got}")
     return s
 
 

@@ -113,8 +113,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     spec = plan.spec
     kw = dict(softmax_scale=spec.sm_scale, softcap=spec.soft_cap, num_splits=1, max_seqlen_q=plan.max_q_len,
               **_mask(spec.groups[group]))
-    if sinks is not None:  # FA4's learnable sink: one more softmax column per head, natural-log units, no value
-        kw["learnable_sink"] = sinks
+    if sinks is not None:  # FA4's learnable sink: one more softmax column per head, natural-log units, no value (after
+        kw["learnable_sink"] = sinks  # the soft-cap); part of FA4's compile key; its SM80 kernel has none (SM90+ only)
     if plan.backend == VARLEN:
         _check.cache_fits(cache, plan, "run", step=step, group=group)
         _check.query(q, step, plan, cache, "run")

@@ -67,8 +67,10 @@ class Capabilities:
             raise PlanError(f"spec.kv_dtype: backend {name!r} keeps K/V in the query dtype, not {spec.kv_cache_dtype}"
                             + (f" ({self.kv_note})" if self.kv_note else ""))
         if spec.has_sinks and not self.sinks:
-            raise PlanError(f"spec.groups: a group has attention sinks (LayerGroup.sinks) and backend {name!r} does not "
-                            f"serve them (backends that do: {', '.join(repr(n) for n in SINK_BACKENDS)})")
+            g = next(i for i, group in enumerate(spec.groups) if group.sinks)
+            asked = f"{name!r}" if spec.backend == name else f"{spec.backend!r} (falling back to {name!r})"
+            raise PlanError(f"spec.groups[{g}].sinks: the group has attention sinks and backend {asked} does not serve "
+                            f"them (backends that do: {', '.join(repr(n) for n in SINK_BACKENDS)})")
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             raise PlanError(f"spec.head_dim: backend {name!r} serves head dims {sorted(self.head_dims)}, not {spec.head_dim}")
 
@@ -83,7 +85,7 @@ BACKENDS: dict[str, Capabilities] = {
                               mla=True, cascade=True, fp8_math=True, sinks=True, tree=True),
     "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8, cascade=True, fp8_math=True,
                                sinks=True),
-    "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer", sinks=True,
+    "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer",
                                       kv_note="it attends over the step's K/V as given, not as an FP8 cache holds them"),
     "flashinfer_mla": Capabilities("mstar_attn.kernels.flashinfer_mla", frozenset({torch.bfloat16}), frozenset({128, 256, 512}),
                                    package="flashinfer", mla=True, mla_only=True,
@@ -91,7 +93,7 @@ BACKENDS: dict[str, Capabilities] = {
     "flash_attn": Capabilities(_FA, HALF, _FA_DIMS, package="flash_attn.cute", needs_finite_cache=True, kv_note=_FA_FP8,
                                sinks=True),
     "flash_attn_varlen": Capabilities(_FA, HALF, _FA_DIMS, frozenset({"prefill"}), True, "flash_attn.cute",
-                                      kv_note=_FA_FP8, sinks=True),
+                                      kv_note=_FA_FP8),
 }
 
 # what backend="auto" serves with where the dispatch table says nothing, latent attention, and cascade steps

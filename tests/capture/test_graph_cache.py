@@ -5,6 +5,7 @@ engine interleaves commits and uses. Arrays are checked per step against the sam
 pages and staged on the host; outputs per request against the same step committed without defer."""
 
 import numpy as np
+import pytest
 import torch
 
 from mstar_attn import PagedKVCache, StepBatch, build_plan
@@ -113,3 +114,31 @@ def test_an_eager_run_launches_the_deferred_work_first():
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v), seed
     for i in range(B):
         assert torch.equal(outs[0][i], outs[1][i]), (seed, i)
+
+
+def test_no_garbage_is_collected_during_a_capture(monkeypatch):
+    """capture_into turns the collector off for the capture and back on after it, also when the captured
+    function raises (checked on the CPU with torch.cuda.graph stubbed)."""
+    import contextlib
+    import gc
+
+    from mstar_attn.capture import graph_cache
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None):
+        seen.append(gc.isenabled())
+        yield
+
+    monkeypatch.setattr(graph_cache.torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    assert graph_cache.capture_into(None, None, lambda: (seen.append(gc.isenabled()), 7)[1]) == 7
+    assert seen == [False, False] and gc.isenabled()
+
+    def boom():
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        graph_cache.capture_into(None, None, boom)
+    assert gc.isenabled()

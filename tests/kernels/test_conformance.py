@@ -57,7 +57,8 @@ def _drops_sinks(step, q, cache, group=None, k=None, v=None, sinks=None):
     return reference.run(build_plan(batch, spec), q, cache)
 
 
-@pytest.mark.parametrize("run, dropped", [(_drops_soft_cap, ["soft_cap"]), (_drops_sinks, ["sinks", "sinks_window"])])
+@pytest.mark.parametrize("run, dropped", [(_drops_soft_cap, ["soft_cap", "sinks_soft_cap"]),
+                                          (_drops_sinks, ["sinks", "sinks_decode", "sinks_window", "sinks_soft_cap"])])
 def test_a_backend_that_ignores_a_declared_feature_fails_the_suite(monkeypatch, run, dropped):
     """A backend registered beside the others, declaring what the reference declares (attention sinks
     included), whose run drops the soft-cap, or the sinks: the suite's steps of that feature fail, and

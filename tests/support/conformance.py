@@ -47,7 +47,9 @@ SHAPES = (
 )
 SINKS = (
     Feature("sinks", (1, 30, 1, 4), (50, 30, 2, 100), "mixed", LayerGroup(sinks=True)),
+    Feature("sinks_decode", (1,) * 5, (1, 17, 64, 300, 1100), "decode", LayerGroup(sinks=True)),
     Feature("sinks_window", (1, 1, 4, 1), (300, 20, 90, 1), "mixed", LayerGroup("window", window=24, sinks=True)),
+    Feature("sinks_soft_cap", (1, 30, 1, 4), (50, 30, 2, 100), "mixed", LayerGroup(sinks=True), soft_cap=2.0),
 )
 
 

@@ -10,7 +10,7 @@ from tests.helpers import fresh_seed
 from tests.support.exact import TrueKV, exact_attention
 
 
-def _loop(q, k, v, scale, soft_cap, causal, window):
+def _loop(q, k, v, scale, soft_cap, causal, window, sinks=None):
     n_q, hq, _ = q.shape
     n_k, hkv, dv = v.shape
     out = torch.empty(n_q, hq, dv, dtype=torch.float64)
@@ -22,6 +22,10 @@ def _loop(q, k, v, scale, soft_cap, causal, window):
             s = torch.stack([q[i, h].double() @ kh[j] * scale for j in seen])
             if soft_cap:
                 s = soft_cap * torch.tanh(s / soft_cap)
+            if sinks is not None:  # the sink: one more exp(s_h) in the denominator, no value
+                p = torch.exp(s - s.max())
+                out[i, h] = p @ vh[seen] / (p.sum() + torch.exp(sinks[h].double() - s.max()))
+                continue
             out[i, h] = torch.softmax(s, 0) @ vh[seen]
     return out
 
@@ -40,6 +44,12 @@ def test_exact_attention_equals_the_loop(case):
     want = _loop(q, k, v, 1 / math.sqrt(16), soft_cap, causal, window)
     got = exact_attention(q, k, v, scale=1 / math.sqrt(16), soft_cap=soft_cap, causal=causal, window=window)
     assert torch.allclose(got, want, atol=1e-12, rtol=1e-12), f"seed {seed}"
+    sinks = 2 * torch.randn(hkv * rep, generator=g)
+    with_sinks = exact_attention(q, k, v, scale=1 / math.sqrt(16), soft_cap=soft_cap, causal=causal, window=window,
+                                 sinks=sinks)
+    assert torch.allclose(with_sinks, _loop(q, k, v, 1 / math.sqrt(16), soft_cap, causal, window, sinks), atol=1e-12,
+                          rtol=1e-12), f"seed {seed}"
+    assert not torch.allclose(with_sinks, want, atol=1e-3), f"seed {seed}"
     if hkv > 1:  # negative control: each query head reading the next KV head's keys and values
         wrong = exact_attention(q, k.roll(1, dims=1), v.roll(1, dims=1), scale=1 / math.sqrt(16), soft_cap=soft_cap,
                                 causal=causal, window=window)
