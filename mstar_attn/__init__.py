@@ -16,7 +16,7 @@ from mstar_attn.metadata import (
 from mstar_attn.metadata.batch import StepRows
 from mstar_attn.metadata.draft import DraftRound, build_round
 from mstar_attn.metadata.plan import build_tree_plan
-from mstar_attn.metadata.tree import DraftTree
+from mstar_attn.metadata.tree import DraftTree, accepted_moves
 from mstar_attn.attention import Attention  # noqa: E402  (above the layers it composes)
 from mstar_attn.ops import step_context  # noqa: E402
 
@@ -25,5 +25,6 @@ __all__ = [
     "GraphBufferPool",
     "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache", "PlanError", "PoolLimits", "RoundGraphs", "StaleStepError",
     "StepBatch", "StepRows", "build_plan", "build_round", "build_tree_plan", "get_backend", "run", "step_context", "write_kv",
+    "accepted_moves",
 ]
 __version__ = "0.2.0"  # the one version: pyproject.toml reads it (tool.setuptools.dynamic)

@@ -129,6 +129,14 @@ class PagedKVCache:
             else:
                 flat.index_copy_(0, slots, x.to(flat.dtype))
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V at flat slots src [n] to slots dst [n] (int64, the cache's device), in place and
+        capturable: every source is read before any destination is written, so the moves may overlap. The
+        bytes move as stored (FP8 included). Unchecked, like `store` (tree.accepted_moves gives checked ones)."""
+        for flat in self.flat():
+            raw = flat.view(torch.uint8) if flat.dtype in FP8 else flat
+            raw.index_copy_(0, dst, raw.index_select(0, src))
+
     def read(self, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `pages` [n] (int64, the cache's device) as [n * page_size, H, k's / v's last dim]
         in `dtype`, dequantized for FP8 (value * scale). Unchecked, like `store`."""

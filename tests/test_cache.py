@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mstar_attn import PagedKVCache, PlanError, PoolLimits
+from mstar_attn import AttentionSpec, PagedKVCache, PlanError, PoolLimits
 from tests.helpers import spec_for
 
 
@@ -86,3 +86,20 @@ def test_a_backend_whose_package_is_missing_says_how_to_get_it():
     with pytest.raises(ImportError, match=f"backend '{missing[0]}' needs the .* package .*pip install 'mstar_attn\\[gpu\\]'"):
         backends.load(missing[0])
 
+
+
+def test_move_reads_every_source_before_writing_and_moves_fp8_bytes():
+    """PagedKVCache.move with overlapping moves (a slot both read and written) equals moving from a snapshot;
+    an FP8 cache's bytes move unchanged."""
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        spec = AttentionSpec(4, 2, 16, 4, 8, dtype=torch.float32 if dtype == torch.float32 else torch.bfloat16,
+                             kv_dtype=None if dtype == torch.float32 else dtype, backend="reference")
+        cache = PagedKVCache.allocate(spec, "cpu")
+        k = torch.randn(cache.flat()[0].shape[0], 2, 16)
+        cache.store(torch.arange(k.shape[0]), k, -k)
+        before = [x.view(torch.uint8).clone() if dtype != torch.float32 else x.clone() for x in cache.flat()]
+        src, dst = torch.tensor([5, 6, 7, 3]), torch.tensor([4, 5, 6, 9])  # (5 and 6 are read and written)
+        cache.move(src, dst)
+        for flat, old in zip(cache.flat(), before):
+            now = flat.view(torch.uint8) if dtype != torch.float32 else flat
+            assert torch.equal(now[dst], old[src]) and torch.equal(now[:4], old[:4]) and torch.equal(now[10:], old[10:])

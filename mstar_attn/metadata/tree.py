@@ -23,7 +23,7 @@ from mstar_attn.metadata.errors import PlanError
 
 MAX_TREE_NODES = 64  # one uint64 bitset per token
 
-__all__ = ["MAX_TREE_NODES", "DraftTree"]
+__all__ = ["MAX_TREE_NODES", "AcceptedMoves", "DraftTree", "accepted_moves"]
 
 
 @attrs.frozen(kw_only=True)
@@ -109,3 +109,54 @@ def _parent_list(r: int, lst) -> np.ndarray:
         raise PlanError(f"tree.parents[{r}][{j}] = {int(p[j])}: a parent must be an earlier token of the same request "
                         f"(0..{j - 1}; request {r}, node {j}): a parent after its child, or a cycle")
     return p.astype(np.int32)
+
+
+@attrs.frozen(kw_only=True)
+class AcceptedMoves:
+    """Where a tree verify step's accepted tokens' K/V go (`accepted_moves`).
+
+    src, dst [M] int64    flat cache slots: the K/V at src[m] belongs at dst[m] (moves that stay put are left out)
+    kept [B] int32        each request's accepted tokens: its KV length after the step is prefix + kept
+    One `PagedKVCache.move(src, dst)` per layer applies them; the slots past prefix + kept are stale."""
+
+    src: np.ndarray = array_field()
+    dst: np.ndarray = array_field()
+    kept: np.ndarray = array_field()
+
+
+def accepted_moves(plan, accepted: Sequence[Sequence[int]]) -> AcceptedMoves:
+    """The K/V moves after a tree verify step (`plan`: build_tree_plan's, with page ids: a StepBatch step)
+    when request i keeps the path accepted[i]: node indices from its root down (0 first, each next node a
+    child of the one before). Accepted token k, stored at position prefix + accepted[i][k] (tree order),
+    belongs at prefix + k, where the request continues. PlanError for a path that does not start at the
+    root or leaves the parent links (naming the request and the node), or a plan without a tree or slots."""
+    tree = getattr(plan, "tree", None)
+    if tree is None:
+        raise PlanError("accepted_moves: plan is not a tree verify step (build_tree_plan)")
+    if plan.slot_mapping is None or any(g.slot_mapping is not None for g in plan.groups):
+        raise PlanError("accepted_moves: the plan holds no slots of its own (a StepRows step: the pool derives them) "
+                        "or the spec has own-page groups; plan the tree step from a StepBatch")
+    if isinstance(accepted, (str, bytes)) or len(accepted) != tree.batch_size:
+        raise PlanError(f"accepted: expected one path per request ({tree.batch_size})")
+    src, dst, kept = [], [], []
+    start = 0
+    for r, path in enumerate(accepted):
+        n = int(tree.sizes[r])
+        parents = tree.parents[start : start + n]
+        p = [int(x) for x in path]
+        if not p or p[0] != 0:
+            raise PlanError(f"accepted[{r}]: a path starts at the root, node 0 (request {r})")
+        for k in range(1, len(p)):
+            if not 0 < p[k] < n or parents[p[k]] != p[k - 1]:
+                raise PlanError(f"accepted[{r}][{k}] = {p[k]}: not a child of node {p[k - 1]} in request {r}'s tree "
+                                f"({n} nodes)")
+        slots = plan.slot_mapping[start : start + n]
+        for k, j in enumerate(p):
+            if j != k:
+                src.append(int(slots[j]))
+                dst.append(int(slots[k]))
+        kept.append(len(p))
+        start += n
+    out = AcceptedMoves(src=np.array(src, np.int64), dst=np.array(dst, np.int64), kept=np.array(kept, np.int32))
+    read_only(out.src, out.dst, out.kept)
+    return out

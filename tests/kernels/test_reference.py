@@ -358,3 +358,57 @@ def test_tree_verify_equals_attention_over_each_tokens_ancestors(shape, committe
         off = ((out[a + j : a + j + 1].double() - wrong).norm() / wrong.norm()).item()
         flipped |= off > 100 * TOL[torch.float32]
     assert flipped, f"seed {seed}: no flipped ancestor bit changed an output"
+
+
+def test_accepted_paths_move_to_where_their_requests_continue():
+    """After a tree verify step, each request keeps a random root-down path: accepted_moves + PagedKVCache.move
+    put the path's K/V at prefix + 0, 1, ... (checked slot by slot, the prefix untouched), and a decode step
+    over the compacted cache (kv_len prefix + kept, its query the last accepted token's) equals exact attention
+    over the prefix and the path, per request."""
+    from mstar_attn import DraftTree, build_tree_plan
+    from mstar_attn.metadata.tree import accepted_moves
+    from tests.support.trees import random_parents
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 5))
+    sizes = [int(rng.integers(1, 40)) for _ in range(B)]
+    prefix = [int(rng.integers(0, 200)) for _ in range(B)]
+    parents = [random_parents(rng, n) for n in sizes]
+    tree = DraftTree.from_parents(parents)
+    spec, plan, cache, q, k_seqs, v_seqs, k_new, v_new = make_step(seed, sizes, [p + n for p, n in zip(prefix, sizes)], 16)
+    plan = build_tree_plan(StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, 16), spec, tree)
+    paths = []
+    for p in parents:  # a random walk down from the root, stopping at random
+        path = [0]
+        while True:
+            kids = [j for j in range(len(p)) if p[j] == path[-1]]
+            if not kids or rng.random() < 0.2:
+                break
+            path.append(int(rng.choice(kids)))
+        paths.append(path)
+    moves = accepted_moves(plan, paths)
+    assert moves.kept.tolist() == [len(p) for p in paths], seed
+    before = [x.clone() for x in cache.flat()]
+    cache.move(torch.tensor(moves.src), torch.tensor(moves.dst))
+    kf, vf = cache.flat()
+    for i, path in enumerate(paths):
+        a = int(plan.qo_indptr[i])
+        slots = plan.slot_mapping[a : a + len(path)]
+        for k, j in enumerate(path):
+            assert torch.equal(kf[int(slots[k])], k_new[a + j]) and torch.equal(vf[int(slots[k])], v_new[a + j]), (seed, i, k)
+    moved = set(moves.dst.tolist())
+    untouched = [s for s in range(kf.shape[0]) if s not in moved]
+    assert torch.equal(kf[untouched], before[0][untouched]), seed
+    kept = [p + len(path) for p, path in zip(prefix, paths)]
+    lists = [plan.kv_indices[plan.kv_indptr[i] : plan.kv_indptr[i + 1]][: -(-kept[i] // 16)] for i in range(B)]
+    decode = build_plan(StepBatch.from_pages([1] * B, kept, lists, 16), spec)
+    q1 = torch.randn(B, 4, 16, generator=torch.Generator().manual_seed(seed))
+    out = reference.run(decode, q1, cache)
+    for i, path in enumerate(paths):
+        a = int(plan.qo_indptr[i])
+        keys = torch.cat([k_seqs[i][: prefix[i]], k_new[[a + j for j in path]]])
+        values = torch.cat([v_seqs[i][: prefix[i]], v_new[[a + j for j in path]]])
+        want = exact_attention(q1[i : i + 1], keys, values, scale=spec.sm_scale, causal=False)
+        err = ((out[i : i + 1].double() - want).norm() / want.norm()).item()
+        assert err < TOL[torch.float32], (f"seed {seed}", f"request {i}", err)

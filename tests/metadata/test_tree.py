@@ -75,3 +75,29 @@ def test_the_tree_plan_positions_tokens_by_depth_and_refuses_what_it_cannot_serv
 
     with pytest.raises(PlanError, match="attrs.evolve'd: not checked"):
         build_tree_plan(batch, spec, attrs.evolve(tree, masks=tree.masks ^ np.uint64(2)))
+
+
+def test_accepted_paths_are_checked_against_the_tree():
+    from mstar_attn.metadata.tree import accepted_moves
+
+    spec = AttentionSpec(4, 2, 16, 4, 64, dtype=torch.float32, backend="reference")
+    tree = DraftTree.from_parents([[-1, 0, 0, 1], [-1, 0]])
+    plan = build_tree_plan(StepBatch.from_pages([4, 2], [10, 3], [[1, 2, 3], [4]], 4), spec, tree)
+    m = accepted_moves(plan, [[0, 2], [0, 1]])  # request 0 keeps node 2 (at position 8) as its position 7
+    assert m.src.tolist() == [plan.slot_mapping[2]] and m.dst.tolist() == [plan.slot_mapping[1]]
+    assert m.kept.tolist() == [2, 2]
+    assert accepted_moves(plan, [[0, 1], [0, 1]]).src.size == 0  # (tokens already where they continue stay put)
+    m = accepted_moves(plan, [[0, 1, 3], [0]])
+    assert m.src.tolist() == [plan.slot_mapping[3]] and m.dst.tolist() == [plan.slot_mapping[2]]
+    with pytest.raises(PlanError, match=r"accepted\[0\]\[2\] = 2: not a child of node 1 in request 0's tree"):
+        accepted_moves(plan, [[0, 1, 2], [0]])
+    with pytest.raises(PlanError, match=r"accepted\[1\]: a path starts at the root"):
+        accepted_moves(plan, [[0], [1]])
+    with pytest.raises(PlanError, match=r"accepted\[0\]\[1\] = 9: not a child"):
+        accepted_moves(plan, [[0, 9], [0]])
+    with pytest.raises(PlanError, match=r"one path per request \(2\)"):
+        accepted_moves(plan, [[0]])
+    from mstar_attn import build_plan
+
+    with pytest.raises(PlanError, match="not a tree verify step"):
+        accepted_moves(build_plan(StepBatch.from_pages([4, 2], [10, 3], [[1, 2, 3], [4]], 4), spec), [[0], [0]])
