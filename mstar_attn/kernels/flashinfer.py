@@ -335,7 +335,7 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
         if k is None or v is None:
             raise PlanError("run: this step is planned as ragged attention (flashinfer_ragged); pass its k and v")
         _check.new_kv(k, v, step, plan, cache, "run")
-        return with_sinks(*w.run(q, k, v, return_lse=True), sinks, lse_base2=True) if lse else w.run(q, k, v)
+        return w.run(q, k, v)  # (no sinks: flashinfer_ragged does not declare them, so no sink spec reaches it)
     rows = q.shape[0]
     if rows < step.num_rows:  # eager call on a bucket-padded step: padding requests read the scratch page
         q = torch.cat([q, q[:1].expand(step.num_rows - rows, -1, -1)])
