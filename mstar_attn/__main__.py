@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ops; prints the graph-break count (default: off; --compile alone: full)")
     d.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="speculative decoding: draft rounds of K tokens (one graph each on CUDA), target verify steps")
+    d.add_argument("--tree", type=int, default=0, metavar="W",
+                   help="with --speculate K: verify a draft tree of W tokens per level (1 + K x W per request; the "
+                        "reference backend), and report its acceptance beside the chain's at the same K")
     d.add_argument("--draft", choices=["small", "self"], default="small",
                    help="with --speculate: the target's first half of the layers (default), or the target itself")
     w = sub.add_parser("warmup", help="build every kernel a demo model's steps can reach, with cold and warm times")
@@ -68,8 +71,13 @@ def demo(args: argparse.Namespace) -> int:
             from mstar_attn.demo.report import write
             from mstar_attn.demo.speculate import run_speculative, summary
 
-            result = run_speculative(cfg, args.speculate, args.draft)
+            result = run_speculative(cfg, args.speculate, args.draft, args.tree)
             write(sys.stdout, summary(result))
+            if args.tree:
+                chain = run_speculative(cfg, args.speculate, args.draft)
+                write(sys.stdout, f"accepted  {result.accepted / result.rounds:.2f} draft tokens per round with the tree vs "
+                                  f"{chain.accepted / chain.rounds:.2f} with the chain at the same K "
+                                  f"({result.rounds} vs {chain.rounds} rounds)\n")
         else:
             result = run_demo(cfg, out=sys.stdout, progress=sys.stderr)
     except (DemoError, PlanError) as e:

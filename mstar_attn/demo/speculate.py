@@ -10,6 +10,13 @@ has its own caches). The draft: "small" is a Llama with the target's first half 
 embeddings, final norm and lm_head (a layer-skipping draft); "self" is the target itself, whose
 proposals are all accepted.
 
+With a tree width W (`demo --speculate K --tree W`) each draft step keeps its W most likely tokens: the
+first continues the chain, the others are leaves beside it, so a request's tree has 1 + K * W tokens
+(its last token the root). The target verifies the tree in one step (build_tree_plan: each token over its
+ancestors, positions by depth), walks down it with its greedy picks, and the accepted path's K/V moves to
+where the request continues (accepted_moves + PagedKVCache.move); a path that ends on a leaf beside the
+chain leaves the draft one position to catch up, as a fully accepted round does.
+
 The check: every request's tokens equal plain greedy decoding of the target (the stock HF model
 recomputing the whole sequence per token), and every target logit the engine computed is within
 check.REL / ABS of the stock model's (bf16 / fp16: tokens compared up to the first near-tie).
@@ -21,7 +28,7 @@ import attrs
 import numpy as np
 import torch
 
-from mstar_attn import AttentionSpec, PagedKVCache, StepBatch, build_plan
+from mstar_attn import AttentionSpec, DraftTree, PagedKVCache, StepBatch, accepted_moves, build_plan, build_tree_plan
 from mstar_attn.demo import llama
 from mstar_attn.demo.attention import make_attention
 from mstar_attn.demo.check import Check, check_request
@@ -38,6 +45,7 @@ class SpecResult:
     config: DemoConfig
     k: int
     draft: str
+    width: int = 0  # tree width W (0: a chain)
     proposed: int = 0
     accepted: int = 0
     catch_up_steps: int = 0  # draft decode steps over the last proposal of a fully accepted round
@@ -111,27 +119,58 @@ class _Model:
         else:
             self.attn.bind(self.spec, max_batch, max_tokens)
 
-    def step(self, batch: StepBatch, tokens: list[int]) -> torch.Tensor:
-        """One step's logits [T, vocab] float32, eagerly."""
-        plan = build_plan(batch, self.spec)
+    def step(self, batch: StepBatch, tokens: list[int], tree: DraftTree | None = None) -> torch.Tensor:
+        """One step's logits [T, vocab] float32, eagerly (with `tree`: a tree verify step)."""
+        plan = build_plan(batch, self.spec) if tree is None else build_tree_plan(batch, self.spec, tree)
         ctx = self.attn.prepare(plan)
         x = step_inputs(plan, tokens, self.attn.rows(ctx), self.device)
+        self.last_plan = plan
         return llama.forward(self.model, ctx, self.layers, x["ids"], x["positions"])[: plan.num_tokens].float()
 
-    def round_fn(self, steps, x: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A draft round: step j feeds the token step j - 1 picked (greedy, on the device); returns [rows, K] int64."""
+    def round_fn(self, steps, x: dict[str, torch.Tensor], width: int = 0) -> torch.Tensor:
+        """A draft round: step j feeds the token step j - 1 picked (greedy, on the device); returns [rows, K] int64,
+        or with a width W each step's W most likely tokens, [rows, K, W] (the first one fed on)."""
         ids, out = x["ids"], []
         for j, step in enumerate(steps):
-            ids = llama.forward(self.model, step, self.layers, ids, x["positions"] + j).argmax(-1)
-            out.append(ids)
+            logits = llama.forward(self.model, step, self.layers, ids, x["positions"] + j)
+            top = logits.argmax(-1, keepdim=True) if not width else logits.topk(width, dim=-1).indices
+            ids = top[:, 0]
+            out.append(top if width else ids)
         return torch.stack(out, dim=1)
 
 
-def run_speculative(cfg: DemoConfig, k: int, draft: str = "small") -> SpecResult:
-    """Serve the trace's requests (all at once) by draft rounds of k tokens and target verify steps; check."""
+def tree_parents(k: int, width: int) -> list[int]:
+    """The draft tree of a round: root 0; level d (1..k) is nodes 1 + (d - 1) * width + w, w < width, all children
+    of level d - 1's first node (the chain), the others leaves."""
+    return [-1] + [0 if d == 1 else 1 + (d - 2) * width for d in range(1, k + 1) for _ in range(width)]
+
+
+def accept_path(k: int, width: int, tokens: list[int], picks: list[int]) -> list[int]:
+    """The accepted root-down path of one request's tree (tokens and the target's greedy picks per node): from the
+    root, the child whose token is the target's pick at the current node, while there is one."""
+    path = [0]
+    while True:
+        cur = path[-1]
+        level = 0 if cur == 0 else (cur - 1) // width + 1
+        if level == k or (cur and (cur - 1) % width):  # (the last level, or a leaf beside the chain)
+            return path
+        first = 1 + level * width
+        nxt = next((c for c in range(first, first + width) if tokens[c] == picks[cur]), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
+
+
+def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 0) -> SpecResult:
+    """Serve the trace's requests (all at once) by draft rounds of k tokens and target verify steps (of a draft
+    tree of `width` tokens per level where width > 0); check."""
     cfg = cfg.resolve()
     if not 1 <= k <= MAX_DRAFT_STEPS - 1:
         raise DemoError(f"--speculate {k}: a round drafts 1..{MAX_DRAFT_STEPS - 1} tokens")
+    if width and not (1 <= width and 1 + k * width <= 64):
+        raise DemoError(f"--tree {width}: a tree of 1 + K x W tokens holds at most 64 (K {k})")
+    if width and cfg.backend != "reference":
+        raise DemoError(f"--tree: token-tree verify is served by the reference backend (not {cfg.backend!r} yet)")
     if draft not in ("small", "self"):
         raise DemoError(f"--draft {draft!r}: 'small' or 'self'")
     if cfg.model != "llama":
@@ -141,14 +180,15 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small") -> SpecResult
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     reqs = make_trace(cfg, np.random.default_rng(cfg.seed))
     ps = cfg.page_size
-    num_pages = sum(-(-(len(r.prompt) + r.max_new + k + 1) // ps) for r in reqs)
+    n_verify = 1 + k * width if width else k + 1  # a verify step's tokens per request
+    num_pages = sum(-(-(len(r.prompt) + r.max_new + n_verify) // ps) for r in reqs)
     B = len(reqs)
-    res = SpecResult(cfg, k, draft)
+    res = SpecResult(cfg, k, draft, width)
     with torch.inference_mode():
         target = llama.build_model(cfg, dtype, device)
         drafter = target if draft == "self" else draft_model(target, max(cfg.layers // 2, 1))
         rows = 1 << (B - 1).bit_length()
-        tokens_max = sum(len(r.prompt) for r in reqs) + B * (k + 1)
+        tokens_max = sum(len(r.prompt) for r in reqs) + B * n_verify
         t = _Model(cfg, target, num_pages, rows, tokens_max, k, device)
         d = _Model(attrs.evolve(cfg, layers=drafter.config.num_hidden_layers), drafter, num_pages, rows, tokens_max, k, device)
         if cfg.gpu:  # the kernels of every kind of step (a round's steps decode on the verify kind's), before the trace
@@ -171,7 +211,7 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small") -> SpecResult
         live = [r for r in reqs if not r.done]
         while live:
             for r in live:  # pages through the verify step's last token
-                r.pages += pages.alloc(-(-(len(r.tokens) + k) // ps) - len(r.pages))
+                r.pages += pages.alloc(-(-(len(r.tokens) - 1 + n_verify) // ps) - len(r.pages))
             behind = [r for r in live if drafted[r.rid] < len(r.tokens) - 1]  # a fully accepted round's last proposal
             if behind:
                 d.step(StepBatch.from_pages([1] * len(behind), [len(r.tokens) - 1 for r in behind],
@@ -185,6 +225,15 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small") -> SpecResult
             x = {"ids": torch.tensor([r.tokens[-1] for r in live] + [0] * (R - n), device=device),
                  "positions": torch.tensor([len(r.tokens) - 1 for r in live] + [0] * (R - n), device=device)}
             before = getattr(getattr(d.attn, "round_graphs", None), "replays", 0)
+            if width:
+                proposals = d.round_fn(steps, x, width)[:n].cpu().tolist()  # [n, k, W]
+                res.round_sizes.append(n)
+                _verify_tree(res, t, live, proposals, drafted, ps)
+                for r in live:
+                    if r.done:
+                        pages.release(r.pages)
+                live = [r for r in live if not r.done]
+                continue
             proposals = d.attn.run_round(d.round_fn, steps, x)[:n].cpu().tolist()
             res.replayed_rounds += getattr(getattr(d.attn, "round_graphs", None), "replays", 0) - before
             res.round_sizes.append(n)
@@ -217,13 +266,43 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small") -> SpecResult
     return res
 
 
+def _verify_tree(res: SpecResult, t: _Model, live: list, proposals: list, drafted: dict, ps: int) -> None:
+    """The target's tree verify step of one round (proposals [n][k][W]): walk each tree with the target's picks,
+    take the accepted tokens and the next one, and move the accepted path's K/V where the request continues."""
+    k, width = res.k, res.width
+    tree = DraftTree.from_parents([tree_parents(k, width)] * len(live))
+    nodes = [[r.tokens[-1]] + [tok for level in p for tok in level] for r, p in zip(live, proposals)]
+    batch = StepBatch.from_pages([len(x) for x in nodes], [len(r.tokens) - 1 + len(x) for r, x in zip(live, nodes)],
+                                 [r.pages for r in live], ps)
+    logits = t.step(batch, [tok for x in nodes for tok in x], tree).cpu()
+    paths, n = [], len(nodes[0])
+    for i, (r, x) in enumerate(zip(live, nodes)):
+        rows_i = logits[i * n : (i + 1) * n]
+        picks = rows_i.argmax(-1).tolist()
+        path = accept_path(k, width, x, picks)
+        paths.append(path)
+        res.proposed += k
+        res.accepted += len(path) - 1
+        start = len(r.tokens)
+        chain = next((i for i, node in enumerate(path[1:]) if (node - 1) % width), len(path) - 1)  # drafted tokens kept
+        drafted[r.rid] = start + min(chain, k - 1)
+        take = min(len(path), r.max_new - (start - len(r.prompt)))
+        r.tokens += [picks[j] for j in path][:take]  # (the accepted children's tokens are the picks at their parents)
+        r.logits.append(rows_i[path][:take])
+    moves = accepted_moves(t.last_plan, paths)
+    if moves.src.size:
+        src, dst = (torch.tensor(a, device=t.device) for a in (moves.src, moves.dst))
+        for layer in t.layers:
+            layer.cache.move(src, dst)
+
+
 def summary(res: SpecResult) -> str:
     c = res.config
     gen = sum(len(t) for t in res.tokens.values()) - sum(len(r.prompt) for r in make_trace(c, np.random.default_rng(c.seed)))
     drafter = "the target itself" if res.draft == "self" else f"the target's first {max(c.layers // 2, 1)} of {c.layers} layers"
     lines = [
-        f"speculate K = {res.k}: draft = {drafter}; {c.requests} requests, {gen} tokens generated, {c.dtype} on {c.device}, "
-        f"backend {c.backend}",
+        f"speculate K = {res.k}" + (f", tree W = {res.width} ({1 + res.k * res.width} tokens per verify)" if res.width else "")
+        + f": draft = {drafter}; {c.requests} requests, {gen} tokens generated, {c.dtype} on {c.device}, backend {c.backend}",
         f"rounds    {res.rounds} draft rounds ({res.catch_up_steps} catch-up draft steps), {res.proposed} tokens proposed, "
         f"{res.accepted} accepted ({res.acceptance:.0%})",
         f"target    {res.verify_steps} verify steps + 1 prefill, vs {res.plain_steps} decode steps + 1 prefill for plain greedy "

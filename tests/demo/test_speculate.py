@@ -67,3 +67,38 @@ def test_cascade_is_refused_with_draft_rounds():
 
     with pytest.raises(DemoError, match="--cascade serves plain decoding"):
         run_speculative(attrs.evolve(CPU, cascade="always"), 4)
+
+
+@pytest.mark.parametrize("k, width, draft", [(4, 2, "small"), (3, 3, "small"), (4, 2, "self")])
+def test_tree_rounds_match_plain_greedy(k, width, draft):
+    """Draft trees of W tokens per level verified in one target step each (reference backend): the tokens equal
+    plain greedy decoding and every target logit transformers'; the self draft's chain of first choices is
+    always accepted, so its trees accept every level."""
+    res = run_speculative(CPU, k, draft=draft, width=width)
+    print(summary(res))
+    assert res.matched, summary(res)
+    assert res.width == width and f"tree W = {width} ({1 + k * width} tokens per verify)" in summary(res)
+    if draft == "self":
+        assert res.accepted == res.proposed > 0
+
+
+def test_a_tree_round_without_the_kv_moves_is_caught(monkeypatch):
+    """Skipping the accepted path's K/V moves leaves later steps reading the tree order's K/V: with the self
+    draft every round accepts a path past the first level (which moves), and the check fails."""
+    from mstar_attn.metadata.tree import AcceptedMoves
+    import numpy as np
+
+    def nothing(plan, paths):
+        return AcceptedMoves(src=np.zeros(0, np.int64), dst=np.zeros(0, np.int64),
+                             kept=np.array([len(p) for p in paths], np.int32))
+
+    monkeypatch.setattr(speculate, "accepted_moves", nothing)
+    res = run_speculative(CPU, 4, draft="self", width=2)
+    assert not res.matched
+
+
+def test_tree_rounds_refuse_what_they_cannot_serve():
+    with pytest.raises(DemoError, match=r"--tree 16: a tree of 1 \+ K x W tokens holds at most 64"):
+        run_speculative(CPU, 4, width=16)
+    with pytest.raises(DemoError, match="served by the reference backend"):
+        run_speculative(attrs.evolve(CPU, backend="flashinfer", device="cpu"), 4, width=2)
