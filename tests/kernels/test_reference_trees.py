@@ -1,0 +1,119 @@
+"""The reference backend on token-tree verify steps (metadata/tree.py) and the accepted paths' K/V moves, on the
+CPU, against dense attention over each token's own key set."""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import StepBatch, build_plan
+from mstar_attn.kernels import reference
+from tests.helpers import fresh_seed, make_step
+from tests.kernels.test_reference import TOL
+from tests.support.exact import exact_attention
+
+
+def _tree_oracle(q, k_seq, v_seq, prefix, visible, scale):
+    """Each tree token over the cached prefix and the new tokens `visible` marks (float64): dense attention
+    with the token's own key set."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for j in range(q.shape[0]):
+        keys = list(range(prefix)) + [prefix + i for i in np.flatnonzero(visible[j])]
+        out[j] = exact_attention(q[j : j + 1], k_seq[keys], v_seq[keys], scale=scale, causal=False)[0]
+    return out
+
+
+@pytest.mark.parametrize("shape", ["chain", "star", "random"])
+@pytest.mark.parametrize("committed", [False, True])
+def test_tree_verify_equals_attention_over_each_tokens_ancestors(shape, committed):
+    """A verify step of random draft trees (chains, stars, random; up to 64 tokens, prefixes from 0 to 300
+    tokens), per request and token against dense attention over the prefix and the token's ancestors and
+    itself; as a plan and committed to a CPU pool. Negative control: the oracle with one ancestor bit
+    flipped (a token that also sees one non-ancestor, or misses one ancestor) is far off."""
+    from mstar_attn import DraftTree, GraphBufferPool, PoolLimits, build_tree_plan
+    from tests.support.trees import random_parents
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 5))
+    sizes = [int(rng.integers(2, 65)) for _ in range(B)]
+    prefix = [int(rng.choice([0, 1, int(rng.integers(2, 300))])) for _ in range(B)]
+    tree = DraftTree.from_parents([random_parents(rng, n, shape) for n in sizes])
+    kv = [p + n for p, n in zip(prefix, sizes)]
+    spec, plan, cache, q, k_seqs, v_seqs, k_new, v_new = make_step(seed, sizes, kv, 16, heads=(4, 2))
+    plan = build_tree_plan(StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, 16), spec, tree)
+    step = plan
+    if committed:
+        pool = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=512, max_num_pages=spec.num_pages,
+                                                max_pages_per_request=64), device="cpu")
+        step = pool.commit(plan)
+        step.mark_stored()  # (make_step stored the new K/V through the plan's slots: the same slots)
+    out = reference.run(step, q, cache)
+    flipped = False
+    for i in range(B):
+        a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
+        vis = tree.visible(i)
+        want = _tree_oracle(q[a:b], k_seqs[i], v_seqs[i], prefix[i], vis, spec.sm_scale)
+        err = ((out[a:b].double() - want).norm() / want.norm()).item()
+        assert err < TOL[torch.float32], (f"seed {seed}", shape, f"request {i}", err)
+        j = int(rng.integers(1, sizes[i]))  # (a token past the root: it has a non-self bit to flip)
+        col = int(rng.integers(0, j))
+        bad = vis.copy()
+        bad[j, col] = not bad[j, col]
+        wrong = _tree_oracle(q[a + j : a + j + 1], k_seqs[i], v_seqs[i], prefix[i], bad[j : j + 1], spec.sm_scale)
+        off = ((out[a + j : a + j + 1].double() - wrong).norm() / wrong.norm()).item()
+        flipped |= off > 100 * TOL[torch.float32]
+    assert flipped, f"seed {seed}: no flipped ancestor bit changed an output"
+
+
+def test_accepted_paths_move_to_where_their_requests_continue():
+    """After a tree verify step, each request keeps a random root-down path: accepted_moves + PagedKVCache.move
+    put the path's K/V at prefix + 0, 1, ... (checked slot by slot, the prefix untouched), and a decode step
+    over the compacted cache (kv_len prefix + kept, its query the last accepted token's) equals exact attention
+    over the prefix and the path, per request."""
+    from mstar_attn import DraftTree, build_tree_plan
+    from mstar_attn.metadata.tree import accepted_moves
+    from tests.support.trees import random_parents
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 5))
+    sizes = [int(rng.integers(1, 40)) for _ in range(B)]
+    prefix = [int(rng.integers(0, 200)) for _ in range(B)]
+    parents = [random_parents(rng, n) for n in sizes]
+    tree = DraftTree.from_parents(parents)
+    spec, plan, cache, q, k_seqs, v_seqs, k_new, v_new = make_step(seed, sizes, [p + n for p, n in zip(prefix, sizes)], 16)
+    plan = build_tree_plan(StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, 16), spec, tree)
+    paths = []
+    for p in parents:  # a random walk down from the root, stopping at random
+        path = [0]
+        while True:
+            kids = [j for j in range(len(p)) if p[j] == path[-1]]
+            if not kids or rng.random() < 0.2:
+                break
+            path.append(int(rng.choice(kids)))
+        paths.append(path)
+    moves = accepted_moves(plan, paths)
+    assert moves.kept.tolist() == [len(p) for p in paths], seed
+    before = [x.clone() for x in cache.flat()]
+    cache.move(torch.tensor(moves.src), torch.tensor(moves.dst))
+    kf, vf = cache.flat()
+    for i, path in enumerate(paths):
+        a = int(plan.qo_indptr[i])
+        slots = plan.slot_mapping[a : a + len(path)]
+        for k, j in enumerate(path):
+            assert torch.equal(kf[int(slots[k])], k_new[a + j]) and torch.equal(vf[int(slots[k])], v_new[a + j]), (seed, i, k)
+    moved = set(moves.dst.tolist())
+    untouched = [s for s in range(kf.shape[0]) if s not in moved]
+    assert torch.equal(kf[untouched], before[0][untouched]), seed
+    kept = [p + len(path) for p, path in zip(prefix, paths)]
+    lists = [plan.kv_indices[plan.kv_indptr[i] : plan.kv_indptr[i + 1]][: -(-kept[i] // 16)] for i in range(B)]
+    decode = build_plan(StepBatch.from_pages([1] * B, kept, lists, 16), spec)
+    q1 = torch.randn(B, 4, 16, generator=torch.Generator().manual_seed(seed))
+    out = reference.run(decode, q1, cache)
+    for i, path in enumerate(paths):
+        a = int(plan.qo_indptr[i])
+        keys = torch.cat([k_seqs[i][: prefix[i]], k_new[[a + j for j in path]]])
+        values = torch.cat([v_seqs[i][: prefix[i]], v_new[[a + j for j in path]]])
+        want = exact_attention(q1[i : i + 1], keys, values, scale=spec.sm_scale, causal=False)
+        err = ((out[i : i + 1].double() - want).norm() / want.norm()).item()
+        assert err < TOL[torch.float32], (f"seed {seed}", f"request {i}", err)
