@@ -19,9 +19,9 @@ as vLLM's unified attention op reads its forward context. The KV caches are not 
 mutable arguments, functionalization would clone a whole cache per layer wherever Inductor cannot
 re-inplace it (and the eager `aot_eager` path always does). They are mutated behind the ops, like
 vLLM's, and ordering holds because every layer's attention output feeds the next layer; both ops
-are registered as side effects. Inductor (torch 2.13) may still drop an attention call whose output
-nothing reads, and orders a separate `store` before `attend` by program order only: keep attention
-outputs used, and prefer `forward(q, k, v)` over a split store + attend inside a compiled model. `out` is the one declared
+are registered as side effects: Inductor (torch 2.13) keeps an attention call whose output nothing reads
+(tests/test_ops.py pins it), and orders a separate `store` before `attend` by program order only: prefer
+`forward(q, k, v)` over a split store + attend inside a compiled model. `out` is the one declared
 mutation (Tensor(a!)), written in place: a preallocated output as vLLM's op has.
 
 The implementations run `Attention.forward` / `Attention.store` with the context's step, so every

@@ -83,6 +83,24 @@ def test_a_split_store_and_attend_compile_too_and_keep_their_order():
     torch.testing.assert_close(got, twins[0].forward(q, k, v, plan), rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
 
 
+def test_inductor_keeps_an_attention_call_whose_output_nothing_reads():
+    """A compiled function that calls forward(q, k, v) and ignores its output: Inductor still runs the op (a
+    declared side effect), so the step's K/V are stored, as the direct call stores them."""
+    seed = fresh_seed()
+    spec, plan, layers, q, k, v = setup(seed, num_layers=1)
+
+    def ignores(layer, q, k, v):
+        layer.forward(q, k, v)
+        return q * 2
+
+    torch._dynamo.reset()
+    with step_context(plan):
+        torch.compile(ignores, fullgraph=True, backend="inductor")(layers[0], q, k, v)
+    _, _, twins, _, _, _ = setup(seed, num_layers=1)
+    twins[0].forward(q, k, v, plan)
+    assert torch.equal(layers[0].cache.k, twins[0].cache.k) and torch.equal(layers[0].cache.v, twins[0].cache.v), seed
+
+
 def test_bad_input_through_the_op_is_the_direct_calls_plan_error():
     seed = fresh_seed()
     spec, plan, layers, q, k, v = setup(seed)
