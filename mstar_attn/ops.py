@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
+import contextvars
 import weakref
 from typing import Iterator
 
@@ -48,7 +48,9 @@ _LIB.define("store(Tensor k, Tensor v, int key) -> ()")
 
 _layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> Attention (the ops' layers)
 _keys = itertools.count()
-_local = threading.local()  # .step: the step of this thread's forward in progress (step_context)
+# the step of the forward in progress (step_context): a context variable, so each thread and each asyncio task
+# (an engine serving two pools from two threads, or from two tasks of one event loop) sees only its own
+_STEP: contextvars.ContextVar = contextvars.ContextVar("mstar_attn_step", default=None)
 
 
 def register(layer) -> int:
@@ -62,19 +64,18 @@ def register(layer) -> int:
 def step_context(step) -> Iterator:
     """The step the mstar_attn ops of a forward run with: a committed DeviceStep (or, on the reference
     backend, an AttentionPlan). Enter it around the model's forward, eager, compiled or being captured
-    into a CUDA graph; contexts nest (the inner step wins until it exits) and belong to their thread
-    (an engine serving two pools from two threads gives each its own)."""
-    before = getattr(_local, "step", None)
-    _local.step = step
+    into a CUDA graph; contexts nest (the inner step wins until it exits) and belong to their thread and
+    asyncio task (an engine serving two pools from two threads or two tasks gives each its own)."""
+    token = _STEP.set(step)
     try:
         yield step
     finally:
-        _local.step = before
+        _STEP.reset(token)
 
 
 def current_step(where: str):
     """The step of the enclosing step_context; PlanError outside one."""
-    step = getattr(_local, "step", None)
+    step = _STEP.get()
     if step is None:
         raise PlanError(f"{where}: no step: call the layer with forward(q, k, v, step), or run the model inside "
                         "`with mstar_attn.step_context(step):`")

@@ -164,6 +164,28 @@ def test_the_op_path_names_what_is_missing():
         assert len(seen) == 1 and "no step" in str(seen[0].value)
 
 
+def test_each_asyncio_task_sees_its_own_step():
+    """Two tasks of one event loop, each inside its own step_context, interleaved at awaits: each reads its own
+    step, and none is left behind after them."""
+    import asyncio
+
+    async def serve(step, seen):
+        with step_context(step):
+            for _ in range(3):
+                await asyncio.sleep(0)  # (the other task runs here)
+                seen.append((step, ma.ops.current_step("x")))
+
+    async def both():
+        seen = []
+        await asyncio.gather(serve("a", seen), serve("b", seen))
+        return seen
+
+    seen = asyncio.run(both())
+    assert len(seen) == 6 and all(mine == read for mine, read in seen)
+    with pytest.raises(PlanError, match="no step"):
+        ma.ops.current_step("x")
+
+
 @pytest.mark.gpu
 def test_a_compiled_step_captures_as_one_cuda_graph_and_replays_right():
     """On CUDA: the FlashInfer backend, a committed step, the compiled model (Inductor) captured into a
