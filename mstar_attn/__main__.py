@@ -65,6 +65,8 @@ def demo(args: argparse.Namespace) -> int:
                      hidden=args.hidden, requests=args.requests, page_size=args.page_size, seed=args.seed,
                      model=args.model, window=args.window, cascade=args.cascade, compile=args.compile)
     try:
+        if args.tree and not args.speculate:
+            raise DemoError("--tree W verifies draft trees: give --speculate K too")
         if args.speculate:
             if args.compile != "off":
                 raise DemoError("--compile with --speculate: draft rounds run uncompiled for now; drop one of them")
@@ -75,9 +77,11 @@ def demo(args: argparse.Namespace) -> int:
             write(sys.stdout, summary(result))
             if args.tree:
                 chain = run_speculative(cfg, args.speculate, args.draft)
-                write(sys.stdout, f"accepted  {result.accepted / result.rounds:.2f} draft tokens per round with the tree vs "
-                                  f"{chain.accepted / chain.rounds:.2f} with the chain at the same K "
-                                  f"({result.rounds} vs {chain.rounds} rounds)\n")
+                per = lambda r: r.accepted / max(sum(r.round_sizes), 1)  # noqa: E731  (per request and round)
+                write(sys.stdout, f"accepted  {per(result):.2f} draft tokens per request per round with the tree vs "
+                                  f"{per(chain):.2f} with the chain at the same K ({result.rounds} vs {chain.rounds} "
+                                  f"rounds; chain matches: {'yes' if chain.matched else 'no'})\n")
+                result = result if chain.matched else chain
         else:
             result = run_demo(cfg, out=sys.stdout, progress=sys.stderr)
     except (DemoError, PlanError) as e:

@@ -66,11 +66,15 @@ def step_context(step) -> Iterator:
     backend, an AttentionPlan). Enter it around the model's forward, eager, compiled or being captured
     into a CUDA graph; contexts nest (the inner step wins until it exits) and belong to their thread and
     asyncio task (an engine serving two pools from two threads or two tasks gives each its own)."""
+    before = _STEP.get()
     token = _STEP.set(step)
     try:
         yield step
     finally:
-        _STEP.reset(token)
+        try:
+            _STEP.reset(token)
+        except ValueError:  # (a generator suspended inside the context and finished in another one)
+            _STEP.set(before)
 
 
 def current_step(where: str):

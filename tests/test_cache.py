@@ -98,7 +98,7 @@ def test_move_reads_every_source_before_writing_and_moves_fp8_bytes():
         k = torch.randn(cache.flat()[0].shape[0], 2, 16)
         cache.store(torch.arange(k.shape[0]), k, -k)
         before = [x.view(torch.uint8).clone() if dtype != torch.float32 else x.clone() for x in cache.flat()]
-        src, dst = torch.tensor([5, 6, 7, 3]), torch.tensor([4, 5, 6, 9])  # (5 and 6 are read and written)
+        src, dst = torch.tensor([4, 5, 6, 3]), torch.tensor([5, 6, 7, 9])  # (5, 6 read and written: an in-order copy fails)
         cache.move(src, dst)
         for flat, old in zip(cache.flat(), before):
             now = flat.view(torch.uint8) if dtype != torch.float32 else flat

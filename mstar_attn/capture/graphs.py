@@ -116,9 +116,10 @@ class DecodeGraphs:
 
     def serves(self, step: DeviceStep) -> bool:
         """Whether `step` replays a graph: this pool's, bucketed, and captured for its q_len and its backend
-        (never a step of a draft round: its arrays are not where a decode graph reads; RoundGraphs serves those)."""
+        (never a step of a draft round: its arrays are not where a decode graph reads; RoundGraphs serves those;
+        never a token-tree step: its graph would attend with the chain's mask)."""
         return (step.pool is self.pool and step.bucket is not None and step.plan.draft_step is None
-                and _key(step) in self.graphs)
+                and step.plan.tree is None and _key(step) in self.graphs)
 
     def __call__(self, step: DeviceStep, **inputs: torch.Tensor) -> torch.Tensor:
         """fn(step, inputs), replayed when a graph serves the step; returns [plan.num_tokens, ...] rows."""

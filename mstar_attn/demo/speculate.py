@@ -35,6 +35,7 @@ from mstar_attn.demo.check import Check, check_request
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError, seeded_model, transformers_classes
 from mstar_attn.demo.engine import PageAllocator, make_trace, step_inputs
 from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, build_round
+from mstar_attn.metadata.tree import MAX_TREE_NODES
 from mstar_attn.warmup import warmup
 
 
@@ -167,8 +168,8 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
     cfg = cfg.resolve()
     if not 1 <= k <= MAX_DRAFT_STEPS - 1:
         raise DemoError(f"--speculate {k}: a round drafts 1..{MAX_DRAFT_STEPS - 1} tokens")
-    if width and not (1 <= width and 1 + k * width <= 64):
-        raise DemoError(f"--tree {width}: a tree of 1 + K x W tokens holds at most 64 (K {k})")
+    if width and not (1 <= width and 1 + k * width <= MAX_TREE_NODES):
+        raise DemoError(f"--tree {width}: a tree of 1 + K x W tokens holds at most {MAX_TREE_NODES} (K {k})")
     if width and cfg.backend != "reference":
         raise DemoError(f"--tree: token-tree verify is served by the reference backend (not {cfg.backend!r} yet)")
     if draft not in ("small", "self"):

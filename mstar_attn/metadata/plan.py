@@ -69,6 +69,8 @@ def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: Draf
                         f"{spec.groups[bad[0]].kind.value}")
     if spec.cascade != "off":
         raise PlanError(f"spec.cascade: tree verify reads every page flat (cascade {spec.cascade!r}: use 'off')")
+    if isinstance(batch, StepRows):  # (the pool derives a StepRows step's slots from its positions, here by depth)
+        raise PlanError("batch: a tree verify step is planned from a StepBatch (its page lists), not StepRows")
     plan = build_plan(batch, spec)
     q = plan.q_lens
     if q.shape != tree.sizes.shape:
@@ -76,7 +78,8 @@ def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: Draf
     if (q != tree.sizes).any():
         fail_at("q_lens", q != tree.sizes, "its new tokens are not its tree's tokens (q_len != tree.sizes)")
     if not BACKENDS[plan.backend].tree:
-        raise PlanError(f"backend: {plan.backend!r} does not serve token trees (backends that do: "
+        asked = repr(plan.backend) if spec.backend == plan.backend else f"{spec.backend!r} (its pick: {plan.backend!r})"
+        raise PlanError(f"backend: {asked} does not serve token trees (backends that do: "
                         f"{', '.join(repr(n) for n in TREE_BACKENDS)})")
     positions = np.repeat((plan.kv_lens - q).astype(np.int64), q) + tree.depth
     read_only(positions)

@@ -197,7 +197,7 @@ class AttentionPlan:
 
 
 _STORED = ("spec", "mode", "batch_size", "num_tokens", "max_q_len", "max_kv_len", "q_lens", "kv_lens", "kv_indices",
-           "slot_mapping", "block_table", "backend", "rows", "draft_step", "cascade")
+           "slot_mapping", "block_table", "backend", "rows", "draft_step", "cascade", "tree")
 _DERIVED = ("qo_indptr", "kv_indptr", "kv_last_page_len", "positions", "groups")
 
 

@@ -23,7 +23,7 @@ from mstar_attn.metadata.errors import PlanError
 
 MAX_TREE_NODES = 64  # one uint64 bitset per token
 
-__all__ = ["MAX_TREE_NODES", "AcceptedMoves", "DraftTree", "accepted_moves"]
+__all__ = ["MAX_TREE_NODES", "AcceptedMoves", "DraftTree", "accepted_moves"]  # (build_tree_plan: metadata/plan.py)
 
 
 @attrs.frozen(kw_only=True)
@@ -143,9 +143,12 @@ def accepted_moves(plan, accepted: Sequence[Sequence[int]]) -> AcceptedMoves:
     for r, path in enumerate(accepted):
         n = int(tree.sizes[r])
         parents = tree.parents[start : start + n]
-        p = [int(x) for x in path]
+        p = np.asarray(path)
+        if p.ndim != 1 or (p.size and p.dtype.kind not in "iu"):
+            raise PlanError(f"accepted[{r}]: expected a list of node indices (request {r}), got {path!r}")
+        p = [int(x) for x in p]
         if not p or p[0] != 0:
-            raise PlanError(f"accepted[{r}]: a path starts at the root, node 0 (request {r})")
+            raise PlanError(f"accepted[{r}]: a path starts at the root, node 0 (request {r}), got {path!r}")
         for k in range(1, len(p)):
             if not 0 < p[k] < n or parents[p[k]] != p[k - 1]:
                 raise PlanError(f"accepted[{r}][{k}] = {p[k]}: not a child of node {p[k - 1]} in request {r}'s tree "

@@ -80,6 +80,8 @@ def test_tree_rounds_match_plain_greedy(k, width, draft):
     assert res.width == width and f"tree W = {width} ({1 + k * width} tokens per verify)" in summary(res)
     if draft == "self":
         assert res.accepted == res.proposed > 0
+    else:  # some accepted path ends on a leaf beside the chain: the draft catches that position up
+        assert res.catch_up_steps > 0, summary(res)
 
 
 def test_a_tree_round_without_the_kv_moves_is_caught(monkeypatch):

@@ -104,7 +104,7 @@ def test_accepted_paths_move_to_where_their_requests_continue():
             assert torch.equal(kf[int(slots[k])], k_new[a + j]) and torch.equal(vf[int(slots[k])], v_new[a + j]), (seed, i, k)
     moved = set(moves.dst.tolist())
     untouched = [s for s in range(kf.shape[0]) if s not in moved]
-    assert torch.equal(kf[untouched], before[0][untouched]), seed
+    assert torch.equal(kf[untouched], before[0][untouched]) and torch.equal(vf[untouched], before[1][untouched]), seed
     kept = [p + len(path) for p, path in zip(prefix, paths)]
     lists = [plan.kv_indices[plan.kv_indptr[i] : plan.kv_indptr[i + 1]][: -(-kept[i] // 16)] for i in range(B)]
     decode = build_plan(StepBatch.from_pages([1] * B, kept, lists, 16), spec)

@@ -69,6 +69,12 @@ def test_the_tree_plan_positions_tokens_by_depth_and_refuses_what_it_cannot_serv
                            groups=(LayerGroup(), LayerGroup("window", window=4)), layer_groups=(0, 1))
     with pytest.raises(PlanError, match=r"spec.groups\[1\]: tree verify serves full causal layer groups, not window"):
         build_tree_plan(batch, window, tree)
+    other = build_tree_plan(batch, spec, DraftTree.from_parents([[-1, 0, 0, 2], [-1, 0]]))
+    assert other != plan and build_tree_plan(batch, spec, DraftTree.from_parents([[-1, 0, 0, 1], [-1, 0]])) == plan
+    from mstar_attn import StepRows
+
+    with pytest.raises(PlanError, match="planned from a StepBatch"):
+        build_tree_plan(StepRows.decode([0, 1], [3, 4]), spec, DraftTree.from_parents([[-1], [-1]]))
     with pytest.raises(PlanError, match="tree: expected a DraftTree made by DraftTree.from_parents, got list"):
         build_tree_plan(batch, spec, [[-1, 0, 0, 1], [-1, 0]])
     import attrs
