@@ -104,3 +104,47 @@ def test_tree_rounds_refuse_what_they_cannot_serve():
         run_speculative(CPU, 4, width=16)
     with pytest.raises(DemoError, match="served by the reference backend"):
         run_speculative(attrs.evolve(CPU, backend="flashinfer", device="cpu"), 4, width=2)
+
+
+def test_tree_rounds_leave_no_stale_draft_kv(monkeypatch):
+    """Before every draft round after a tree verify, the draft caches hold at each position the round reads
+    (< len(tokens) - 1) the K/V a fresh draft prefill of the request's tokens gives: a path that ended on a
+    leaf beside the chain was caught up, never read stale."""
+    import torch
+
+    from mstar_attn import StepBatch
+
+    models, state = [], {"live": None, "checked": 0, "stale": []}
+    init, verify, plan_round = speculate._Model.__init__, speculate._verify_tree, speculate.build_round
+
+    def keep(self, *a, **kw):
+        init(self, *a, **kw)
+        models.append((self, a, kw))
+
+    def after_verify(res, t, live, *rest):
+        verify(res, t, live, *rest)
+        state["live"] = list(live)
+
+    def before_round(batch, spec, k):
+        if state["live"] is not None:
+            draft, a, kw = models[1]
+            ps = a[0].page_size
+            for r in [r for r in state["live"] if not r.done]:
+                n = len(r.tokens) - 1
+                fresh = speculate._Model(*a, **kw)
+                fresh.step(StepBatch.from_pages([n], [n], [r.pages], ps), r.tokens[:n])
+                slots = torch.tensor([r.pages[p // ps] * ps + p % ps for p in range(n)])
+                for layer, (mine, ref) in enumerate(zip(draft.layers, fresh.layers)):
+                    for x, y in zip(mine.cache.flat(), ref.cache.flat()):
+                        bad = ((x[slots] - y[slots]).abs().amax(dim=(1, 2)) > 1e-4).nonzero().flatten().tolist()
+                        if bad:
+                            state["stale"].append((r.rid, layer, bad))
+                state["checked"] += 1
+        return plan_round(batch, spec, k)
+
+    monkeypatch.setattr(speculate._Model, "__init__", keep)
+    monkeypatch.setattr(speculate, "_verify_tree", after_verify)
+    monkeypatch.setattr(speculate, "build_round", before_round)
+    res = run_speculative(CPU, 4, width=2)
+    assert res.matched and res.catch_up_steps > 0 and state["checked"] > 0, summary(res)
+    assert not state["stale"], state["stale"][:5]
