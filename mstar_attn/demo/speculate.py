@@ -226,31 +226,13 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
             x = {"ids": torch.tensor([r.tokens[-1] for r in live] + [0] * (R - n), device=device),
                  "positions": torch.tensor([len(r.tokens) - 1 for r in live] + [0] * (R - n), device=device)}
             before = getattr(getattr(d.attn, "round_graphs", None), "replays", 0)
-            if width:
+            if width:  # (trees: the round eagerly, each step's W first choices)
                 proposals = d.round_fn(steps, x, width)[:n].cpu().tolist()  # [n, k, W]
-                res.round_sizes.append(n)
-                _verify_tree(res, t, live, proposals, drafted, ps)
-                for r in live:
-                    if r.done:
-                        pages.release(r.pages)
-                live = [r for r in live if not r.done]
-                continue
-            proposals = d.attn.run_round(d.round_fn, steps, x)[:n].cpu().tolist()
-            res.replayed_rounds += getattr(getattr(d.attn, "round_graphs", None), "replays", 0) - before
+            else:
+                proposals = d.attn.run_round(d.round_fn, steps, x)[:n].cpu().tolist()  # [n, k]
+                res.replayed_rounds += getattr(getattr(d.attn, "round_graphs", None), "replays", 0) - before
             res.round_sizes.append(n)
-            verify = StepBatch.from_pages([k + 1] * n, [len(r.tokens) + k for r in live], [r.pages for r in live], ps)
-            logits = t.step(verify, [x for r, p in zip(live, proposals) for x in [r.tokens[-1], *p]]).cpu()
-            for i, (r, p) in enumerate(zip(live, proposals)):
-                rows_i = logits[i * (k + 1) : (i + 1) * (k + 1)]
-                picks = rows_i.argmax(-1).tolist()
-                kept = accepted_prefix(p, picks)
-                res.proposed += k
-                res.accepted += kept
-                start = len(r.tokens)
-                drafted[r.rid] = start + min(kept, k - 1)
-                take = min(kept + 1, r.max_new - (start - len(r.prompt)))
-                r.tokens += picks[:take]
-                r.logits.append(rows_i[:take])
+            (_verify_tree if width else _verify_chain)(res, t, live, proposals, drafted, ps)
             for r in live:
                 if r.done:
                     pages.release(r.pages)
@@ -265,6 +247,32 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
             res.greedy_checked += upto
             res.greedy_agree += sum(ok[:upto])
     return res
+
+
+def _take(res: SpecResult, r, picks: list[int], rows: torch.Tensor, drafted_kept: int, drafted: dict) -> None:
+    """Request r's verify outcome: picks, the target's tokens along its accepted path (the accepted proposals,
+    then its next token), rows their logits; drafted_kept of the accepted proposals have draft K/V written (the
+    draft catches up the rest). Appends what max_new allows."""
+    res.proposed += res.k
+    res.accepted += len(picks) - 1
+    start = len(r.tokens)
+    drafted[r.rid] = start + min(drafted_kept, res.k - 1)
+    take = min(len(picks), r.max_new - (start - len(r.prompt)))
+    r.tokens += picks[:take]
+    r.logits.append(rows[:take])
+
+
+def _verify_chain(res: SpecResult, t: _Model, live: list, proposals: list, drafted: dict, ps: int) -> None:
+    """The target's verify step of one round of chains (proposals [n][k]): keep each request's proposals equal to
+    the target's greedy picks, and its next token."""
+    k, n = res.k, len(live)
+    verify = StepBatch.from_pages([k + 1] * n, [len(r.tokens) + k for r in live], [r.pages for r in live], ps)
+    logits = t.step(verify, [x for r, p in zip(live, proposals) for x in [r.tokens[-1], *p]]).cpu()
+    for i, (r, p) in enumerate(zip(live, proposals)):
+        rows_i = logits[i * (k + 1) : (i + 1) * (k + 1)]
+        picks = rows_i.argmax(-1).tolist()
+        kept = accepted_prefix(p, picks)
+        _take(res, r, picks[: kept + 1], rows_i[: kept + 1], kept, drafted)
 
 
 def _verify_tree(res: SpecResult, t: _Model, live: list, proposals: list, drafted: dict, ps: int) -> None:
@@ -282,14 +290,9 @@ def _verify_tree(res: SpecResult, t: _Model, live: list, proposals: list, drafte
         picks = rows_i.argmax(-1).tolist()
         path = accept_path(k, width, x, picks)
         paths.append(path)
-        res.proposed += k
-        res.accepted += len(path) - 1
-        start = len(r.tokens)
         chain = next((i for i, node in enumerate(path[1:]) if (node - 1) % width), len(path) - 1)  # drafted tokens kept
-        drafted[r.rid] = start + min(chain, k - 1)
-        take = min(len(path), r.max_new - (start - len(r.prompt)))
-        r.tokens += [picks[j] for j in path][:take]  # (the accepted children's tokens are the picks at their parents)
-        r.logits.append(rows_i[path][:take])
+        # (the accepted children's tokens are the target's picks at their parents)
+        _take(res, r, [picks[j] for j in path], rows_i[path], chain, drafted)
     moves = accepted_moves(t.last_plan, paths)
     if moves.src.size:
         src, dst = (torch.tensor(a, device=t.device) for a in (moves.src, moves.dst))
