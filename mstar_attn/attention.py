@@ -54,9 +54,8 @@ class Attention:
         if not has:
             raise PlanError(f"sinks: layer {self.layer}'s group {self.group} has no attention sinks (LayerGroup.sinks is "
                             "False): they would be ignored")
-        if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) \
-                or sinks.device != self.cache.k.device:
-            got = f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        got = kernels.misfit_sinks(sinks, heads, self.cache.k.device)
+        if got is not None:
             raise PlanError(f"sinks: layer {self.layer}: expected float32 [{heads}] on {self.cache.k.device}, got {got}")
         return sinks.detach()  # (model weights: a kernel must not take its autograd path, which saves state for backward)
 

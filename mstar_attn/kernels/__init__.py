@@ -16,7 +16,16 @@ import torch
 from mstar_attn.metadata.backends import ALL_MODES, AUTO, BACKENDS, Capabilities, load
 from mstar_attn.metadata.errors import PlanError
 
-__all__ = ["ALL_MODES", "AUTO", "BACKENDS", "Capabilities", "get_backend", "run", "write_kv"]
+__all__ = ["ALL_MODES", "AUTO", "BACKENDS", "Capabilities", "get_backend", "misfit_sinks", "run", "write_kv"]
+
+
+def misfit_sinks(s, heads: int, device) -> str | None:
+    """Layer sinks as every backend takes them (Attention checks them too): None when s is a float32 tensor
+    [heads] on `device` (None: any), else what it is, for the PlanError."""
+    if isinstance(s, torch.Tensor) and s.dtype == torch.float32 and tuple(s.shape) == (heads,) \
+            and (device is None or s.device == device):
+        return None
+    return f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__
 
 
 def get_backend(name: str) -> ModuleType:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from mstar_attn.capture.step import DeviceStep
+from mstar_attn.kernels import misfit_sinks
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
 
@@ -65,9 +66,8 @@ def sinks(s, plan: AttentionPlan, group: int, q: torch.Tensor, where: str) -> to
         raise PlanError(f"{where}: sinks given, but layer group {group} has none (LayerGroup.sinks is False): "
                         "they would be ignored")
     device = q.device if isinstance(q, torch.Tensor) else None  # (a q that is no tensor: the query check names it)
-    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (heads,) \
-            or (device is not None and s.device != device):
-        got = (f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__)
+    got = misfit_sinks(s, heads, device)
+    if got is not None:
         raise PlanError(f"{where}: sinks must be float32 [{heads}] (one logit per query head) on {device or 'q.device'}, "
                         f"got {got}")
     return s

@@ -201,6 +201,7 @@ class AttentionSpec:
             raise PlanError(f"soft_cap must be >= 0 (0 disables it), got {self.soft_cap}")
         if not self.groups:
             raise PlanError("groups must name at least one LayerGroup")
+        object.__setattr__(self, "has_sinks", any(group.sinks for group in self.groups))
         bad = [i for i, g in enumerate(self.layer_groups) if not 0 <= g < len(self.groups)]
         if bad:
             raise PlanError(f"layer_groups[{bad[0]}] = {self.layer_groups[bad[0]]} is not a group index (0..{len(self.groups) - 1})")
@@ -225,7 +226,7 @@ class AttentionSpec:
                    or self.page_size not in XQA_PAGE_SIZES and f"a page size in {XQA_PAGE_SIZES}, not {self.page_size}"
                    or self.soft_cap and "no logit soft cap" or self.mla_rope_dim and "standard (not latent) attention"
                    or self.num_qo_heads // self.num_kv_heads > 128 and "a GQA ratio of at most 128"
-                   or any(g.sinks for g in self.groups) and "no attention sinks (XQA returns no log-sum-exp)"
+                   or self.has_sinks and "no attention sinks (XQA returns no log-sum-exp)"
                    or self.backend not in (*FP8_MATH_BACKENDS, AUTO)
                    and f"backend {' or '.join(FP8_MATH_BACKENDS)}, not {self.backend!r}")
             if why:
@@ -248,7 +249,6 @@ class AttentionSpec:
                    and "causal or non-causal groups sharing one page list")
             if why:
                 raise PlanError(f"spec: backend {AUTO_MLA!r} (FlashInfer MLA) needs {why}; the reference backend serves it")
-        object.__setattr__(self, "has_sinks", any(group.sinks for group in self.groups))
         BACKENDS[name].check(self, name)
         shape = (int(self.num_pages) + 1, int(self.page_size), int(self.num_kv_heads), int(self.head_dim))
         object.__setattr__(self, "cache_shape", shape)
