@@ -39,22 +39,23 @@ def test_every_backend_serves_every_feature_it_declares(name, feature):
     check(name, feature, CUDA if BACKENDS[name].package else CPU, fresh_seed())
 
 
-def _drops_soft_cap(step, q, cache, group=None, k=None, v=None, sinks=None):
-    """A backend's run that ignores the spec's soft-cap: the reference over the same pages, planned for the
-    spec without it."""
+def _reference_as_if(step, q, cache, sinks=None, **spec_changes):
+    """The reference over the step's pages, planned for the step's spec with spec_changes: a backend that
+    ignores what the changes drop."""
     plan = step.plan
-    spec = attrs.evolve(plan.spec, soft_cap=0.0, backend="reference")
+    spec = attrs.evolve(plan.spec, backend="reference", **spec_changes)
     batch = StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, spec.page_size)
     return reference.run(build_plan(batch, spec), q, cache, sinks=sinks)
 
 
+def _drops_soft_cap(step, q, cache, group=None, k=None, v=None, sinks=None):
+    """A backend's run that ignores the spec's soft-cap."""
+    return _reference_as_if(step, q, cache, sinks, soft_cap=0.0)
+
+
 def _drops_sinks(step, q, cache, group=None, k=None, v=None, sinks=None):
-    """A backend's run that ignores the layer's attention sinks: the reference over the same pages, planned
-    for the spec without them."""
-    plan = step.plan
-    spec = attrs.evolve(plan.spec, groups=tuple(attrs.evolve(g, sinks=False) for g in plan.spec.groups), backend="reference")
-    batch = StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, spec.page_size)
-    return reference.run(build_plan(batch, spec), q, cache)
+    """A backend's run that ignores the layer's attention sinks."""
+    return _reference_as_if(step, q, cache, groups=tuple(attrs.evolve(g, sinks=False) for g in step.plan.spec.groups))
 
 
 @pytest.mark.parametrize("run, dropped", [(_drops_soft_cap, ["soft_cap", "sinks_soft_cap"]),
