@@ -1,5 +1,5 @@
 """H100: decode with attention sinks vs without, side by side in one run, per backend (FlashInfer: sinks
-applied by the log-sum-exp; FlashAttention-4: its learnable sink).
+applied by the log-sum-exp, one fused Triton kernel; FlashAttention-4: its learnable sink).
 
 gpt-oss's attention shape: 64 query / 8 KV heads, d 64, page 16; B = 64 requests of exactly `context`
 (4,096) tokens; one layer's decode replayed from a captured graph (DecodeGraphs), CUDA-event medians of
@@ -80,7 +80,7 @@ def markdown(r: dict) -> str:
              f"`python -m benchmarks.sinks_decode OUT`; {r['device']}, FlashInfer {r['flashinfer']}; one layer, {H}/{KVH} "
              f"heads, d {D}, page {PS}, every request exactly `context` tokens, replayed graphs, medians of 5 rounds x 50 "
              "replays (spread: min-max of the round medians). FlashInfer applies the sinks by its log-sum-exp "
-             "(o * sigmoid(lse - s), elementwise ops inside the graph); FA4 by its learnable sink. Output change: "
+             "(o * sigmoid(lse - s), one fused Triton kernel inside the graph: kernels/_sink_triton.py); FA4 by its learnable sink. Output change: "
              "||with - without|| / ||without|| (the sinks are not dropped).", "",
              "| backend | B | context | without µs | with µs | with / without | output change |",
              "|---|---:|---:|---:|---:|---:|---:|"]

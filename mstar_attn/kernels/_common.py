@@ -1,4 +1,4 @@
-"""Code shared by the backends. Imports no GPU package."""
+"""Code shared by the backends. Imports no GPU package (_sink_triton imports Triton on first CUDA use)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mstar_attn.kernels import _check
+from mstar_attn.kernels import _check, _sink_triton
 
 
 def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = None) -> None:
@@ -34,6 +34,8 @@ def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, l
     dtype; None: o unchanged."""
     if sinks is None:
         return o
+    if o.is_cuda and _sink_triton.available(o, lse, sinks):  # one fused launch (a graph node, not six)
+        return _sink_triton.apply(o, lse, sinks, math.log(2) if lse_base2 else 1.0)
     work = torch.float64 if torch.float64 in (o.dtype, lse.dtype) else torch.float32
     ln_sum = lse.to(work) * math.log(2) if lse_base2 else lse.to(work)
     return (o.to(work) * torch.sigmoid(ln_sum - sinks.to(work))[..., None]).to(o.dtype)

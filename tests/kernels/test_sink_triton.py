@@ -1,0 +1,114 @@
+"""The fused attention-sink epilogue (kernels/_sink_triton) against the float64 formula, per row and head:
+on the GPU (where _common.with_sinks routes CUDA tensors to it), and on the CPU under Triton's
+interpreter where Triton is installed (a subprocess: the interpreter is chosen when the kernel is built).
+
+Tolerance: the kernel computes in float32 and rounds once to o's dtype, so each element is within one
+unit roundoff u of o's dtype (2^-8 bf16, 2^-11 fp16; 2^-22 float32 for the float32 path's own
+rounding of lse * scale - s and the sigmoid) of the exact value, relative to |exact| (plus a tiny
+absolute floor for exact values near zero)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import fresh_seed
+
+U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-20}
+SHAPES = ((1, 8, 64), (7, 64, 64), (300, 8, 128), (33, 4, 80), (5, 16, 256))
+
+
+def _inputs(seed, T, H, D, dtype, device):
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(T, H, D, generator=g).to(dtype)
+    lse = (3.0 * torch.randn(T, H, generator=g) + 2.0).float()  # around the sinks' scale: sigmoid far from 0 and 1
+    sinks = (1.0 + 2.0 * torch.randn(H, generator=g)).float()
+    return o.to(device), lse.to(device), sinks.to(device)
+
+
+def _check(out, o, lse, sinks, scale, seed, rounding=1.0):
+    """Every (row, head, element) of out within rounding * u of o * sigmoid(lse * scale - sinks) computed
+    in float64 (rounding 2: a cast that truncates, as Triton's interpreter does to bfloat16, errs by
+    up to one ulp = 2u instead of half of one)."""
+    exact = o.double() * torch.sigmoid(lse.double() * scale - sinks.double())[..., None]
+    err = (out.double() - exact).abs()
+    bound = rounding * U[o.dtype] * (exact.abs() + 1e-6)
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"seed {seed}, shape {tuple(o.shape)}, {o.dtype}: error {worst:.2f}x its bound"
+    moved = (out.double() - o.double()).abs().max().item()
+    assert moved > 0.1, f"seed {seed}: the sinks changed nothing ({moved})"  # (they were applied, not dropped)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_epilogue_on_cuda_matches_the_formula(dtype):
+    from mstar_attn.kernels import _common, _sink_triton
+
+    seed = fresh_seed()
+    for i, (T, H, D) in enumerate(SHAPES):
+        o, lse, sinks = _inputs(seed + i, T, H, D, dtype, "cuda")
+        assert _sink_triton.available(o, lse, sinks), "Triton does not serve CUDA here: sinks would take six launches"
+        for base2 in (False, True):
+            out = _common.with_sinks(o, lse, sinks, lse_base2=base2)
+            assert out.dtype == dtype and out.shape == o.shape
+            _check(out, o, lse, sinks, math.log(2) if base2 else 1.0, seed + i)
+    empty = torch.empty(0, 8, 64, dtype=dtype, device="cuda")
+    assert _common.with_sinks(empty, torch.empty(0, 8, device="cuda"), sinks[:8].contiguous()).shape == (0, 8, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_epilogue_replays_in_a_graph():
+    from mstar_attn.kernels import _common
+
+    seed = fresh_seed()
+    o, lse, sinks = _inputs(seed, 64, 64, 64, torch.bfloat16, "cuda")
+    _common.with_sinks(o, lse, sinks, lse_base2=True)  # (compiled before the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _common.with_sinks(o, lse, sinks, lse_base2=True)
+    o2, lse2, sinks2 = _inputs(seed + 1, 64, 64, 64, torch.bfloat16, "cuda")
+    o.copy_(o2), lse.copy_(lse2), sinks.copy_(sinks2)
+    graph.replay()
+    _check(out, o2, lse2, sinks2, math.log(2), seed)
+
+
+_INTERPRETED = """
+import math, sys, torch
+sys.path.insert(0, {root!r})
+from mstar_attn.kernels import _sink_triton
+from tests.kernels.test_sink_triton import SHAPES, _check, _inputs
+seed = {seed}
+for i, (T, H, D) in enumerate(SHAPES):
+    for dtype in (torch.bfloat16, torch.float32):
+        o, lse, sinks = _inputs(seed + i, T, H, D, dtype, "cpu")
+        out = _sink_triton.apply(o, lse, sinks, math.log(2))  # (the interpreter truncates to bfloat16)
+        _check(out, o, lse, sinks, math.log(2), seed + i, rounding=2.0 if dtype == torch.bfloat16 else 1.0)
+print("ok")
+"""
+
+
+def test_fused_epilogue_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    seed = fresh_seed()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED.format(root=root, seed=seed)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), f"seed {seed}:\n{done.stderr[-3000:]}"
+
+
+def test_cpu_tensors_take_the_torch_path():
+    """On the CPU with_sinks never launches Triton, and its torch path meets the same bound."""
+    from mstar_attn.kernels import _common, _sink_triton
+
+    seed = fresh_seed()
+    o, lse, sinks = _inputs(seed, 9, 8, 64, torch.bfloat16, "cpu")
+    assert not _sink_triton.available(o, lse, sinks)
+    _check(_common.with_sinks(o, lse, sinks, lse_base2=True), o, lse, sinks, math.log(2), seed)
+    assert np.isfinite(_common.with_sinks(o, lse, sinks).float().numpy()).all()
