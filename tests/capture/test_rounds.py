@@ -3,6 +3,7 @@ the scratch page), one copy moves the round, the steps live and go stale togethe
 refused before any state changes; and whole rounds through the reference backend, every step of every
 request against the exact attention, rejected drafts' K/V never read."""
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -111,12 +112,15 @@ def test_round_graphs_need_cuda():
         graphs.capture(4)
 
 
-@pytest.mark.parametrize("ps", [1, 4, 16])
-def test_rounds_through_the_reference_backend_per_request(ps):
-    """K = 1..8, a full and a window group: every step of every request against the exact attention,
-    with the K/V of rejected drafts overwritten by large values after each round."""
+@pytest.mark.parametrize("ps, sinks", [(1, False), (4, False), (16, False), (4, True)])
+def test_rounds_through_the_reference_backend_per_request(ps, sinks):
+    """K = 1..8, a full and a window group (with attention sinks in one case): every step of every
+    request against the exact attention, with the K/V of rejected drafts overwritten by large values
+    after each round."""
     seed = fresh_seed()
     spec = _spec(ps)
+    if sinks:
+        spec = attrs.evolve(spec, groups=tuple(attrs.evolve(g, sinks=True) for g in GROUPS))
     pool = _pool(spec)
     caches = [PagedKVCache.allocate(spec, "cpu") for _ in range(2)]
     trace = DraftTrace(spec, seed, max_batch=10, max_context=60)

@@ -37,6 +37,10 @@ class DraftTrace:
         self.free = [int(p) for p in self.rng.permutation(spec.num_pages)]
         self.live: list[_Request] = []
         self.poisoned = 0  # stale slots overwritten with large values after verification
+        # the layers' attention sinks where a group has them (LayerGroup.sinks): N(0, 3^2) per head, float32,
+        # on the device: some heads' sinks take most of the softmax, others almost none
+        has = any(g.sinks for g in spec.groups)
+        self.sinks = (3 * torch.randn(spec.num_qo_heads, generator=self.gen)).to(device) if has else None
         self._prompts: list[_Request] = []  # arrivals whose prompt K/V write_prompts has still to write
 
     def round(self, k: int) -> DraftRound:
@@ -89,14 +93,14 @@ class DraftTrace:
     def oracle(self, plan, q: torch.Tensor, group: int) -> torch.Tensor:
         """Exact attention [B, qo_heads, head_dim] float64 (on the trace's device) of draft step
         plan.draft_step for layer group `group`, q [B, qo_heads, head_dim]: request i's query over its
-        first kv_lens[i] true keys, with the group's window (support.exact)."""
+        first kv_lens[i] true keys, with the group's window and sinks (support.exact)."""
         g, spec = self.spec.groups[group], self.spec
         out = torch.empty(q.shape, dtype=torch.float64, device=self.device)
         for i, r in enumerate(self.live):
             n = r.cached + 1 + plan.draft_step  # (the trace's own count, not the plan under test)
             k, v = r.truth.kv(n)
             out[i] = exact_attention(q[i : i + 1], k, v, scale=spec.sm_scale, soft_cap=spec.soft_cap,
-                                     window=g.window or 0)[0]
+                                     window=g.window or 0, sinks=self.sinks if g.sinks else None)[0]
         return out
 
     def verify(self, k: int, caches) -> None:
@@ -121,19 +125,21 @@ class DraftTrace:
         return False
 
 
-def round_layers(backend, caches, steps, x: dict) -> torch.Tensor:
+def round_layers(backend, caches, steps, x: dict, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """All K steps of a round, each one layer per group through `backend` (write_kv then run):
-    x["q"] [rows, K, qo_heads, d], x["k"], x["v"] [rows, K, kv_heads, d]; returns [rows, K, groups, qo_heads, d]."""
+    x["q"] [rows, K, qo_heads, d], x["k"], x["v"] [rows, K, kv_heads, d]; returns [rows, K, groups, qo_heads, d].
+    sinks: [qo_heads] float32, passed to the groups that have sinks."""
     outs = []
     for j, step in enumerate(steps):
         q, k, v = (x[name][:, j].contiguous() for name in ("q", "k", "v"))
-        outs.append(torch.stack([_layer(backend, step, q, k, v, c, g) for g, c in enumerate(caches)], dim=1))
+        outs.append(torch.stack([_layer(backend, step, (q, k, v), c, g, sinks) for g, c in enumerate(caches)], dim=1))
     return torch.stack(outs, dim=1)
 
 
-def _layer(backend, step, q, k, v, cache, g):
+def _layer(backend, step, qkv, cache, g, sinks):
+    q, k, v = qkv
     backend.write_kv(step, k, v, cache)
-    return backend.run(step, q, cache, group=g)
+    return backend.run(step, q, cache, group=g, sinks=sinks if step.plan.spec.groups[g].sinks else None)
 
 
 def serve_rounds(trace: DraftTrace, pool, backend, caches, ks, seed: int, graphs=None) -> dict:
@@ -150,7 +156,8 @@ def serve_rounds(trace: DraftTrace, pool, backend, caches, ks, seed: int, graphs
         steps = pool.commit_round(draft)
         kk, vv = trace.new_kv(k)
         x = {"q": trace.query(k), "k": kk, "v": vv}
-        out, replay = replay_or_run(graphs, steps, x, lambda s, x: round_layers(backend, caches, s, x), (f"seed {seed}", i, k))
+        out, replay = replay_or_run(graphs, steps, x, lambda s, x: round_layers(backend, caches, s, x, trace.sinks),
+                                    (f"seed {seed}", i, k))
         for j, plan in enumerate(draft.steps):
             for g in range(len(caches)):
                 want = trace.oracle(plan, x["q"][:, j], g)
@@ -161,16 +168,17 @@ def serve_rounds(trace: DraftTrace, pool, backend, caches, ks, seed: int, graphs
     return ran
 
 
-def gpu_rounds(backend, name: str, seed: int, page_size: int = 16, rounds_per_k: int = 3) -> dict:
+def gpu_rounds(backend, name: str, seed: int, page_size: int = 16, rounds_per_k: int = 3, sinks: bool = False) -> dict:
     """Rounds of K = 1..8 on the GPU through `backend` (a kernels module named `name`): 32 / 8 heads
-    of 128, a full group and a window of 40; rounds of buckets 1, 4 and 8 replay one graph of all
-    K steps (every step's write_kv + run of both groups), larger rounds run eagerly (see serve_rounds)."""
+    of 128, a full group and a window of 40 (both with attention sinks where `sinks`); rounds of buckets
+    1, 4 and 8 replay one graph of all K steps (every step's write_kv + run of both groups), larger
+    rounds run eagerly (see serve_rounds)."""
     from mstar_attn import LayerGroup
     from mstar_attn.capture.graphs import RoundGraphs
     from tests.helpers import gpu_pool, random_cache
 
     torch.manual_seed(seed)
-    groups = (LayerGroup(), LayerGroup("window", window=40))
+    groups = (LayerGroup(sinks=sinks), LayerGroup("window", window=40, sinks=sinks))
     spec = AttentionSpec(32, 8, 128, page_size, 30000, groups=groups, layer_groups=(0, 1), backend=name)
     trace = DraftTrace(spec, seed, device="cuda", max_batch=24, max_context=400)
     pool = gpu_pool(spec, buckets=(1, 4, 8), max_pages_per_request=500, max_draft_steps=8)
@@ -182,7 +190,7 @@ def gpu_rounds(backend, name: str, seed: int, page_size: int = 16, rounds_per_k:
                 "k": torch.zeros(8, k, 8, 128, device="cuda", dtype=spec.dtype),
                 "v": torch.zeros(8, k, 8, 128, device="cuda", dtype=spec.dtype)}
 
-    graphs = {k: RoundGraphs(pool, lambda steps, x: round_layers(backend, caches, steps, x), static(k))
+    graphs = {k: RoundGraphs(pool, lambda steps, x: round_layers(backend, caches, steps, x, trace.sinks), static(k))
               for k in range(1, K + 1)}
     for k, g in graphs.items():
         g.capture(k)
