@@ -37,17 +37,20 @@ def check_cascade(out, want, plan, context, units=3.0):
     assert_close_per_request(out, want, plan, torch.bfloat16, (*context, f"prefix group of each request: {groups}"), units)
 
 
-@pytest.mark.parametrize("page_size, kind", smoke_first([(1, "causal"), (16, "noncausal"), (64, "causal")],
-                                                    lambda c: c == (16, "noncausal")))
-def test_cascade_steps_eager_and_replayed(page_size, kind):
+@pytest.mark.parametrize("page_size, kind, sinks", smoke_first([(1, "causal", False), (16, "noncausal", False),
+                                                                 (64, "causal", False), (16, "causal", True)],
+                                                                lambda c: c == (16, "noncausal", False)))
+def test_cascade_steps_eager_and_replayed(page_size, kind, sinks):
     """Random decode and verify steps of several prefix families (2-9 members, prefixes of 1 page to
     2k tokens, some ending mid-page), loners, batches inside the captured buckets (replayed) and past
     them (eager): the cascade group per request against the reference over the flat plan and against
-    FlashInfer's flat path; a window group beside it reads flat in the same step."""
+    FlashInfer's flat path; a window group beside it reads flat in the same step. With `sinks`, both
+    groups have attention sinks (N(0, 3^2) per head), applied once after the levels merged."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     ps, num_pages = page_size, 40000 // page_size
-    groups = (LayerGroup(kind), LayerGroup("window", window=int(rng.integers(8, 500))))
+    groups = (LayerGroup(kind, sinks=sinks), LayerGroup("window", window=int(rng.integers(8, 500)), sinks=sinks))
+    s = (3 * torch.randn(32, generator=torch.Generator().manual_seed(seed))).cuda() if sinks else None
     spec = AttentionSpec(32, 8, 128, ps, num_pages, groups=groups, layer_groups=(0, 1), cascade="always")
     flat_spec = AttentionSpec(32, 8, 128, ps, num_pages, groups=groups, layer_groups=(0, 1))
     cache = random_cache(spec, seed)
@@ -56,7 +59,7 @@ def test_cascade_steps_eager_and_replayed(page_size, kind):
                                                      max_num_pages=200_000 // ps, buckets=(8, 32)))
                        for s in (spec, flat_spec))
     verify = all(g.causal for g in groups)
-    graphs = [DecodeGraphs(pool, attend_filled(fi.run, cache, g),
+    graphs = [DecodeGraphs(pool, attend_filled(lambda st, q, c, group: fi.run(st, q, c, group=group, sinks=s), cache, g),
                            {"q": torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)}) for g in range(2)]
     for gr in graphs:
         gr.capture(q_lens=(1, 4) if verify else (1,))
@@ -77,9 +80,9 @@ def test_cascade_steps_eager_and_replayed(page_size, kind):
         qt = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
         for g in range(2):
             ctx = (f"seed {seed}", f"step {i}", plan.mode.value, f"group {g}", f"B {plan.batch_size}")
-            out, replayed = replay_or_run(graphs[g], step, {"q": qt}, lambda st, x: fi.run(st, x["q"], cache, group=g), ctx)
-            want = reference.run(flat, qt.float(), cache, group=g)
-            flat_out = fi.run(flat_step, qt, cache, group=g)
+            out, replayed = replay_or_run(graphs[g], step, {"q": qt}, lambda st, x: fi.run(st, x["q"], cache, group=g, sinks=s), ctx)
+            want = reference.run(flat, qt.float(), cache, group=g, sinks=s)
+            flat_out = fi.run(flat_step, qt, cache, group=g, sinks=s)
             assert_close_per_request(flat_out, want, plan, torch.bfloat16, ctx + ("flat",))
             if g == 0:
                 check_cascade(out, want, plan, ctx)

@@ -60,14 +60,14 @@ def test_own_page_lists_eager_and_replayed(name):
     gpu_hybrid(BACKENDS[name].load(), name, fresh_seed())
 
 
-@pytest.mark.parametrize("name, page_size", params("rounds", lambda b: [1, 16, 64]))
-def test_draft_rounds_eager_and_replayed(name, page_size):
+@pytest.mark.parametrize("name, page_size, sinks", params("rounds", lambda b: [(1, False), (16, False), (64, False), (16, True)]))
+def test_draft_rounds_eager_and_replayed(name, page_size, sinks):
     """Speculative draft rounds of K = 1..8 steps (planned and committed once, captured as one graph
-    per round), a full and a window group: every step of every request against the exact
-    attention; rejected drafts' K/V (overwritten with large values) never read."""
+    per round), a full and a window group (with attention sinks in one case): every step of every
+    request against the exact attention; rejected drafts' K/V (overwritten with large values) never read."""
     from tests.support.draft_rounds import gpu_rounds
 
-    ran = gpu_rounds(BACKENDS[name].load(), name, fresh_seed(), page_size)
+    ran = gpu_rounds(BACKENDS[name].load(), name, fresh_seed(), page_size, sinks=sinks)
     assert any(replayed for _, replayed in ran) and any(not replayed for _, replayed in ran), ran
 
 
