@@ -96,7 +96,10 @@ class DemoResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return (self.prompt_tokens - self.shared_tokens + self.generated_tokens) / (sum(self.step_us) * 1e-6)
+        """Tokens the timed steps processed, per second: prompt tokens not read from shared pages, an
+        encoder-decoder's encoder inputs (each step that admits a request runs its encoder), generated tokens."""
+        done = self.prompt_tokens - self.shared_tokens + self.encoder_tokens + self.generated_tokens
+        return done / (sum(self.step_us) * 1e-6)
 
 
 class Progress:
@@ -157,7 +160,7 @@ def summary(res: DemoResult) -> str:
         f"trace     {c.requests} requests, {res.steps} steps, {res.prompt_tokens} prompt tokens "
         f"({res.shared_tokens} read from shared prefix pages by {res.prefix_hits} requests) "
         f"+ {res.generated_tokens} generated, {res.pages_reused} page allocations reused freed pages",
-        f"speed     {res.tokens_per_s:.0f} tokens/s; host µs per step: build_plan + commit median {np.median(host):.0f} "
+        f"speed     {res.tokens_per_s:.0f} tokens/s{' (encoder inputs counted)' if res.encoder_tokens else ''}; host µs per step: build_plan + commit median {np.median(host):.0f} "
         f"(build_plan {us(res.plan_us)}; commit {us(res.commit_us)}); whole step {us(res.step_us)}",
     ]
     if res.graph_us:
