@@ -21,12 +21,20 @@ from mstar_attn.demo.config import DemoConfig, DemoError, seeded_model, transfor
 
 SINK_MEAN, SINK_STD = 1.0, 2.0  # the demo's sink logits per head (transformers' init: about N(0, 0.05^2))
 EXPERTS, EXPERTS_PER_TOKEN = 4, 2
+# The router's bias per expert. Top-k routing is discontinuous: in bf16 the engine and the oracle round
+# at different points, and a token whose k-th and (k+1)-th expert logits sit within that rounding picks
+# a different expert on each side, which moves its logits by O(1) (measured: 1-4 of the CLI's 8 requests
+# 5x over the tolerance at one position each, on the H100 with both GPU backends and on the CPU with the
+# reference backend alike; gone with this spread). A spread far wider than the weights' part of the logits
+# keeps every token off such ties: each token's top-2 are experts 0 and 1, weighted by their logits
+# (continuous), so the check sees attention errors and not routing flips.
+ROUTER_BIAS = (6.0, 3.0, 0.0, -3.0)
 
 
 def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
     """A random GptOssForCausalLM (eager attention), seeded, nothing downloaded: layers alternate sliding-window
-    (cfg.window tokens) and full attention as in gpt-oss, EXPERTS experts of which EXPERTS_PER_TOKEN per token,
-    sinks drawn from N(SINK_MEAN, SINK_STD^2)."""
+    (cfg.window tokens) and full attention as in gpt-oss, EXPERTS experts of which EXPERTS_PER_TOKEN per token
+    (the router's bias ROUTER_BIAS), sinks drawn from N(SINK_MEAN, SINK_STD^2)."""
     GptOssConfig, GptOssForCausalLM = transformers_classes("GptOssConfig", "GptOssForCausalLM")
     if cfg.hidden % (2 * cfg.heads):
         raise DemoError(f"--hidden {cfg.hidden} must be a multiple of 2 x {cfg.heads} query heads (RoPE needs even head dims)")
@@ -42,6 +50,7 @@ def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
         for layer in model.model.layers:
             with torch.no_grad():
                 layer.self_attn.sinks.normal_(SINK_MEAN, SINK_STD)
+                layer.mlp.router.bias.copy_(torch.tensor(ROUTER_BIAS))
 
     return seeded_model(lambda: GptOssForCausalLM(hf), cfg.seed, dtype, device, init)
 

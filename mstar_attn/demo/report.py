@@ -12,7 +12,7 @@ import torch
 from mstar_attn import Mode
 from mstar_attn.demo.check import Check
 from mstar_attn.demo.config import DemoConfig
-from mstar_attn.demo.gpt_oss import EXPERTS, SINK_MEAN, SINK_STD
+from mstar_attn.demo.gpt_oss import EXPERTS, ROUTER_BIAS, SINK_MEAN, SINK_STD
 
 
 @attrs.define
@@ -152,7 +152,7 @@ def summary(res: DemoResult) -> str:
     family = {"llama": "Llama", "gemma2": f"Gemma 2 (sliding window {c.window} / full layers, soft-capped)",
               "bart": "BART encoder-decoder (encoder through the dense path, cross attention on paged encoder K/V)",
               "gpt_oss": f"gpt-oss (attention sinks drawn N({SINK_MEAN:g}, {SINK_STD:g}^2) per head, sliding window {c.window} "
-                         f"/ full layers, {EXPERTS} experts)"}[c.model]
+                         f"/ full layers, {EXPERTS} experts, router bias {ROUTER_BIAS}: no token near a routing tie)"}[c.model]
     lines = [
         f"model     {family} {c.layers} layers, hidden {c.hidden}, {c.heads} q / {c.heads if c.model == 'bart' else c.kv_heads} "
         f"kv heads, vocab {c.vocab}, "

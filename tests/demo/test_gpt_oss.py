@@ -33,6 +33,13 @@ def test_gpt_oss_matches_transformers_with_its_sinks():
     assert "gpt-oss (attention sinks drawn" in text and "matches transformers: yes" in text
 
 
+def test_the_clis_default_size_in_bf16_matches_transformers():
+    """The CLI's GPU size (4 layers, hidden 512, 8 requests) in bf16, on the CPU: the check's bf16 tolerance
+    holds for gpt-oss too (its experts chosen by top-k, kept off routing ties by the router's bias)."""
+    res = run_demo(attrs.evolve(SMALL, model="gpt_oss", requests=8, layers=4, hidden=512, window=8, dtype="bfloat16"))
+    assert res.matched and res.tokens_match, [(c.rid, c.err, c.tol, c.token_mismatches) for c in res.checks]
+
+
 def test_a_run_that_drops_the_sinks_fails_the_check():
     """The demo's sinks are large enough to matter: without them (the same run, every other bit equal) the
     logits leave the check's tolerance for every request."""
