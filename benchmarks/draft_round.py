@@ -56,7 +56,7 @@ VARIANTS = (("flashinfer", True), ("flashinfer", False), ("flash_attn", None))  
 def _pool(spec, fixed, **bounds):
     pool = GraphBufferPool(spec, PoolLimits(max_draft_steps=K, **bounds))
     if fixed is not None:
-        pool.scheduler_for("flashinfer").draft_fixed = fixed
+        pool.backend_state("flashinfer").draft_fixed = fixed
     return pool
 
 

@@ -84,7 +84,7 @@ def main(out_dir: str) -> None:
     ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=32768,
                                             max_num_pages=cases.NUM_PAGES - 256))
-    for name, k in (("fast_replan", pool.scheduler_for("flashinfer").use_fast),):
+    for name, k in (("fast_replan", pool.backend_state("flashinfer").use_fast),):
         results[name] = k
 
     # (a) host time per decode step
@@ -99,7 +99,7 @@ def main(out_dir: str) -> None:
         plan_only = host_median(lambda: build_plan(batch, spec))
         commit_only = host_median(lambda: pool.commit(plan))
         step = pool.commit(plan)  # FlashInfer's C++ planner alone, as commit calls it (the floor of any commit)
-        fast, dg = pool.scheduler_for("flashinfer").fast[(step.slot, 0, step.rows, 1)], step.groups[0]
+        fast, dg = pool.backend_state("flashinfer").fast[(step.slot, 0, step.rows, 1)], step.groups[0]
         planner_only = host_median(lambda: fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens))
         raw2 = host_median(raw_plan)
         host.append(dict(batch=B, build_plan_us=plan_only, commit_us=commit_only, cpp_planner_us=planner_only, ours_us=ours,

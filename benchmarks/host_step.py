@@ -167,7 +167,7 @@ def part_a(spec, ws) -> list[dict]:
         rows_bytes = lean_pool.last_commit_bytes
         old()
         med = {k: statistics.median(v) for k, v in t.items()}
-        sched = lean_pool.scheduler_for("flashinfer")
+        sched = lean_pool.backend_state("flashinfer")
         rows.append(dict(batch=B, **{f"{k}_us": v for k, v in med.items()}, **{f"{k}_iqr_us": spread(v) for k, v in t.items()},
                          **{f"{k}_mean_us": float(np.mean(v)) for k, v in t.items()},
                          ratio=med["rows_step"] / med["flashinfer_plan"], batch_ratio=med["batch_step"] / med["flashinfer_plan"],
@@ -203,7 +203,7 @@ def part_b(spec_for) -> list[dict]:
                     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=B, max_num_tokens=B,
                                                             max_num_pages=spec.num_pages, buckets=(B,),
                                                             max_requests=B, max_pages_per_request=ctx // PS + 40))
-                    pool.scheduler_for("flashinfer").fixed_min_ctas = ctas
+                    pool.backend_state("flashinfer").fixed_min_ctas = ctas
                     eng = Engine(pool, B, ctx, seed=ctx)
                     graphs = DecodeGraphs(pool, attend, {"q": torch.zeros_like(q)})
                     graphs.capture()

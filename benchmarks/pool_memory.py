@@ -84,7 +84,7 @@ def measure(groups: int, tag: str) -> dict:
     graphs.capture(q_lens=(1, 4))
     capture_s = time.perf_counter() - t0
     after_capture = _snapshot()
-    sched = pool.scheduler_for("flashinfer")
+    sched = pool.backend_state("flashinfer")
     out = {"tag": tag, "groups": groups, "mstar_attn": getattr(mstar_attn, "__version__", "?"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "capture_s": round(capture_s, 1),
            "graphs": len(graphs.graphs), "wrappers": len(getattr(sched, "wrappers", {})),

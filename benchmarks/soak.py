@@ -151,7 +151,7 @@ def main(out_dir: str, steps: int = 10000, check_every: int = 10, seed: int = 0)
             samples.append(dict(step=i, allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
                                 pinned=pinned_bytes(), rss=rss_bytes(),
                                 views={b: len(s[2]._views) for b, s in setups.items()},
-                                wrappers=len(setups["flashinfer"][2].scheduler_for("flashinfer").wrappers)))
+                                wrappers=len(setups["flashinfer"][2].backend_state("flashinfer").wrappers)))
             if i % 1000 == 0:
                 print(f"step {i}: {time.perf_counter() - t0:.0f} s, {samples[-1]}", flush=True)
     torch.cuda.synchronize()

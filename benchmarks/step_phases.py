@@ -64,7 +64,7 @@ def main(out_dir: str) -> None:
         rows, kv = eng.rows, eng.kv.copy()
         sr = StepRows.decode(rows, kv)
         plan = build_plan(sr, spec)
-        table, sched = pool.table, pool.scheduler_for("flashinfer")
+        table, sched = pool.table, pool.backend_state("flashinfer")
         step = pool.commit(plan)
         graph = next(iter(pool.device_work.graphs.values()))
         views = pool.views_of(0, step.rows, step.num_rows, True)
@@ -116,7 +116,7 @@ def main(out_dir: str) -> None:
             "build_plan": lambda: build_plan(sr, spec),
             "commit": lambda: pool.commit(plan),
             "table.check_step": lambda: table.check_step(plan, slots=False),
-            "scheduler.schedule": lambda: sched.schedule(step),
+            "state.schedule": lambda: sched.schedule(step),
             "graph.replay": graph.replay,
             "event.record": ev.record,
             "current_stream": lambda: torch.cuda.current_stream(0),

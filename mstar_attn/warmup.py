@@ -14,7 +14,7 @@ Scratch plans only (metadata.plan.scratch_plan): warm-up never touches a request
 Not covered: a page-table pool's Triton derive kernels (compiled at a pool's first StepRows commit
 of each bucket, about a second each), draft rounds (their tensor-core decode kernels are the verify
 kind's where the spec has a verify kind), latent attention (MLA) specs, and what a backend's
-scheduler compiles when the pool is made (XQA: outside the timed kinds).
+backend state compiles when the pool is made (XQA: outside the timed kinds).
 """
 
 from __future__ import annotations

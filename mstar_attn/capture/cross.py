@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar_attn.capture.expand import gather_csr
+from mstar_attn.capture.gather import gather_csr
 from mstar_attn.capture.layout import Offsets
 from mstar_attn.capture.stage import stage_table
 from mstar_attn.capture.table import FREE, PageTable

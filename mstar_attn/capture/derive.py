@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from mstar_attn.capture.expand import gather_csr
+from mstar_attn.capture.gather import gather_csr
 from mstar_attn.capture.layout import Offsets
 
 if TYPE_CHECKING:
@@ -120,11 +120,11 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) 
     gather_csr(d.table, d.width, rows, buf, offsets.groups, d.capacity)
 
 
-def rows_work(pool: GraphBufferPool, step: DeviceStep, scheduler, offsets: Offsets,
+def rows_work(pool: GraphBufferPool, step: DeviceStep, state, offsets: Offsets,
               derived: bool) -> Callable[[], None]:
     """A StepRows commit's device work on the step's slot: copy the staged head, apply the table
     updates, derive the step's arrays (derived: a bucketed step; else they were staged) or gather
-    the CSR page lists, then each backend's own arrays (scheduler.expand); a derived step on CUDA
+    the CSR page lists, then each backend's own arrays (PoolState.gather); a derived step on CUDA
     ends with the fence node (the commit's generation back to pinned memory: capture/lease.py).
     Returns the work: device ops of fixed sizes (its copy moves the head up to offsets.draft, derived, or
     offsets.head_end int32 elements)."""
@@ -141,8 +141,8 @@ def rows_work(pool: GraphBufferPool, step: DeviceStep, scheduler, offsets: Offse
             at = offsets.updates
             table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
             gather_csr(table.dev, table.width, step.table_rows, dev, offsets.groups, pool.layout.index_capacity)
-        if scheduler is not None:  # a backend's own arrays (dense page tables)
-            scheduler.expand(step)
+        if state is not None:  # a backend's own arrays (dense page tables)
+            state.gather(step)
         if fence is not None:  # the last node
             fence.copy_(dev[offsets.fence : offsets.fence + 1], non_blocking=True)
 

@@ -1,7 +1,7 @@
 """GraphBufferPool: persistent, double-buffered device copies of plans, and the committed step.
 
 State lives here and nowhere else: per slot, one pinned int32 host staging buffer and its device
-twin (laid out by `Layout`), plus each backend's scheduler state (FlashInfer wrappers, FA4 page
+twin (laid out by `Layout`), plus each backend's PoolState (FlashInfer wrappers, FA4 page
 tables) bound to that slot's tensors. `commit(plan)` checks everything first (a commit that raises
 changes nothing), fills the next slot's staging from the plan's host arrays, issues one
 non-blocking host-to-device copy per layer group of exactly the bytes the step uses, runs the
@@ -12,13 +12,14 @@ recorded at commit proves, or for a derived StepRows commit that planned nothing
 fence its graph writes back (capture/lease.py).
 
 Everything the pool keeps is bounded by its constructor's arguments: views are cached only for
-bucketed shapes (slots x buckets x q_lens), schedulers keep one state per slot, group, bucket
+bucketed shapes (slots x buckets x q_lens), backend states keep one state per slot, group, bucket
 and q_len. `memory_report()` lists the bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import numpy as np
 import torch
@@ -50,8 +51,8 @@ class GraphBufferPool:
     until the copies of the one before it have run. float_workspace_bytes: FlashInfer's float
     workspace (its split-KV partial outputs). device: "cuda" (or a CUDA device); "cpu" runs the
     bookkeeping on the host (tests, the reference backend); None: CUDA when torch sees a device, else the CPU. A pool serves every backend its plans
-    name (one Scheduler per backend module, made at the first plan that needs it, or ahead with
-    `scheduler_for`). The bounds as keyword arguments (max_batch_size=..., ...) still work, with a
+    name (one PoolState per backend module, made at the first plan that needs it, or ahead with
+    `backend_state`). The bounds as keyword arguments (max_batch_size=..., ...) still work, with a
     DeprecationWarning.
     """
 
@@ -89,7 +90,7 @@ class GraphBufferPool:
         self.held = [StagedHead() for _ in range(slots)]  # what each slot's head holds from its last derived commit
         self._views: dict[tuple, tuple] = {}  # ([kind,] slot, rows, num_rows) views of bucketed steps; ("shape", slot, bucket, q_len): kept StepShapes
         self.scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
-        self.bytes_to_device = 0  # host-to-device bytes the pool and its schedulers issued, all commits
+        self.bytes_to_device = 0  # host-to-device bytes the pool and its backend states issued, all commits
         self.last_commit_bytes = 0
         self.next_slot = 0
         # StepRows steps: the page table, and per bucketed (slot, rows, num_rows, backend) a CUDA graph
@@ -103,13 +104,13 @@ class GraphBufferPool:
         self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
             self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
             derive.triton_kernels() if cuda and derive.USE_TRITON else None)
-        self.schedulers: dict[str, object] = {}  # backend module path -> its Scheduler (or None)
-        self._by_backend: dict[str, object] = {}  # backend name -> its module's Scheduler (or None), once resolved
+        self.backend_states: dict[str, object] = {}  # backend module path -> its PoolState (or None)
+        self._by_backend: dict[str, object] = {}  # backend name -> its module's PoolState (or None), once resolved
         self._offsets: dict[tuple[int, int], object] = {}  # (bucket, q_len) -> the layout's Offsets of derived steps
         # every backend a plan for this spec may name, made now: their memory is in the report from
         # the start, and nothing compiles or allocates mid-serving
         for name in spec_backends(spec):
-            self.scheduler_for(name)
+            self.backend_state(name)
 
     @property
     def num_slots(self) -> int:
@@ -124,19 +125,24 @@ class GraphBufferPool:
     def stalls(self, n: int) -> None:
         self.leases.stalls = n
 
-    def scheduler_for(self, backend: str):
-        """The Scheduler of `backend`'s module for this pool (made once; None for host-only backends)."""
+    def backend_state(self, backend: str):
+        """The PoolState of `backend`'s module for this pool (made once; None for host-only backends)."""
         caps = BACKENDS.get(backend)
         if caps is None:
             raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
-        if caps.module not in self.schedulers:
+        if caps.module not in self.backend_states:
             mod = load(backend)
-            self.schedulers[caps.module] = mod.Scheduler(self) if hasattr(mod, "Scheduler") else None
-        scheduler = self._by_backend[backend] = self.schedulers[caps.module]
-        return scheduler
+            self.backend_states[caps.module] = mod.PoolState(self) if hasattr(mod, "PoolState") else None
+        state = self._by_backend[backend] = self.backend_states[caps.module]
+        return state
+
+    def scheduler_for(self, backend: str):
+        """Deprecated: the backend's per-pool state is `backend_state(backend)` (a PoolState)."""
+        warnings.warn("GraphBufferPool.scheduler_for is deprecated: use pool.backend_state(backend)", DeprecationWarning, 2)
+        return self.backend_state(backend)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst.copy_(src) without blocking, counted in bytes_to_device (schedulers use it too)."""
+        """dst.copy_(src) without blocking, counted in bytes_to_device (backend states use it too)."""
         dst.copy_(src, non_blocking=True)
         self.last_commit_bytes += src.numel() * src.element_size()
 
@@ -170,15 +176,15 @@ class GraphBufferPool:
         if slot is not None:
             checks.check_slot(self.num_slots, slot, "commit")
         try:
-            scheduler = self._by_backend[plan.backend]
+            state = self._by_backend[plan.backend]
         except KeyError:
-            scheduler = self.scheduler_for(plan.backend)
-        if scheduler is not None:
-            scheduler.check(plan, bucket)
+            state = self.backend_state(plan.backend)
+        if state is not None:
+            state.check(plan, bucket)
         here = self.current_stream() if self.cuda else None
         side = stream if stream is not None and self.cuda and stream != here else None
         if plan.rows is not None and bucket is not None:  # the device derives the step's arrays (derive.py)
-            return self._commit_derived(plan, bucket, scheduler, slot, here, side, defer)
+            return self._commit_derived(plan, bucket, state, slot, here, side, defer)
         # the last check, O(B + T)
         slots = None if plan.rows is None else self.table.check_step(plan)
         xg = None if plan.rows is not None else cross.rows_group(plan)  # (CrossRows: StepBatch plans only)
@@ -224,9 +230,9 @@ class GraphBufferPool:
                 else:
                     if left:  # more table updates than the step's region holds (admissions): sent first
                         self.last_commit_bytes += table.send(updates)
-                    self._rows_device_work(step, scheduler, offsets, False, False, on)
-                if scheduler is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
-                    object.__setattr__(step, "scheduled", scheduler.schedule(step))
+                    self._rows_device_work(step, state, offsets, False, False, on)
+                if state is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
+                    object.__setattr__(step, "scheduled", state.schedule(step))
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
                 if side is None and here is not None:
@@ -240,12 +246,12 @@ class GraphBufferPool:
                 self.bytes_to_device += self.last_commit_bytes
         return step
 
-    def _commit_derived(self, plan: AttentionPlan, bucket: int, scheduler, slot: int | None, here, side,
+    def _commit_derived(self, plan: AttentionPlan, bucket: int, state, slot: int | None, here, side,
                         defer: bool) -> DeviceStep:
-        """commit for a bucketed StepRows step (after validate and the scheduler's check): the table check,
+        """commit for a bucketed StepRows step (after validate and the backend state's check): the table check,
         then the rows, lengths and table updates staged in the slot's head, and the device work that
         derives every other array from them (derive.rows_work): deferred with `defer` (see commit),
-        else one graph launch. Its StepShape is made once per slot and bucket shape. A scheduler that
+        else one graph launch. Its StepShape is made once per slot and bucket shape. A backend state that
         plans from host arrays (not lazy_host_arrays) gets them staged, and runs after the device work."""
         table, lease = self.table, self.leases
         table.check_step(plan, slots=False)  # the last check, O(B)
@@ -257,11 +263,11 @@ class GraphBufferPool:
         offsets = self._offsets[(bucket, q_len)]
         updates = table.take_updates()  # (put back if the commit fails)
         h = self.host_np[s]
-        lazy = scheduler is None or scheduler.lazy_host_arrays  # (no scheduler: none reads them)
+        lazy = state is None or state.lazy_host_arrays  # (none: nothing reads them)
         try:
             left = stage_derived(h, plan, offsets, bucket, q_len, updates, table, self.held[s])
             h[offsets.fence] = lease.next_fence(s)
-            if not lazy:  # the pinned O(rows) arrays, for a scheduler that plans from them (else stage_host, if asked)
+            if not lazy:  # the pinned O(rows) arrays, for a backend state that plans from them (else stage_host, if asked)
                 stage_requests(h, plan, offsets, bucket, q_len)
         except BaseException:
             table.restore_updates(updates)
@@ -280,19 +286,19 @@ class GraphBufferPool:
             step = DeviceStep(plan=plan, shape=shape, generation=generation, pool=self, stream=side)
             self.last_commit_bytes = sent = table.send(updates) if left else 0  # (admissions past the head: sent first)
             if not lazy:
-                self._rows_device_work(step, scheduler, offsets, True, False, on)
-            if scheduler is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
-                object.__setattr__(step, "scheduled", scheduler.schedule(step))
-            if lazy:  # (after the scheduler's copies: their order does not matter, the arrays are the same)
+                self._rows_device_work(step, state, offsets, True, False, on)
+            if state is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
+                object.__setattr__(step, "scheduled", state.schedule(step))
+            if lazy:  # (after the backend state's copies: their order does not matter, the arrays are the same)
                 # the graph writes back a fence that proves every copy out of the staging ran, unless the
-                # scheduler planned from it (staged the host arrays) or anything was uploaded
+                # backend state planned from it (staged the host arrays) or anything was uploaded
                 fenced = side is None and self.unstaged[s] == generation and self.last_commit_bytes == sent
                 if defer and fenced:  # (_rows_device_work's deferred case, inline: the per-step path)
                     key = ("derived", s, bucket, bucket * q_len, plan.backend)
-                    self.device_work.defer(s, generation, key, lambda: derive.rows_work(self, step, scheduler, offsets, True), on)
+                    self.device_work.defer(s, generation, key, lambda: derive.rows_work(self, step, state, offsets, True), on)
                     self.last_commit_bytes += offsets.draft * 4
                 else:
-                    self._rows_device_work(step, scheduler, offsets, True, False, on)
+                    self._rows_device_work(step, state, offsets, True, False, on)
                 fenced = fenced and here is not None
             if side is None and here is not None:  # (see commit)
                 lease.claim_consumer(s, here, "commit")
@@ -327,12 +333,12 @@ class GraphBufferPool:
         until the slot is committed again. See capture/rounds.py."""
         return rounds.commit(self, draft, slot)
 
-    def _rows_device_work(self, step: DeviceStep, scheduler, offsets, derived: bool, defer: bool, on) -> None:
+    def _rows_device_work(self, step: DeviceStep, state, offsets, derived: bool, defer: bool, on) -> None:
         """A StepRows commit's device work (derive.rows_work): replayed as one graph for a bucketed CUDA step
         (captured at the first commit of its key), so its host cost is one launch; with `defer`, not even
         that: the step's first use launches it, on the commit's stream `on` (None: the CPU)."""
         key = ("derived" if derived else "staged", step.slot, step.rows, step.num_rows, step.plan.backend)
-        make = lambda: derive.rows_work(self, step, scheduler, offsets, derived)  # noqa: E731
+        make = lambda: derive.rows_work(self, step, state, offsets, derived)  # noqa: E731
         if defer:
             self.device_work.defer(step.slot, step.generation, key, make, on)
         else:
@@ -340,7 +346,7 @@ class GraphBufferPool:
         self.last_commit_bytes += (offsets.draft if derived else offsets.head_end) * 4  # (what the work's copy moves)
 
     def stage_host(self, step: DeviceStep) -> None:
-        """Write a derived step's O(rows) arrays (stage_requests) into its slot's pinned staging for a scheduler
+        """Write a derived step's O(rows) arrays (stage_requests) into its slot's pinned staging for a backend state
         (lazy_host_arrays) that plans from them on the host; a no-op once staged, or for a stale step."""
         if self.unstaged[step.slot] == step.generation == self.generations[step.slot]:
             stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.rows, step.num_rows), step.rows, step.q_len)
@@ -383,12 +389,12 @@ class GraphBufferPool:
         return self.dev[step.slot][o_idx : o_idx + self.layout.index_capacity]
 
     def memory_report(self) -> MemoryReport:
-        """Device and pinned bytes this pool and its schedulers hold, by component (what torch's
+        """Device and pinned bytes this pool and its backend states hold, by component (what torch's
         allocators cache after freeing is theirs, not listed)."""
         slot_bytes = self.layout.size * 4 * self.num_slots
         parts = {"pool staging (pinned)": (0, slot_bytes if self.cuda else 0), "pool slot buffers": (slot_bytes, 0)}
         # (the tables' host mirrors and page owners are pageable: host_bytes())
-        for part in (self.table, self.cross_table, self.derivation, self.leases, *self.schedulers.values()):
+        for part in (self.table, self.cross_table, self.derivation, self.leases, *self.backend_states.values()):
             if part is not None:
                 parts.update(part.memory())
         return MemoryReport(parts)

@@ -56,9 +56,9 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
                         "draft rounds serve specs whose groups share one page list")
     bucket = checks.validate(pool, plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
     checks.check_slot(pool.num_slots, slot, "commit_round")
-    scheduler = pool.scheduler_for(draft.backend)
-    if scheduler is not None:
-        scheduler.check(plans[-1], bucket)
+    state = pool.backend_state(draft.backend)
+    if state is not None:
+        state.check(plans[-1], bucket)
     s = pool.free_slot(slot)
     B = draft.batch_size
     rows = num_rows = bucket or B
@@ -96,8 +96,8 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
                               host_qo_indptr=views.host_qo_indptr, slot_mapping=slots, table_rows=views.table_rows,
                               groups=groups)
             steps.append(DeviceStep(plan=plan, shape=shape, generation=pool.generations[s], pool=pool))
-        if scheduler is not None:
-            scheduled = scheduler.schedule_round(steps)
+        if state is not None:
+            scheduled = state.schedule_round(steps)
             for st, sch in zip(steps, scheduled):  # (fresh objects no caller has seen yet: set, not rebuilt)
                 object.__setattr__(st, "scheduled", sch)
         if here is not None:

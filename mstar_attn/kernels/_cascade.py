@@ -30,7 +30,7 @@ from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
 
 if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
-    from mstar_attn.kernels.flashinfer import Scheduler
+    from mstar_attn.kernels.flashinfer import PoolState
 
 INT_WORKSPACE_BYTES = 8 << 20
 
@@ -74,7 +74,7 @@ class Levels:
 
 
 class CascadeState:
-    """The FlashInfer scheduler's state for cascade steps, made when the spec has cascade on.
+    """FlashInfer's pool state (its PoolState) for cascade steps, made when the spec has cascade on.
 
     Per slot: a pinned int32 staging buffer and its device twin, filled at commit with the step's
     level arrays (one host-to-device copy); per (slot, kind) the two levels' page-index buffers
@@ -87,9 +87,9 @@ class CascadeState:
     + the float workspace (the pool's float_workspace_bytes, or shared_workspace_bytes if larger).
     """
 
-    def __init__(self, scheduler: Scheduler):
-        pool = self.pool = scheduler.pool
-        self.scheduler, L = scheduler, pool.layout
+    def __init__(self, owner: PoolState):
+        pool = self.pool = owner.pool
+        self.owner, L = owner, pool.layout
         self.max_groups = L.max_rows // 2 + 1
         cap = L.index_capacity
         import flashinfer
@@ -140,7 +140,7 @@ class CascadeState:
             return on[r[0] : r[1]]
 
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
-        kw = self.scheduler.plan_kwargs
+        kw = self.owner.plan_kwargs
         out = {}
         c = plan.cascade
         for g in sorted(set(self.rep.values())):
@@ -156,7 +156,7 @@ class CascadeState:
                 qo = torch.from_numpy(c.suffix_qo_indptr.copy())
                 suffix.plan(qo, view(x_ptr, host), view(x_idx), view(x_lpl, host), *heads, ps, causal=grp.causal,
                             seq_lens=view(x_len, host), **kw)
-            self.scheduler.planned_into(step.slot, g, suffix)  # (the slot and group's shared int workspace)
+            self.owner.planned_into(step.slot, g, suffix)  # (the slot and group's shared int workspace)
             out[g] = Levels(view(perm), view(inv), view(mask).view(torch.uint8)[:R].view(torch.bool), shared, suffix, self)
         return {g: out[rep] for g, rep in self.rep.items()}
 
@@ -179,7 +179,7 @@ class CascadeState:
         return w
 
     def _suffix(self, step: DeviceStep, g: int):
-        sch, graph, flashinfer = self.scheduler, step.bucket is not None, self.fi
+        sch, graph, flashinfer = self.owner, step.bucket is not None, self.fi
         key = ("suffix", step.slot, g) + ((step.rows, step.q_len) if graph else (step.mode.value,))
         w = self.wrappers.get(key)
         if w is None:
@@ -194,7 +194,7 @@ class CascadeState:
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(sch.float_ws, "NHD", use_tensor_cores=sch.tensor_cores)
             else:
                 w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(sch.float_ws, "NHD")
-            self.wrappers[key] = sch.share(w, step.slot, g)  # the slot and group's int workspace (see Scheduler.planned_into)
+            self.wrappers[key] = sch.share(w, step.slot, g)  # the slot and group's int workspace (see PoolState.planned_into)
         return w
 
 

@@ -32,7 +32,7 @@ class BlockTables:
 
     Cost: 2 * num_slots * tables * max_batch * max_pages_per_request * 4 bytes (pinned + device),
     and a bucketed commit of a StepBatch copies rows * max_pages_per_request * 4 bytes per table. A
-    StepRows step copies none: `expand` gathers its tables from the pool's page table on the device. Size
+    StepRows step copies none: `gather` fills its tables from the pool's page table on the device. Size
     the pool's max_pages_per_request to the longest context / page_size, not the whole pool.
     """
 
@@ -76,7 +76,7 @@ class BlockTables:
     def _table(self, step: DeviceStep, t: int, width: int) -> torch.Tensor:
         return self.dev[step.slot][t][: step.rows * width].view(step.rows, width)
 
-    def expand(self, step: DeviceStep) -> None:
+    def gather(self, step: DeviceStep) -> None:
         """A StepRows step's page tables, gathered on the device from the pool's page table
         (capturable: the pool runs it inside its per-bucket graph): [rows, table width] of the
         step's rows, shifted left by each request's first page for a window group. No host copy."""
@@ -93,7 +93,7 @@ class BlockTables:
     def schedule(self, step: DeviceStep) -> tuple:
         """One entry per layer group: its page table, int32 device [rows, width] (None: a group not served)."""
         plan = step.plan
-        if plan.rows is not None:  # filled on the device by expand
+        if plan.rows is not None:  # filled on the device by gather
             return tuple(None if t is None else self._table(step, t, self.pool.table.width) for t in self.table_of)
         B, rows, ps = plan.batch_size, step.rows, plan.spec.page_size
         pad_pages = -(-step.q_len // ps)  # a padding request reads q_len tokens of the scratch page

@@ -7,14 +7,14 @@ Capabilities: the dtypes, head dims, modes and features it serves, as data). The
     run(step, q, cache, group=None, k=None, v=None, sinks=None) -> out   attention for one layer of `group`
                                                  (sinks: the layer's, where its group has them; a backend
                                                  without Capabilities.sinks checks there are none)
-    Scheduler(pool)  (backends that keep device state per pool; host-only backends have none)
+    PoolState(pool)  (backends that keep device state per pool; host-only backends have none)
 
-and its Scheduler is a `SchedulerBase`: `GraphBufferPool.commit` calls
+and its PoolState is a `PoolStateBase`: `GraphBufferPool.commit` calls
 
     check(plan, bucket)     first: PlanError for what this backend cannot serve, before any state changes
-    expand(step)            StepRows steps only: device work after the pool's page arrays (dense page
+    gather(step)            StepRows steps only: device work after the pool's page arrays (dense page
                             tables), in the commit's device work (captured per bucket): no host arrays
-                            read; it runs before schedule, except for a lazy_host_arrays scheduler on
+                            read; it runs before schedule, except for a lazy_host_arrays state on
                             a bucketed step, whose device work follows schedule (or is deferred)
     schedule(step)          host-side scheduling; returns one run object per layer group, which
                             run() reads as step.scheduled[group]
@@ -37,20 +37,20 @@ if TYPE_CHECKING:
 
 
 @runtime_checkable
-class Scheduler(Protocol):
+class PoolState(Protocol):
     """What GraphBufferPool.commit calls on a backend's per-pool state (see the module doc)."""
 
     lazy_host_arrays: bool
 
     def check(self, plan: AttentionPlan, bucket: int | None) -> None: ...
-    def expand(self, step: DeviceStep) -> None: ...
+    def gather(self, step: DeviceStep) -> None: ...
     def schedule(self, step: DeviceStep) -> tuple: ...
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]: ...
     def memory(self) -> dict[str, tuple[int, int]]: ...
 
 
-class SchedulerBase:
-    """A Scheduler's defaults: nothing to refuse or expand, rounds scheduled step by step, host
+class PoolStateBase:
+    """A PoolState's defaults: nothing to refuse or gather, rounds scheduled step by step, host
     arrays staged eagerly. Subclasses override what their backend does."""
 
     lazy_host_arrays = False
@@ -58,7 +58,7 @@ class SchedulerBase:
     def check(self, plan: AttentionPlan, bucket: int | None) -> None:
         """PlanError for what this backend cannot serve (default: nothing beyond build_plan and the pool)."""
 
-    def expand(self, step: DeviceStep) -> None:
+    def gather(self, step: DeviceStep) -> None:
         """Device work after the pool's page arrays (default: none)."""
 
     def schedule(self, step: DeviceStep) -> tuple:

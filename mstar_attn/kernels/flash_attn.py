@@ -6,7 +6,7 @@ Two registry names share this module; `step.plan.backend` picks the call:
   "flash_attn_varlen"  prefill with no cached prefix, over the step's new k and v:
                        cu_seqlens_q = cu_seqlens_k = step.qo_indptr.
 
-Host work (the page tables) runs in `GraphBufferPool.commit` through `Scheduler`; `run` and
+Host work (the page tables) runs in `GraphBufferPool.commit` through `PoolState`; `run` and
 `write_kv` only launch kernels: no host sync, no allocation outside FA4's own `out`. What this
 relies on in FA4 (interface.py, read for 4.0.0b36; notes/library_apis.md section 6):
   - num_splits=1 always: SM90 asserts "SplitKV not supported", and num_splits < 1 runs a
@@ -33,7 +33,7 @@ from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
 from mstar_attn.kernels._tables import BlockTables
-from mstar_attn.kernels.base import SchedulerBase
+from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.spec import LayerGroup
@@ -55,7 +55,7 @@ def _varlen_func():
     return flash_attn_varlen_func
 
 
-class Scheduler(SchedulerBase):
+class PoolState(PoolStateBase):
     """Dense page tables for the pool's paged FlashAttention steps, filled at commit (kernels._tables.BlockTables)."""
 
     lazy_host_arrays = True  # reads no pinned host array of a derived StepRows step (its tables and lengths are on the device)
@@ -72,10 +72,10 @@ class Scheduler(SchedulerBase):
     def memory(self) -> dict[str, tuple[int, int]]:
         return self.tables.memory("flash_attn page tables")
 
-    def expand(self, step: DeviceStep) -> None:
-        """A StepRows step's page tables, gathered on the device (see BlockTables.expand)."""
+    def gather(self, step: DeviceStep) -> None:
+        """A StepRows step's page tables, gathered on the device (see BlockTables.gather)."""
         if step.plan.backend != VARLEN:
-            self.tables.expand(step)
+            self.tables.gather(step)
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """A draft round's steps list the same pages (each reads its own kv_lens): one set of tables for all."""

@@ -1,6 +1,6 @@
 """FlashInfer backend (the default): paged decode / prefill / extend / verify, ragged prefill.
 
-Host-side scheduling (`wrapper.plan`) runs in `GraphBufferPool.commit`, through `Scheduler`,
+Host-side scheduling (`wrapper.plan`) runs in `GraphBufferPool.commit`, through `PoolState`,
 from pinned host arrays (indptr, last_page_len, kv lens) and the slot's device page indices:
 no device-to-host copy, never inside a graph. `run` and `write_kv` check their arguments on the
 host and launch kernels. Uses FlashInfer's public wrapper API (tests/kernels/test_flashinfer.py
@@ -21,7 +21,7 @@ from mstar_attn.kernels import _cascade, _check
 from mstar_attn.kernels._common import with_sinks, write_kv  # noqa: F401  (write_kv: this backend's)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
 from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
-from mstar_attn.kernels.base import SchedulerBase
+from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its plan
 FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
 # A bucket whose rows x KV heads reach this many CTAs per SM of the GPU is planned once, without
-# split-KV, and never re-planned (see Scheduler); below it split-KV pays for small batches over
+# split-KV, and never re-planned (see PoolState); below it split-KV pays for small batches over
 # long contexts, and the schedule is re-planned per step (benchmarks/host_step.py part b measures both)
 FIXED_CTAS_PER_SM = 2
 
@@ -57,7 +57,7 @@ class KeptStep:
     fixed: bool
 
 
-class Scheduler(SchedulerBase):
+class PoolState(PoolStateBase):
     """The pool's FlashInfer wrappers, planned at commit from pinned host arrays.
 
     Bucketed steps (decode, and verify) use graph-mode decode wrappers keyed by (slot, group, rows,
@@ -124,10 +124,10 @@ class Scheduler(SchedulerBase):
         if self._on_xqa(plan):
             self.xqa.tables.check(plan)
 
-    def expand(self, step: DeviceStep) -> None:
+    def gather(self, step: DeviceStep) -> None:
         """A StepRows step's XQA page tables, on the device (fp8_math decode), after the pool's CSR page lists."""
         if self._on_xqa(step.plan):
-            self.xqa.tables.expand(step)
+            self.xqa.tables.gather(step)
 
     def _on_xqa(self, plan: AttentionPlan) -> bool:
         """fp8_math decode steps (one query token per request, draft steps included) run on XQA."""

@@ -30,7 +30,7 @@ from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv: c_kv as K, k_pe as V)
-from mstar_attn.kernels.base import SchedulerBase
+from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 MAX_QUERY_TILES = 8192  # FlashInfer MLA plans at most 16384 work items (query tiles of 64 rows plus KV splits)
 
 
-class Scheduler(SchedulerBase):
+class PoolState(PoolStateBase):
     """The pool's MLA wrappers, planned at commit from pinned host arrays (see the module doc).
     Memory: a float workspace of pool.float_workspace_bytes (128 MiB by default; FlashInfer needs
     ~17 MiB on an H100 for MLA's partial outputs), and per wrapper FlashInfer's own 8 MiB device +

@@ -4,7 +4,7 @@
 serves and which third-party package it needs. The pool and `kernels.run` find a backend's module
 by name at run time (`load`), so nothing below `kernels/` imports a backend at import time.
 
-Every backend module exposes write_kv, run and (backends with per-pool state) a Scheduler: the
+Every backend module exposes write_kv, run and (backends with per-pool state) a PoolState: the
 protocol is written down in kernels/base.py.
 Several names may share one module (FlashInfer paged and ragged): the module reads
 `step.plan.backend` to pick the kernel.

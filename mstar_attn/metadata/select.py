@@ -208,7 +208,7 @@ def spec_backends(spec) -> tuple[str, ...]:
 
 def table_backends(spec, table=None) -> tuple[str, ...]:
     """Every backend the table may pick for some step of an "auto" spec (FlashInfer first): what a
-    pool makes schedulers for up front. table: as in select_backend."""
+    pool makes backend states (PoolState) for up front. table: as in select_backend."""
     if spec.mla:
         return (AUTO_MLA,)
     t = load_table() if table is None else as_table(table)

@@ -265,7 +265,7 @@ def _prepare(name, pool, spec, case: _Case, cfg: BenchConfig):
     kernel = sorted({type(x).__name__ for x in step.scheduled if x is not None})
     rec = {"first_call_s": round(first_s, 3), "kernel": kernel}
     if name.endswith("_ragged") and not any("Ragged" in x for x in kernel):
-        rec["status"] = f"error: the scheduler planned {kernel} for plan.backend={name!r}, not ragged attention"
+        rec["status"] = f"error: FlashInfer's pool state planned {kernel} for plan.backend={name!r}, not ragged attention"
         return rec, None
     if out.shape[0] < T:
         rec["status"] = f"mismatch: run returned {out.shape[0]} rows for {T} tokens"

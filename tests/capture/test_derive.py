@@ -11,7 +11,7 @@ import torch
 from mstar_attn import LayerGroup, StepBatch, build_plan
 from mstar_attn.capture import derive
 from mstar_attn.capture.layout import slot_views
-from mstar_attn.kernels.base import SchedulerBase
+from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.backends import BACKENDS
 from mstar_attn.metadata.batch import StepRows
 from tests.capture.test_table import admit, table_pool
@@ -172,8 +172,8 @@ def test_derived_steps_stay_right_when_other_steps_write_the_slot_between():
         derived(rows, kv + 4, "after a StepBatch step")
 
 
-class _LazyScheduler(SchedulerBase):
-    """A scheduler that reads no host array (as FlashInfer's fixed schedule, or FA4): lazy_host_arrays."""
+class _LazyPoolState(PoolStateBase):
+    """A backend state that reads no host array (as FlashInfer's fixed schedule, or FA4): lazy_host_arrays."""
 
     lazy_host_arrays = True
 
@@ -185,10 +185,10 @@ def test_a_derived_commit_derives_no_plan_array_on_the_host():
     for ps, q_len in ((4, 1), (16, 1)):
         seed = fresh_seed()
         spec, pool, plan, _ = _random_step(seed, ps, q_len)
-        pool.schedulers[BACKENDS[plan.backend].module] = _LazyScheduler()
+        pool.backend_states[BACKENDS[plan.backend].module] = _LazyPoolState()
         step = pool.commit(plan)
         assert step.bucket is not None and not plan.arrays_derived, seed
-        pool.stage_host(step)  # (what a scheduler that plans from host arrays asks for)
+        pool.stage_host(step)  # (what a backend state that plans from host arrays asks for)
         assert plan.arrays_derived, seed
 
 

@@ -1,12 +1,12 @@
 """GraphBufferPool's bookkeeping on the CPU: what lands in the device buffers, how many bytes a commit
 copies, bounded state, stale steps, all-or-nothing commits. (A CPU pool's copies are synchronous,
-so its events are always done; the reference backend needs no scheduler.)"""
+so its events are always done; the reference backend keeps no PoolState.)"""
 
 import numpy as np
 import pytest
 import torch
 
-from mstar_attn import LayerGroup, PagedKVCache, PlanError, PoolLimits, StaleStepError, build_plan, kernels
+from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, PlanError, PoolLimits, StaleStepError, build_plan, kernels
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
@@ -134,7 +134,7 @@ def test_a_failed_check_changes_nothing():
     assert (pool.next_slot, pool.generations) == before[:2] and live.live
 
 
-def test_a_scheduler_failure_leaves_the_pool_usable(monkeypatch):
+def test_a_backend_state_failure_leaves_the_pool_usable(monkeypatch):
     """A backend whose host scheduling raises mid-commit (after the copy): the commit raises, its
     slot's previous step is stale (its buffers were overwritten), and the next commit works."""
     from mstar_attn.kernels import flash_attn as fa
@@ -144,13 +144,13 @@ def test_a_scheduler_failure_leaves_the_pool_usable(monkeypatch):
     spec = spec_for(page_size=4, num_pages=300, groups=GROUPS, dtype=torch.bfloat16, head_dim=64, backend="flash_attn")
     pool = pool_for(spec)
     first = pool.commit(build_plan(random_batch(rng, [1, 1], [5, 9], 4, 300), spec))
-    sched = pool.scheduler_for("flash_attn")
+    sched = pool.backend_state("flash_attn")
 
     def broken(step):
-        raise RuntimeError("scheduler broke")
+        raise RuntimeError("backend state broke")
 
     monkeypatch.setattr(sched, "schedule", broken)
-    with pytest.raises(RuntimeError, match="scheduler broke"):
+    with pytest.raises(RuntimeError, match="backend state broke"):
         pool.commit(build_plan(random_batch(rng, [1], [7], 4, 300), spec))
     monkeypatch.undo()
     monkeypatch.setattr(fa, "_varlen_func", lambda: None)
@@ -315,3 +315,10 @@ def test_a_flat_graph_never_replays_a_cascade_step():
     assert eager == [step]
     graphs.graphs[(step.slot, step.bucket, 1, "reference", True)] = (Graph(), torch.zeros(16, 4, 16))
     assert graphs.serves(step)
+
+
+def test_scheduler_for_still_works_with_a_deprecation_naming_backend_state():
+    spec = AttentionSpec(4, 2, 16, 4, 64, backend="reference")
+    pool = pool_for(spec)
+    with pytest.warns(DeprecationWarning, match=r"pool\.backend_state\(backend\)"):
+        assert pool.scheduler_for("reference") is pool.backend_state("reference")

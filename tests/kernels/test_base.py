@@ -1,5 +1,5 @@
-"""kernels/base.py: every backend module that keeps per-pool state has a Scheduler satisfying the written
-protocol (a SchedulerBase), and the registry's rules are capabilities (data), read by name nowhere else."""
+"""kernels/base.py: every backend module that keeps per-pool state has a PoolState satisfying the written
+protocol (a PoolStateBase), and the registry's rules are capabilities (data), read by name nowhere else."""
 
 import ast
 import importlib
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mstar_attn.kernels.base import Scheduler, SchedulerBase
+from mstar_attn.kernels.base import PoolState, PoolStateBase
 from mstar_attn.metadata.backends import BACKENDS
 
 PACKAGE = Path(__file__).resolve().parents[2] / "mstar_attn"
-PROTOCOL = ("check", "expand", "schedule", "schedule_round", "memory")
+PROTOCOL = ("check", "gather", "schedule", "schedule_round", "memory")
 
 
 def _modules():
@@ -25,32 +25,32 @@ def _modules():
     return out
 
 
-def test_every_backend_scheduler_is_a_scheduler_base_with_the_protocol():
+def test_every_backend_pool_state_is_a_pool_state_base_with_the_protocol():
     mods = _modules()
     assert "mstar_attn.kernels.reference" in mods
     checked = 0
     for name, mod in mods.items():
         assert callable(getattr(mod, "run", None)) and callable(getattr(mod, "write_kv", None)), name
-        cls = getattr(mod, "Scheduler", None)
+        cls = getattr(mod, "PoolState", None)
         if cls is None:
             continue
-        assert issubclass(cls, SchedulerBase), name
+        assert issubclass(cls, PoolStateBase), name
         for method in PROTOCOL:
             assert callable(getattr(cls, method)), (name, method)
         assert isinstance(cls.lazy_host_arrays, bool), name
         checked += 1
     if not checked:
-        pytest.skip("no backend with a Scheduler imports here (GPU packages missing)")
+        pytest.skip("no backend with a PoolState imports here (GPU packages missing)")
 
 
 def test_the_base_defaults_satisfy_the_protocol():
-    class Minimal(SchedulerBase):
+    class Minimal(PoolStateBase):
         def schedule(self, step):
             return ("ran", step)
 
     s = Minimal()
-    assert isinstance(s, Scheduler) and s.schedule_round([1, 2]) == [("ran", 1), ("ran", 2)]
-    assert s.memory() == {} and s.expand(None) is None and s.check(None, None) is None and not s.lazy_host_arrays
+    assert isinstance(s, PoolState) and s.schedule_round([1, 2]) == [("ran", 1), ("ran", 2)]
+    assert s.memory() == {} and s.gather(None) is None and s.check(None, None) is None and not s.lazy_host_arrays
 
 
 def test_no_module_outside_the_registry_and_the_backends_names_a_backend_in_a_rule():
@@ -77,12 +77,12 @@ def test_no_module_outside_the_registry_and_the_backends_names_a_backend_in_a_ru
     assert not found, found
 
 
-def test_the_pool_calls_nothing_on_a_scheduler_beyond_the_protocol():
-    """Every attribute pool.py and rounds.py read off a scheduler is in the protocol (read from their source)."""
-    members = {n for n, _ in inspect.getmembers(Scheduler) if not n.startswith("_")} | set(Scheduler.__annotations__)
+def test_the_pool_calls_nothing_on_a_backend_state_beyond_the_protocol():
+    """Every attribute pool.py and rounds.py read off a backend state is in the protocol (read from their source)."""
+    members = {n for n, _ in inspect.getmembers(PoolState) if not n.startswith("_")} | set(PoolState.__annotations__)
     used = set()
     for rel in ("capture/pool.py", "capture/rounds.py"):
         for node in ast.walk(ast.parse((PACKAGE / rel).read_text())):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "scheduler":
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "state":
                 used.add(node.attr)
     assert used and used <= members, used - members

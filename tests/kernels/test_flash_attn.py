@@ -1,6 +1,6 @@
 """FlashAttention-4 backend through GraphBufferPool, against the reference backend.
 
-CPU tests run the real pool and Scheduler with FA4 replaced by `fake_varlen`, a plain-torch model
+CPU tests run the real pool and PoolState with FA4 replaced by `fake_varlen`, a plain-torch model
 of the contract FA4's interface.py documents (page table rows, seqused_k, bottom-right masks):
 they check the page tables, lengths and arguments this backend passes. GPU tests (marker gpu)
 run the real kernels: here what only FA4 has (varlen prefill, its page-table bounds, finite caches);
@@ -18,7 +18,7 @@ from mstar_attn.kernels import reference
 from tests.helpers import (
     GPU_GROUPS, assert_close_per_request, fresh_seed, gpu_pool, make_step, pool_of, random_batch, random_cache,
 )
-from tests.helpers import MODES as GPU_MODES
+from tests.support.paged_scenarios import MODES as GPU_MODES
 
 
 def _why_no_fa4():

@@ -104,7 +104,7 @@ def test_fast_replan_matches_public_plan(heads, q_len):
     cache = random_cache(spec, seed)
     pools = [gpu_pool(spec, buckets=(B,)), gpu_pool(spec, buckets=(B,))]
     for pool in pools:
-        pool.scheduler_for("flashinfer").use_fast = pool is pools[1]
+        pool.backend_state("flashinfer").use_fast = pool is pools[1]
     first = build_plan(random_batch(rng, [q_len] * B, [q_len + 1] * B, ps, spec.num_pages), spec)
     for pool in pools:
         pool.commit(first, slot=0)  # public plan() in both
@@ -113,8 +113,8 @@ def test_fast_replan_matches_public_plan(heads, q_len):
         plan = build_plan(random_batch(rng, [q_len] * B, kv, ps, spec.num_pages), spec)
         public, fast = (marked(pool.commit(plan, slot=0), cache) for pool in pools)  # (random K/V already at every slot)
         wp, wf = public.scheduled[0], fast.scheduled[0]
-        assert wp is not wf and (0, 0, B, q_len) in pools[1].scheduler_for("flashinfer").fast
-        assert (0, 0, B, q_len) not in pools[0].scheduler_for("flashinfer").fast
+        assert wp is not wf and (0, 0, B, q_len) in pools[1].backend_state("flashinfer").fast
+        assert (0, 0, B, q_len) not in pools[0].backend_state("flashinfer").fast
         assert list(wp._plan_info) == list(wf._plan_info), (f"seed {seed}", i)
         q = torch.randn(B * q_len, heads[0], 128, device="cuda", dtype=torch.bfloat16)
         out_p, out_f = fi.run(public, q, cache), fi.run(fast, q, cache)
@@ -138,7 +138,7 @@ def test_wrappers_share_the_slot_workspaces():
     graphs = [DecodeGraphs(pool, attend_filled(fi.run, cache, g), {"q": static}) for g in range(2)]
     for gr in graphs:
         gr.capture(q_lens=(1, 4))
-    sched = pool.scheduler_for("flashinfer")
+    sched = pool.backend_state("flashinfer")
     fixed = {id(w) for w in sched.fixed.values()}  # (planned once for good: an int workspace of their own)
     for (kind, slot, g, *_), w in sched.wrappers.items():
         if id(w) in fixed:
@@ -172,7 +172,7 @@ def test_replay_follows_new_plans_on_the_public_plan_path():
     spec = AttentionSpec(32, 8, 128, 16, 2000)
     cache = random_cache(spec, seed)
     pool = GraphBufferPool(spec, PoolLimits(max_batch_size=16, max_num_tokens=256, max_num_pages=2000, buckets=(8, 16)))
-    pool.scheduler_for("flashinfer").use_fast = False
+    pool.backend_state("flashinfer").use_fast = False
     graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": torch.zeros(16, 32, 128, device="cuda",
                                                                                 dtype=torch.bfloat16)})
     graphs.capture()
@@ -183,7 +183,7 @@ def test_replay_follows_new_plans_on_the_public_plan_path():
         q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
         assert graphs.serves(step)
         assert_close_per_request(graphs(step, q=q), reference.run(plan, q.float(), cache), plan, spec.dtype, (f"seed {seed}", i))
-    assert not pool.scheduler_for("flashinfer").fast
+    assert not pool.backend_state("flashinfer").fast
 
 
 def test_fixed_schedule_buckets_are_planned_once_and_stay_correct():
@@ -192,7 +192,7 @@ def test_fixed_schedule_buckets_are_planned_once_and_stay_correct():
     seed = fresh_seed()
     spec, plan, cache, q, *_ = gpu_step(seed, [1] * 70, list(np.random.default_rng(seed).integers(2000, 4000, 70)))
     pool = gpu_pool(spec, buckets=(4, 128))
-    sched = pool.scheduler_for("flashinfer")
+    sched = pool.backend_state("flashinfer")
     sched.fixed_min_ctas = 4 * torch.cuda.get_device_properties(0).multi_processor_count  # (off by default)
     graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": torch.zeros(128, 32, 128, device="cuda",
                                                                                 dtype=torch.bfloat16)})

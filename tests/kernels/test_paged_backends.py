@@ -6,7 +6,8 @@ what only one backend has stays in its own file (test_flashinfer.py, test_flash_
 
 import pytest
 
-from tests.helpers import check_modes, check_replay, fresh_seed, many_steps, no_sync_on_the_step_path, table_steps
+from tests.helpers import fresh_seed
+from tests.support.paged_scenarios import check_modes, check_replay, many_steps, no_sync_on_the_step_path, table_steps
 from tests.support.paged_backends import BACKENDS, params
 
 pytestmark = pytest.mark.gpu

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mstar_attn import LayerGroup
-from tests.helpers import GPU_GROUPS, MODES, make_step
+from tests.helpers import GPU_GROUPS, make_step
+from tests.support.paged_scenarios import MODES
 
 
 @attrs.frozen
