@@ -203,13 +203,13 @@ def stage(h: np.ndarray, c, B: int, rows: int, R: int, q_len: int, Gf: int, spec
     query rows; q_len: a padding request's tokens) into the int32 buffer h from 0 on; returns each
     array's [start, end) in h, in this order:
       perm [R], inv [R]            level row j is batch row perm[j]; inv inverts it (padding rows stay put)
-      mask [ceil(R / 4)]           bytes: 1 for the M = c.member_rows rows of groups
+      mask [ceil(R / 4)]           bytes: 1 for the M = c.member_queries rows of groups
       shared_qo_indptr [Gf+1]      the G groups, then empty ones, then the "rest" request: rows M..R
       shared_kv_indptr [Gf+1], shared_last_page_len [Gf], shared_kv_lens [Gf]
       suffix_kv_indptr [rows+1], suffix_last_page_len [rows], suffix_kv_lens [rows]
       suffix_kv_indices, shared_kv_indices   (padding requests, empty groups, rest: the scratch page)
     Pure numpy; Gf >= G + 1; spec: the AttentionSpec (its page size and scratch page)."""
-    G, T, ps, scratch = c.num_groups, int(c.rows.shape[0]), spec.page_size, spec.scratch_page
+    G, T, ps, scratch = c.num_groups, int(c.query_order.shape[0]), spec.page_size, spec.scratch_page
     pad_pages = -(-q_len // ps)  # a padding request reads q_len tokens of the scratch page
     out, at = {}, 0
 
@@ -221,12 +221,12 @@ def stage(h: np.ndarray, c, B: int, rows: int, R: int, q_len: int, Gf: int, spec
         at += n
         return h[at - n : at]
 
-    perm = put("perm", c.rows, R)
+    perm = put("perm", c.query_order, R)
     perm[T:] = np.arange(T, R)
     put("inv", (), R)[perm] = np.arange(R)
-    put("mask", np.zeros(-(-R // 4), np.int32)).view(np.uint8)[: c.member_rows] = 1
+    put("mask", np.zeros(-(-R // 4), np.int32)).view(np.uint8)[: c.member_queries] = 1
     qo = put("shared_qo_indptr", c.shared_qo_indptr, Gf + 1)
-    qo[G + 1 :] = c.member_rows
+    qo[G + 1 :] = c.member_queries
     qo[-1] = R
     n_sh, n_x = int(c.shared_kv_indptr[-1]), int(c.suffix_kv_indptr[-1])
     ptr = put("shared_kv_indptr", c.shared_kv_indptr, Gf + 1)

@@ -137,7 +137,7 @@ def _attend_cascade(plan: AttentionPlan, q: torch.Tensor, cache: PagedKVCache, g
     spec, c, grp = plan.spec, plan.cascade, plan.groups[group].group
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rep = spec.num_qo_heads // spec.num_kv_heads
-    rows = torch.tensor(c.rows, device=q.device, dtype=torch.long)
+    rows = torch.tensor(c.query_order, device=q.device, dtype=torch.long)
     ql = q[rows].to(work)  # level order
     out = torch.zeros_like(ql)[..., : spec.head_dim]
     lse = torch.full(q.shape[:2], float("-inf"), dtype=work, device=q.device)

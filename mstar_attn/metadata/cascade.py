@@ -96,8 +96,8 @@ class CascadePlan:
     the requests of group 0, of group 1, ..., then the requests in no group (in batch order).
 
     prefixes: the Cascade they come from (G groups, B requests)
-    order [B]: the requests in level order;  rows [T]: the query rows in level order (a permutation of 0..T-1)
-    member_rows (property): the first member_rows entries of `rows` are the groups' (the shared level's queries)
+    order [B]: the requests in level order;  query_order [T]: the query rows in level order (a permutation of 0..T-1)
+    member_queries (property): the first member_queries entries of `query_order` are the groups' (the shared level's queries)
     shared_qo_indptr [G+1]: group g's queries are level rows shared_qo_indptr[g]:shared_qo_indptr[g+1]
     shared_kv_indptr [G+1], shared_kv_indices: group g's shared run (whole pages: every key of it seen)
     suffix_qo_indptr [B+1]: level request j's queries;  suffix_kv_indptr [B+1], suffix_kv_indices: its own pages
@@ -106,7 +106,7 @@ class CascadePlan:
 
     prefixes: Cascade = attrs.field(repr=False)
     order: np.ndarray = array_field()
-    rows: np.ndarray = array_field()
+    query_order: np.ndarray = array_field()
     shared_qo_indptr: np.ndarray = array_field()
     shared_kv_indptr: np.ndarray = array_field()
     shared_kv_indices: np.ndarray = array_field()
@@ -121,7 +121,7 @@ class CascadePlan:
         return self.prefixes.num_groups
 
     @property
-    def member_rows(self) -> int:
+    def member_queries(self) -> int:
         return int(self.shared_qo_indptr[-1])
 
 
@@ -145,8 +145,10 @@ def level_plan(c: Cascade, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: n
     suffix_lens = (kv_lens[order] - skip * page_size).astype(np.int32)
     lpl = last_page_len[order]
     read_only(order, rows, shared_qo, level_qo, suffix_lens, lpl)
-    return CascadePlan(c, order, rows, shared_qo, shared_indptr, shared_idx, level_qo,
-                       suffix_indptr, suffix_idx, lpl, suffix_lens)
+    return CascadePlan(prefixes=c, order=order, query_order=rows, shared_qo_indptr=shared_qo,
+                       shared_kv_indptr=shared_indptr, shared_kv_indices=shared_idx, suffix_qo_indptr=level_qo,
+                       suffix_kv_indptr=suffix_indptr, suffix_kv_indices=suffix_idx, suffix_last_page_len=lpl,
+                       suffix_kv_lens=suffix_lens)
 
 
 @attrs.frozen

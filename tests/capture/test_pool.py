@@ -287,7 +287,7 @@ def test_cascade_capture_plans_fit_a_pool_of_few_pages():
     for bucket in pool.buckets:
         for q_len in (1, 16):
             step = pool.commit(scratch_plan(spec, bucket, q_len, cascade=True))
-            assert step.plan.cascade.member_rows == bucket * q_len and step.rows == bucket
+            assert step.plan.cascade.member_queries == bucket * q_len and step.rows == bucket
 
 
 def test_a_flat_graph_never_replays_a_cascade_step():

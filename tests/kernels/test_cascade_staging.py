@@ -75,7 +75,7 @@ def test_staged_levels_compute_the_flat_attention(ps, q_len, families, loners, k
         sl = slice(j * q_len, (j + 1) * q_len)
         o2[sl], l2[sl] = attend(qp[sl], a["suffix_kv_indices"][xp[j] : xp[j + 1]], n, cache, kind == "causal", spec.sm_scale)
     mask = torch.from_numpy(a["mask"].view(np.uint8)[:R].astype(bool))
-    assert int(mask.sum()) == c.member_rows and bool(mask[: c.member_rows].all()), seed
+    assert int(mask.sum()) == c.member_queries and bool(mask[: c.member_queries].all()), seed
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp2(l1 - m), torch.exp2(l2 - m)
     merged = torch.where(mask[:, None, None], (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None], o2)

@@ -110,13 +110,13 @@ def test_level_arrays_split_each_list_into_its_shared_run_and_suffix(case):
         assert find_prefixes(plan.kv_indptr, plan.kv_indices, q, kv, ps).num_groups == 0, seed
         return
     B, T = plan.batch_size, plan.num_tokens
-    assert sorted(c.order.tolist()) == list(range(B)) and sorted(c.rows.tolist()) == list(range(T)), seed
+    assert sorted(c.order.tolist()) == list(range(B)) and sorted(c.query_order.tolist()) == list(range(T)), seed
     group_of = c.prefixes.group_of
     assert list(group_of[c.order]) == sorted(group_of[c.order], key=lambda g: (g < 0, g)), seed  # groups, then loners
-    assert c.member_rows == int(q[group_of >= 0].sum()) == c.shared_qo_indptr[-1], seed
+    assert c.member_queries == int(q[group_of >= 0].sum()) == c.shared_qo_indptr[-1], seed
     for j, i in enumerate(c.order):
         a, b = c.suffix_qo_indptr[j], c.suffix_qo_indptr[j + 1]
-        assert list(c.rows[a:b]) == list(range(plan.qo_indptr[i], plan.qo_indptr[i + 1])), (seed, i)
+        assert list(c.query_order[a:b]) == list(range(plan.qo_indptr[i], plan.qo_indptr[i + 1])), (seed, i)
         suffix = list(c.suffix_kv_indices[c.suffix_kv_indptr[j] : c.suffix_kv_indptr[j + 1]])
         g = group_of[i]
         run = [] if g < 0 else list(c.shared_kv_indices[c.shared_kv_indptr[g] : c.shared_kv_indptr[g + 1]])
@@ -179,7 +179,7 @@ def test_cascade_spec_refusals_and_scratch_plans():
     assert spec.cascade_groups == (0,)
     for q_len in (1, 4):
         p = scratch_plan(spec, 8, q_len, cascade=True)
-        assert p.cascade is not None and p.cascade.num_groups == 1 and p.cascade.member_rows == 8 * q_len
+        assert p.cascade is not None and p.cascade.num_groups == 1 and p.cascade.member_queries == 8 * q_len
         assert set(p.kv_indices.tolist()) == {spec.scratch_page}
     assert scratch_plan(spec, 8).cascade is None
     with pytest.raises(PlanError, match="2\\+ requests"):
