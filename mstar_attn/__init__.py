@@ -19,12 +19,13 @@ from mstar_attn.metadata.plan import build_tree_plan
 from mstar_attn.metadata.tree import DraftTree, accepted_moves
 from mstar_attn.attention import Attention  # noqa: E402  (above the layers it composes)
 from mstar_attn.ops import step_context  # noqa: E402
+from mstar_attn.piecewise import compile_piecewise  # noqa: E402
 
 __all__ = [
     "Attention", "AttentionPlan", "AttentionSpec", "BACKENDS", "CrossRows", "DecodeGraphs", "DeviceStep", "DraftRound", "DraftTree",
     "GraphBufferPool",
     "GroupPages", "GroupPlan", "Kind", "LayerGroup", "Mode", "PagedKVCache", "PlanError", "PoolLimits", "RoundGraphs", "StaleStepError",
     "StepBatch", "StepRows", "build_plan", "build_round", "build_tree_plan", "get_backend", "run", "step_context", "write_kv",
-    "accepted_moves",
+    "accepted_moves", "compile_piecewise",
 ]
 __version__ = "0.2.0"  # the one version: pyproject.toml reads it (tool.setuptools.dynamic)

@@ -33,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cascade", choices=["off", "auto", "always"], default="off",
                    help="shared-prefix attention: requests sharing a system prompt's pages read them once per step "
                         "(auto: where the cost model says it wins; default: off)")
-    d.add_argument("--compile", nargs="?", const="full", default="off", choices=["off", "full"],
+    d.add_argument("--compile", nargs="?", const="full", default="off", choices=["off", "full", "piecewise"],
                    help="run each step's forward through torch.compile(fullgraph=True), attention as mstar_attn custom "
-                        "ops; prints the graph-break count (default: off; --compile alone: full)")
+                        "ops; piecewise: the graph split at attention, the pieces between compiled; prints the graph-break "
+                        "count (default: off; --compile alone: full)")
     d.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="speculative decoding: draft rounds of K tokens (one graph each on CUDA), target verify steps")
     d.add_argument("--tree", type=int, default=0, metavar="W",

@@ -23,6 +23,7 @@ LAYERS = [
     ("mstar_attn.warmup", 5),
     ("mstar_attn.attention", 5),
     ("mstar_attn.ops", 5),
+    ("mstar_attn.piecewise", 5),
     ("mstar_attn.demo", 5),
     ("mstar_attn.__main__", 5),
     ("mstar_attn", 5),  # the package root re-exports the public API

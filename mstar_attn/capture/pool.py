@@ -34,7 +34,7 @@ from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, sta
 from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport, StepShape
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
-from mstar_attn.metadata.backends import BACKENDS, load
+from mstar_attn.metadata.backends import BACKENDS, pool_state_class
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.select import spec_backends
@@ -131,8 +131,8 @@ class GraphBufferPool:
         if caps is None:
             raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
         if caps.module not in self.backend_states:
-            mod = load(backend)
-            self.backend_states[caps.module] = mod.PoolState(self) if hasattr(mod, "PoolState") else None
+            cls = pool_state_class(backend)
+            self.backend_states[caps.module] = cls(self) if cls is not None else None
         state = self._by_backend[backend] = self.backend_states[caps.module]
         return state
 

@@ -35,7 +35,8 @@ class DemoConfig:
     model: str = "llama"  # the transformers family: "llama", or "gemma2" (sliding-window layers on their own pages)
     window: int = 8  # gemma2: the sliding window, in tokens (small, so requests outgrow it)
     cascade: str = "off"  # AttentionSpec.cascade: shared system prompts read once per step ("auto", "always")
-    compile: str = "off"  # "full": the step's forward through torch.compile(fullgraph=True), attention as custom ops
+    compile: str = "off"  # "full": the step's forward through torch.compile(fullgraph=True), attention as custom ops;
+    # "piecewise": the same graph split at the attention ops, the pieces between them compiled (mstar_attn.piecewise)
 
     @property
     def gpu(self) -> bool:

@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from mstar_attn import Attention, AttentionPlan, step_context
 from mstar_attn.demo.attention import StepAttention
 from mstar_attn.demo.config import DemoConfig, DemoError
+from mstar_attn.piecewise import compile_piecewise
 
 # ----------------------------------------------------------------------------------------------------
 # Pages and requests.
@@ -202,12 +203,16 @@ class Engine:
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], model, attn: StepAttention, layers: list[Attention],
-                 device: torch.device, graphs: bool, compiled: bool = False):
+                 device: torch.device, graphs: bool, compile: str = "off"):
         self.forward, self.model, self.attn, self.layers = forward, model, attn, layers
         self.device, self.graphs = device, graphs
-        # compiled: the forward through torch.compile(fullgraph=True), its layers called without a step (the
-        # mstar_attn custom ops, reading the step of step_context); calls that compiled add to compile_s
-        self.compiled = torch.compile(forward, fullgraph=True) if compiled else None
+        # compile "full": the forward through torch.compile(fullgraph=True), its layers called without a step
+        # (the mstar_attn custom ops, reading the step of step_context); "piecewise": the same graph split at
+        # the attention ops, the pieces between them compiled (mstar_attn.piecewise); calls that compiled add
+        # to compile_s
+        self.compiled = {"off": None, "full": lambda: torch.compile(forward, fullgraph=True),
+                         "piecewise": lambda: compile_piecewise(forward)}[compile]
+        self.compiled = self.compiled() if self.compiled is not None else None
         self.compile_s = 0.0
         self.commit_us: list[float] = []
         self.graph_us: list[float] = []

@@ -26,8 +26,10 @@ EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 # a different expert on each side, which moves its logits by O(1) (measured: 1-4 of the CLI's 8 requests
 # 5x over the tolerance at one position each, on the H100 with both GPU backends and on the CPU with the
 # reference backend alike; gone with this spread). A spread far wider than the weights' part of the logits
-# keeps every token off such ties: each token's top-2 are experts 0 and 1, weighted by their logits
-# (continuous), so the check sees attention errors and not routing flips.
+# keeps every token off such ties: each token's top-2 are experts 0 and 1 (2 and 3 are never chosen),
+# weighted by their logits (continuous), so the check sees attention errors and not routing flips. The
+# weights' part of a router logit grows as about init_std * sqrt(hidden): the bias is scaled by
+# sqrt(hidden / 512) past hidden 512 to keep the same margin.
 ROUTER_BIAS = (6.0, 3.0, 0.0, -3.0)
 
 
@@ -50,7 +52,7 @@ def build_model(cfg: DemoConfig, dtype: torch.dtype, device: torch.device):
         for layer in model.model.layers:
             with torch.no_grad():
                 layer.self_attn.sinks.normal_(SINK_MEAN, SINK_STD)
-                layer.mlp.router.bias.copy_(torch.tensor(ROUTER_BIAS))
+                layer.mlp.router.bias.copy_(torch.tensor(ROUTER_BIAS) * max(1.0, (cfg.hidden / 512) ** 0.5))
 
     return seeded_model(lambda: GptOssForCausalLM(hf), cfg.seed, dtype, device, init)
 

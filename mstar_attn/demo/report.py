@@ -171,7 +171,8 @@ def summary(res: DemoResult) -> str:
     if c.compile != "off":
         lines.append(
             f"compile   torch.compile(fullgraph=True) of the {'decoder ' if c.model == 'bart' else ''}step's forward, "
-            f"attention as mstar_attn custom ops: graph breaks: {res.graph_breaks}; {res.compile_s:.1f} s compiling "
+            f"attention as mstar_attn custom ops{': piecewise, split at attention' if c.compile == 'piecewise' else ''}: "
+            f"graph breaks: {res.graph_breaks}; {res.compile_s:.1f} s compiling "
             "(those steps left out of the step times)")
     if res.encoder_tokens:
         lines.append(

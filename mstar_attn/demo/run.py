@@ -50,8 +50,8 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
     cfg = cfg.resolve()
     if cfg.dtype not in DTYPES:
         raise DemoError(f"unknown dtype {cfg.dtype!r} (known: {', '.join(DTYPES)})")
-    if cfg.compile not in ("off", "full"):
-        raise DemoError(f"--compile {cfg.compile!r}: known modes are full (the default) and off")
+    if cfg.compile not in ("off", "full", "piecewise"):
+        raise DemoError(f"--compile {cfg.compile!r}: known modes are full (the default), piecewise and off")
     if min(cfg.requests, cfg.layers, cfg.page_size, cfg.hidden, cfg.window) < 1:
         raise DemoError("--requests, --layers, --hidden, --page-size and --window must be >= 1")
     family = FAMILIES.get(cfg.model)
@@ -85,7 +85,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         sinks = family.layer_sinks(model) if hasattr(family, "layer_sinks") else None  # (gpt-oss: each layer's own)
         layers = attn.layers(spec, caches, sinks)  # the model's Attention layers, one per layer over its cache
         breaks = sum(counters["graph_break"].values())
-        engine = Engine(family.forward, model, attn, layers, device, cfg.graphs, compiled=cfg.compile == "full")
+        engine = Engine(family.forward, model, attn, layers, device, cfg.graphs, compile=cfg.compile)
         if cfg.graphs:
             bar.note("capturing the decode forward as CUDA graphs ...")
             engine.capture()  # before any request: capture's warm-up writes to page 0, which no one holds yet

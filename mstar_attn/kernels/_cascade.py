@@ -259,4 +259,4 @@ def run(step: DeviceStep, q: torch.Tensor, cache, lv: Levels, sinks: torch.Tenso
     o2, lse2 = lv.suffix.run(qp, (cache.k, cache.v), return_lse=True)
     main.wait_stream(side)
     lv.state.fi.merge_state_in_place(o2, lse2, o1, lse1, mask=lv.mask)  # (o2, lse2: the merged states)
-    return with_sinks(o2, lse2, sinks, lse_base2=True)[lv.inv][:rows]
+    return with_sinks(o2, lse2, sinks, lse_base2=True, fused=True)[lv.inv][:rows]

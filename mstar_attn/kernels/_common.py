@@ -26,16 +26,20 @@ def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = 
     step.mark_stored(cache)
 
 
-def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, lse_base2: bool = False) -> torch.Tensor:
+def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, lse_base2: bool = False,
+               fused: bool = False) -> torch.Tensor:
     """Attention output o [T, H, D] with its log-sum-exp lse [T, H] (each row's log of sum_j exp(logit_j);
     base 2 where lse_base2, as FlashInfer returns it) turned into the output with attention sinks [H]
     (float32): each head's sink logit s joins the denominator, so o * S / (S + exp(s)) = o * sigmoid(ln S - s).
     Computed in float32 (float64 for a float64 o or lse: the reference as an oracle), rounded once to o's
-    dtype; None: o unchanged."""
+    dtype; None: o unchanged. fused: on CUDA, one fused Triton launch (_sink_triton) where it can run, for
+    the GPU backends; the reference keeps the torch path (an oracle independent of the kernel it checks)."""
     if sinks is None:
         return o
-    if o.is_cuda and _sink_triton.available(o, lse, sinks):  # one fused launch (a graph node, not six)
-        return _sink_triton.apply(o, lse, sinks, math.log(2) if lse_base2 else 1.0)
+    if fused and o.is_cuda and _sink_triton.available(o, lse, sinks):  # one fused launch (a graph node, not six)
+        out = _sink_triton.apply(o, lse, sinks, math.log(2) if lse_base2 else 1.0)
+        if out is not None:
+            return out
     work = torch.float64 if torch.float64 in (o.dtype, lse.dtype) else torch.float32
     ln_sum = lse.to(work) * math.log(2) if lse_base2 else lse.to(work)
     return (o.to(work) * torch.sigmoid(ln_sum - sinks.to(work))[..., None]).to(o.dtype)

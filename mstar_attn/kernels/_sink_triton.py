@@ -3,15 +3,22 @@
 out[t, h, :] = o[t, h, :] * sigmoid(lse[t, h] * lse_scale - sinks[h]), computed in float32 and rounded
 once to o's dtype: the same math as _common.with_sinks' torch path, in one launch instead of six
 (inside a captured graph each launch costs its own node). Triton is imported on first use (it ships
-with CUDA builds of torch); `available()` says whether it can serve a tensor.
+with CUDA builds of torch); `available()` says whether it can serve the tensors, and `apply` falls back
+to the torch path (returns None) where the kernel cannot run: its first launch on a device, dtype and
+head dim made inside a CUDA graph capture (loading a compiled module is not allowed there: warm up
+first, as DecodeGraphs, RoundGraphs and mstar_attn.warmup do), or a launch that failed before (a
+Triton that imports but cannot compile here: warned once). ENABLED = False turns the kernel off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 
 import torch
 
+ENABLED = True
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TOKENS = 16  # tokens per program (the kernel's literal 16): one head, 16 x head_dim elements
 
@@ -22,7 +29,7 @@ def _kernel():
     try:
         import triton
         import triton.language as tl
-    except ImportError:
+    except Exception:  # (ImportError, or a Triton install that cannot load here)
         return None
 
     @triton.jit(do_not_specialize=["tokens"])
@@ -42,22 +49,44 @@ def _kernel():
     return triton, sink_epilogue
 
 
+_launched: set = set()  # (device, dtype, head dim) keys whose kernel has run
+_failed: set = set()  # keys whose launch raised: served by the torch path from then on
+
+
 def available(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> bool:
-    """Whether the fused kernel serves these tensors: CUDA, o [T, H, D] 16-bit or float32 contiguous,
-    lse [T, H] float32 contiguous, sinks [H] float32, and Triton imports."""
-    return (o.is_cuda and o.dtype in _DTYPES and lse.dtype == torch.float32 and sinks.dtype == torch.float32
-            and o.dim() == 3 and o.is_contiguous() and lse.is_contiguous() and sinks.is_contiguous()
-            and _kernel() is not None)
+    """Whether the fused kernel can serve these tensors: CUDA, all on one device, o [T, H, D] 16-bit or
+    float32 contiguous, lse [T, H] float32 contiguous, sinks [H] float32, fewer than 2^31 elements (the
+    kernel's offsets are int32), Triton imports and ENABLED."""
+    return (ENABLED and o.is_cuda and o.dim() == 3 and o.dtype in _DTYPES and o.numel() < 2**31
+            and lse.dtype == torch.float32 and sinks.dtype == torch.float32
+            and tuple(lse.shape) == tuple(o.shape[:2]) and tuple(sinks.shape) == (o.shape[1],)
+            and lse.device == o.device and sinks.device == o.device
+            and o.is_contiguous() and lse.is_contiguous() and sinks.is_contiguous() and _kernel() is not None)
 
 
-def apply(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, lse_scale: float) -> torch.Tensor:
+def apply(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, lse_scale: float) -> torch.Tensor | None:
     """o [T, H, D], lse [T, H] float32, sinks [H] float32, all on one CUDA device (available() holds) ->
-    a new [T, H, D] tensor of o's dtype: o * sigmoid(lse * lse_scale - sinks). Graph-capturable once
-    the kernel has compiled (its first call, made by every capture's warm-up)."""
+    a new [T, H, D] tensor of o's dtype: o * sigmoid(lse * lse_scale - sinks); None where the kernel
+    cannot run (see the module doc: the caller takes the torch path). Graph-capturable once the kernel
+    has run for this device, dtype and head dim."""
     triton, kernel = _kernel()
+    key = (o.device, o.dtype, o.shape[2])
+    if key in _failed or (key not in _launched and o.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
     out = torch.empty_like(o)
     tokens, heads, d = o.shape
-    if tokens and heads:
-        kernel[(triton.cdiv(tokens, _TOKENS), heads)](o, lse, sinks, out, tokens, float(lse_scale), D=d,
-                                                       BLOCK_D=triton.next_power_of_2(d))
+    if not (tokens and heads):
+        return out
+    try:
+        with torch.cuda.device(o.device) if o.is_cuda else contextlib.nullcontext():  # (CPU: the interpreter)
+            kernel[(triton.cdiv(tokens, _TOKENS), heads)](o, lse, sinks, out, tokens, float(lse_scale), D=d,
+                                                           BLOCK_D=triton.next_power_of_2(d))
+    except Exception as e:  # (Triton imports but cannot build or launch here: the torch path serves)
+        if key in _launched:
+            raise
+        _failed.add(key)
+        warnings.warn(f"mstar_attn: the fused sink kernel failed for {key} ({type(e).__name__}: {e}); "
+                      "attention sinks take the torch path", RuntimeWarning, stacklevel=3)
+        return None
+    _launched.add(key)
     return out

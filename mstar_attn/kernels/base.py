@@ -29,6 +29,7 @@ neither happened.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -59,7 +60,12 @@ class PoolStateBase:
         """PlanError for what this backend cannot serve (default: nothing beyond build_plan and the pool)."""
 
     def gather(self, step: DeviceStep) -> None:
-        """Device work after the pool's page arrays (default: none)."""
+        """Device work after the pool's page arrays (default: none; a subclass written before the rename
+        that defines `expand` instead: that, with a DeprecationWarning)."""
+        expand = getattr(self, "expand", None)
+        if expand is not None:
+            warnings.warn(f"{type(self).__name__}.expand: name the hook gather (kernels/base.py)", DeprecationWarning, 2)
+            expand(step)
 
     def schedule(self, step: DeviceStep) -> tuple:
         raise NotImplementedError
@@ -70,3 +76,12 @@ class PoolStateBase:
 
     def memory(self) -> dict[str, tuple[int, int]]:
         return {}
+
+
+def __getattr__(name: str):
+    """The names before the rename (Scheduler, SchedulerBase), with a DeprecationWarning."""
+    new = {"Scheduler": "PoolState", "SchedulerBase": "PoolStateBase"}.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"mstar_attn.kernels.base.{name} is deprecated: use {new}", DeprecationWarning, 2)
+    return globals()[new]

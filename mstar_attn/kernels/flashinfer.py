@@ -342,5 +342,5 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     # an FP8 cache: FlashInfer folds k_scale into the softmax scale (the lse too) and scales the output by v_scale
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale) if plan.spec.fp8_kv else {}
     if lse:
-        return with_sinks(*w.run(q, (cache.k, cache.v), return_lse=True, **scales), sinks, lse_base2=True)[:rows]
+        return with_sinks(*w.run(q, (cache.k, cache.v), return_lse=True, **scales), sinks, lse_base2=True, fused=True)[:rows]
     return w.run(q, (cache.k, cache.v), **scales)[:rows]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from types import ModuleType
 
 import attrs
@@ -128,3 +129,15 @@ def load(name: str) -> ModuleType:
         raise ImportError(f"backend {name!r} needs the {caps.package.split('.')[0]} package ({e}); install the GPU "
                           "extras (pip install 'mstar_attn[gpu]', or -e '.[gpu]' in a checkout), or choose "
                           "backend='reference' (any device)") from e
+
+
+def pool_state_class(name: str) -> type | None:
+    """The class of backend `name`'s per-pool state (its module's PoolState; None: a host-only backend).
+    A module written before the rename that has only `Scheduler` still works, with a DeprecationWarning."""
+    module = load(name)
+    cls = getattr(module, "PoolState", None)
+    if cls is None and hasattr(module, "Scheduler"):
+        warnings.warn(f"{module.__name__}.Scheduler: name a backend's per-pool state PoolState (kernels/base.py)",
+                      DeprecationWarning, stacklevel=3)
+        cls = module.Scheduler
+    return cls

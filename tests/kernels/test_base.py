@@ -78,11 +78,41 @@ def test_no_module_outside_the_registry_and_the_backends_names_a_backend_in_a_ru
 
 
 def test_the_pool_calls_nothing_on_a_backend_state_beyond_the_protocol():
-    """Every attribute pool.py and rounds.py read off a backend state is in the protocol (read from their source)."""
+    """Every attribute pool.py, rounds.py and derive.py read off a backend state is in the protocol (read from
+    their source)."""
     members = {n for n, _ in inspect.getmembers(PoolState) if not n.startswith("_")} | set(PoolState.__annotations__)
     used = set()
-    for rel in ("capture/pool.py", "capture/rounds.py"):
+    for rel in ("capture/pool.py", "capture/rounds.py", "capture/derive.py"):
         for node in ast.walk(ast.parse((PACKAGE / rel).read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "state":
                 used.add(node.attr)
     assert used and used <= members, used - members
+
+
+def test_the_names_before_the_rename_still_work_with_a_deprecation(monkeypatch):
+    """kernels.base.Scheduler / SchedulerBase, a backend module that has only a Scheduler, and a state whose
+    device-work hook is still called expand: each works, with a DeprecationWarning naming the new name."""
+    import types
+
+    from mstar_attn.kernels import base
+    from mstar_attn.metadata import backends
+
+    with pytest.warns(DeprecationWarning, match="use PoolState"):
+        assert base.Scheduler is PoolState
+    with pytest.warns(DeprecationWarning, match="use PoolStateBase"):
+        assert base.SchedulerBase is PoolStateBase
+
+    class Old(PoolStateBase):
+        def __init__(self, pool=None):
+            self.seen = []
+
+        def expand(self, step):
+            self.seen.append(step)
+
+    monkeypatch.setattr(backends, "load", lambda name: types.SimpleNamespace(__name__="old_backend", Scheduler=Old))
+    with pytest.warns(DeprecationWarning, match="old_backend.Scheduler: name a backend's per-pool state PoolState"):
+        assert backends.pool_state_class("reference") is Old
+    state = Old()
+    with pytest.warns(DeprecationWarning, match="Old.expand: name the hook gather"):
+        state.gather("step")
+    assert state.seen == ["step"]

@@ -50,7 +50,7 @@ def test_cascade_steps_eager_and_replayed(page_size, kind, sinks):
     rng = np.random.default_rng(seed)
     ps, num_pages = page_size, 40000 // page_size
     groups = (LayerGroup(kind, sinks=sinks), LayerGroup("window", window=int(rng.integers(8, 500)), sinks=sinks))
-    s = (3 * torch.randn(32, generator=torch.Generator().manual_seed(seed))).cuda() if sinks else None
+    sink_logits = (3 * torch.randn(32, generator=torch.Generator().manual_seed(seed))).cuda() if sinks else None
     spec = AttentionSpec(32, 8, 128, ps, num_pages, groups=groups, layer_groups=(0, 1), cascade="always")
     flat_spec = AttentionSpec(32, 8, 128, ps, num_pages, groups=groups, layer_groups=(0, 1))
     cache = random_cache(spec, seed)
@@ -59,7 +59,10 @@ def test_cascade_steps_eager_and_replayed(page_size, kind, sinks):
                                                      max_num_pages=200_000 // ps, buckets=(8, 32)))
                        for s in (spec, flat_spec))
     verify = all(g.causal for g in groups)
-    graphs = [DecodeGraphs(pool, attend_filled(lambda st, q, c, group: fi.run(st, q, c, group=group, sinks=s), cache, g),
+    def run_fi(st, q, c, group):
+        return fi.run(st, q, c, group=group, sinks=sink_logits)
+
+    graphs = [DecodeGraphs(pool, attend_filled(run_fi, cache, g),
                            {"q": torch.zeros(32 * 4, 32, 128, device="cuda", dtype=torch.bfloat16)}) for g in range(2)]
     for gr in graphs:
         gr.capture(q_lens=(1, 4) if verify else (1,))
@@ -80,9 +83,10 @@ def test_cascade_steps_eager_and_replayed(page_size, kind, sinks):
         qt = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
         for g in range(2):
             ctx = (f"seed {seed}", f"step {i}", plan.mode.value, f"group {g}", f"B {plan.batch_size}")
-            out, replayed = replay_or_run(graphs[g], step, {"q": qt}, lambda st, x: fi.run(st, x["q"], cache, group=g, sinks=s), ctx)
-            want = reference.run(flat, qt.float(), cache, group=g, sinks=s)
-            flat_out = fi.run(flat_step, qt, cache, group=g, sinks=s)
+            out, replayed = replay_or_run(graphs[g], step, {"q": qt}, lambda st, x: fi.run(st, x["q"], cache, group=g, sinks=sink_logits),
+                                          ctx)
+            want = reference.run(flat, qt.float(), cache, group=g, sinks=sink_logits)
+            flat_out = fi.run(flat_step, qt, cache, group=g, sinks=sink_logits)
             assert_close_per_request(flat_out, want, plan, torch.bfloat16, ctx + ("flat",))
             if g == 0:
                 check_cascade(out, want, plan, ctx)
