@@ -27,8 +27,10 @@ from __future__ import annotations
 import attrs
 import numpy as np
 import torch
+from torch._dynamo.utils import counters
 
 from mstar_attn import AttentionSpec, DraftTree, PagedKVCache, StepBatch, accepted_moves, build_plan, build_tree_plan
+from mstar_attn import compile_piecewise, step_context
 from mstar_attn.demo import llama
 from mstar_attn.demo.attention import make_attention
 from mstar_attn.demo.check import Check, check_request
@@ -52,6 +54,7 @@ class SpecResult:
     catch_up_steps: int = 0  # draft decode steps over the last proposal of a fully accepted round
     plain_steps: int = 0  # target decode steps plain greedy decoding of the batch takes
     replayed_rounds: int = 0
+    graph_breaks: int = 0  # --compile: torch._dynamo's graph-break count over the run
     round_graphs: int = 0
     checks: list[Check] = attrs.Factory(list)
     greedy_agree: int = 0  # tokens equal to plain greedy decoding (up to each request's first near-tie off float32)
@@ -111,6 +114,7 @@ class _Model:
 
     def __init__(self, cfg: DemoConfig, model, num_pages: int, max_batch: int, max_tokens: int, k: int, device):
         self.model, self.device = model, device
+        self.forward = _forward(cfg.compile)
         self.spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, cfg.page_size, num_pages,
                                   dtype=DTYPES[cfg.dtype], backend=cfg.backend, **llama.spec_fields(model))
         self.attn = make_attention(cfg)
@@ -126,18 +130,31 @@ class _Model:
         ctx = self.attn.prepare(plan)
         x = step_inputs(plan, tokens, self.attn.rows(ctx), self.device)
         self.last_plan = plan
-        return llama.forward(self.model, ctx, self.layers, x["ids"], x["positions"])[: plan.num_tokens].float()
+        return self.forward(self.model, ctx, self.layers, x["ids"], x["positions"])[: plan.num_tokens].float()
 
     def round_fn(self, steps, x: dict[str, torch.Tensor], width: int = 0) -> torch.Tensor:
         """A draft round: step j feeds the token step j - 1 picked (greedy, on the device); returns [rows, K] int64,
         or with a width W each step's W most likely tokens, [rows, K, W] (the first one fed on)."""
         ids, out = x["ids"], []
         for j, step in enumerate(steps):
-            logits = llama.forward(self.model, step, self.layers, ids, x["positions"] + j)
+            logits = self.forward(self.model, step, self.layers, ids, x["positions"] + j)
             top = logits.argmax(-1, keepdim=True) if not width else logits.topk(width, dim=-1).indices
             ids = top[:, 0]
             out.append(top if width else ids)
         return torch.stack(out, dim=1)
+
+
+def _forward(mode: str):
+    """llama.forward as the demo's --compile asks: as it is ("off"), or through torch.compile(fullgraph=True)
+    whole ("full") or split at attention ("piecewise"), its layers reading the step of step_context."""
+    if mode == "off":
+        return llama.forward
+    compiled = torch.compile(llama.forward, fullgraph=True) if mode == "full" else compile_piecewise(llama.forward)
+
+    def forward(model, ctx, layers, ids, positions):
+        with step_context(ctx):
+            return compiled(model, None, layers, ids, positions)
+    return forward
 
 
 def tree_parents(k: int, width: int) -> list[int]:
@@ -178,6 +195,8 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
         raise DemoError("--speculate serves the llama family")
     if cfg.cascade != "off":
         raise DemoError("--cascade serves plain decoding; --speculate plans draft rounds, which read flat")
+    if cfg.compile not in ("off", "full", "piecewise"):
+        raise DemoError(f"--compile {cfg.compile!r}: known modes are full (the default), piecewise and off")
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     reqs = make_trace(cfg, np.random.default_rng(cfg.seed))
     ps = cfg.page_size
@@ -185,6 +204,7 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
     num_pages = sum(-(-(len(r.prompt) + r.max_new + n_verify) // ps) for r in reqs)
     B = len(reqs)
     res = SpecResult(cfg, k, draft, width)
+    breaks = sum(counters["graph_break"].values())
     with torch.inference_mode():
         target = llama.build_model(cfg, dtype, device)
         drafter = target if draft == "self" else draft_model(target, max(cfg.layers // 2, 1))
@@ -246,6 +266,7 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
             upto = res.checks[-1].tokens_checked if dtype != torch.float32 else len(ok)  # (stops at a near-tie)
             res.greedy_checked += upto
             res.greedy_agree += sum(ok[:upto])
+    res.graph_breaks = sum(counters["graph_break"].values()) - breaks
     return res
 
 
@@ -312,6 +333,9 @@ def summary(res: SpecResult) -> str:
         f"target    {res.verify_steps} verify steps + 1 prefill, vs {res.plain_steps} decode steps + 1 prefill for plain greedy "
         f"decoding: {res.plain_steps - res.verify_steps} target steps saved",
     ]
+    if c.compile != "off":
+        lines.append(f"compile   torch.compile(fullgraph=True) of both models' forwards ({c.compile}), attention as "
+                     f"mstar_attn custom ops: graph breaks: {res.graph_breaks}")
     if c.graphs:
         lines.append(f"graphs    {res.replayed_rounds} of {res.rounds} draft rounds replayed as one CUDA graph each "
                      f"({res.round_graphs} round graphs captured)")

@@ -18,6 +18,7 @@ def test_compiled_demo_has_no_graph_break_and_matches_transformers(model, mode, 
 
     # compile in this process: no pool of compile workers left spinning into the tests after this one
     monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    torch._dynamo.reset()  # (a fresh Dynamo cache, as a fresh process has: the models of earlier tests add guards)
 
     res = run_demo(attrs.evolve(SMALL, model=model, compile=mode, requests=4))
     assert res.graph_breaks == 0

@@ -148,3 +148,17 @@ def test_tree_rounds_leave_no_stale_draft_kv(monkeypatch):
     res = run_speculative(CPU, 4, width=2)
     assert res.matched and res.catch_up_steps > 0 and state["checked"] > 0, summary(res)
     assert not state["stale"], state["stale"][:5]
+
+
+@pytest.mark.parametrize("mode, width", [("full", 0), ("piecewise", 2)])
+def test_compiled_rounds_have_no_graph_break_and_match_plain_greedy(mode, width, monkeypatch):
+    """`--speculate K --compile`: both models' forwards compiled (whole, or split at attention with a tree
+    verify), the draft rounds' steps and the verify steps reading the step of step_context: no graph break,
+    every logit against transformers and every token against plain greedy decoding."""
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    torch._dynamo.reset()  # (a fresh Dynamo cache, as a fresh process has: the models of earlier tests add guards)
+    res = run_speculative(attrs.evolve(CPU, compile=mode, requests=2, layers=2), 4, width=width)
+    assert res.graph_breaks == 0 and res.matched, [(c.rid, c.err, c.tol) for c in res.checks if not c.ok]
+    assert res.rounds > 0 and "graph breaks: 0" in summary(res)
