@@ -164,3 +164,18 @@ def test_layout_regions_never_overlap_with_draft_steps(groups):
                 for (a, n), (b, _) in zip(spans, spans[1:]):
                     assert a + n <= b, (D, rows, num_rows, a, n, b)
                 assert o.slots % 2 == 0 and spans[-1][0] + spans[-1][1] <= lay.size
+
+
+def test_rounds_with_sinks_catch_a_backend_that_drops_them():
+    """The same rounds through a reference whose sinks are -inf (weighing nothing: as if dropped) fail the
+    per-request check: the trace's sinks are large enough to matter."""
+    import types
+
+    seed = fresh_seed()
+    spec = attrs.evolve(_spec(4), groups=tuple(attrs.evolve(g, sinks=True) for g in GROUPS))
+    drops = types.SimpleNamespace(write_kv=reference.write_kv, run=lambda step, q, cache, group=0, sinks=None: reference.run(
+        step, q, cache, group=group, sinks=None if sinks is None else torch.full_like(sinks, -float("inf"))))
+    caches = [PagedKVCache.allocate(spec, "cpu") for _ in range(2)]
+    trace = DraftTrace(spec, seed, max_batch=10, max_context=60)
+    with pytest.raises(AssertionError, match="norm-relative error"):
+        serve_rounds(trace, _pool(spec), drops, caches, [1, 2, 3, 4], seed)
