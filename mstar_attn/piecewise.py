@@ -9,7 +9,7 @@ mstar_attn.ops), with the token count symbolic. `piecewise_backend` then splits 
 `mstar_attn.attention` / `mstar_attn.store` call (torch.fx's split_module): each attention call becomes a
 piece of its own that runs as it is (the op reads the committed step of `step_context`, whatever its
 mode: decode, mixed, prefill), and every piece between two attention calls is compiled by Inductor for
-any token count. This is vLLM's piecewise mode: the pieces around attention are what an engine captures as
+any token count (two compiles: Dynamo specializes a one-token step). This is vLLM's piecewise mode: the pieces around attention are what an engine captures as
 CUDA graphs per token-count bucket, so that mixed and prefill steps, whose attention cannot be captured
 with its metadata, still replay everything else. Capturing the pieces per bucket is not part of this module
 yet: here the compiled pieces run eagerly between the attention calls.
@@ -84,10 +84,12 @@ def piecewise_backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.f
                 compiled[target] = compile_fx(self.fetch_attr(target), list(args))
             return out
 
+    from torch._dispatch.python import enable_python_dispatcher
+
     fake = detect_fake_mode(example_inputs)
     args = [fake.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
             for a in example_inputs]  # (Dynamo's fake inputs; module attributes it lifted come real)
-    with fake:
+    with fake, enable_python_dispatcher():  # (some SymInt decompositions need the Python dispatcher)
         Compile(split).run(*args)
     for target, fn in compiled.items():
         setattr(split, target, _Compiled(fn))
@@ -96,5 +98,6 @@ def piecewise_backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.f
 
 def compile_piecewise(fn: Callable) -> Callable:
     """fn through torch.compile with piecewise_backend: one Dynamo graph (fullgraph=True: a graph break is
-    an error), the token count symbolic (dynamic=True: one compile serves every step size)."""
+    an error), sizes symbolic (dynamic=True): one compile serves every step of two or more tokens, and one
+    more the one-token steps (Dynamo specializes size 1)."""
     return torch.compile(fn, backend=piecewise_backend, fullgraph=True, dynamic=True)

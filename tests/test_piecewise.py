@@ -65,7 +65,8 @@ def test_the_split_puts_each_attention_call_in_a_piece_of_its_own():
 
 
 def test_piecewise_matches_the_eager_forward_per_request_at_every_token_count():
-    """One Dynamo graph (no break) and one compile for every step size; each request's rows equal the eager
+    """One Dynamo graph (no break), compiled at most twice (Dynamo specializes a one-token step; every other
+    step size shares one compile); each request's rows equal the eager
     forward's on the same step (same caches). Bound: 16u (float32) per request where a lone attention output
     gets 2u: the compiled pieces reorder and fuse the float32 reductions of two whole layers (projections
     over 64 and 128 terms, the MLP, the residual adds), each within a few u of the eager op's result;
@@ -87,7 +88,7 @@ def test_piecewise_matches_the_eager_forward_per_request_at_every_token_count():
         assert_close_per_request(got.reshape(-1, HEADS, D), want.reshape(-1, HEADS, D), plan, torch.float32,
                                  (f"seed {seed}", f"step {i}", f"T {plan.num_tokens}"), 16.0)
     assert sum(counters["graph_break"].values()) == breaks, f"seed {seed}"
-    assert counters["stats"]["unique_graphs"] - graphs <= 2, f"seed {seed}: a recompile per step size"
+    assert 1 <= counters["stats"]["unique_graphs"] - graphs <= 2, f"seed {seed}: a recompile per step size"
 
 
 def test_a_bad_step_inside_the_compiled_forward_raises_the_direct_calls_plan_error():

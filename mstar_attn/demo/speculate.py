@@ -139,7 +139,7 @@ class _Model:
         for j, step in enumerate(steps):
             logits = self.forward(self.model, step, self.layers, ids, x["positions"] + j)
             top = logits.argmax(-1, keepdim=True) if not width else logits.topk(width, dim=-1).indices
-            ids = top[:, 0]
+            ids = top[:, 0].contiguous()  # (a strided view would add a Dynamo guard and a recompile)
             out.append(top if width else ids)
         return torch.stack(out, dim=1)
 

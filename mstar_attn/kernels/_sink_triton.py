@@ -49,8 +49,13 @@ def _kernel():
     return triton, sink_epilogue
 
 
-_launched: set = set()  # (device, dtype, head dim) keys whose kernel has run
+_launched: set = set()  # (device, dtype, head dim, 16-byte alignments) keys whose kernel has run
 _failed: set = set()  # keys whose launch raised: served by the torch path from then on
+
+
+def launch_key(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple:
+    """What a compiled kernel is specialized on: device, dtype, head dim, each pointer's 16-byte alignment."""
+    return (o.device, o.dtype, o.shape[2], *(t.data_ptr() % 16 == 0 for t in (o, lse, sinks)))
 
 
 def available(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> bool:
@@ -70,7 +75,7 @@ def apply(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, lse_scale: fl
     cannot run (see the module doc: the caller takes the torch path). Graph-capturable once the kernel
     has run for this device, dtype and head dim."""
     triton, kernel = _kernel()
-    key = (o.device, o.dtype, o.shape[2])
+    key = launch_key(o, lse, sinks)
     if key in _failed or (key not in _launched and o.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     out = torch.empty_like(o)

@@ -62,10 +62,10 @@ class PoolStateBase:
     def gather(self, step: DeviceStep) -> None:
         """Device work after the pool's page arrays (default: none; a subclass written before the rename
         that defines `expand` instead: that, with a DeprecationWarning)."""
-        expand = getattr(self, "expand", None)
-        if expand is not None:
+        expand = getattr(type(self), "expand", None)
+        if callable(expand):
             warnings.warn(f"{type(self).__name__}.expand: name the hook gather (kernels/base.py)", DeprecationWarning, 2)
-            expand(step)
+            expand(self, step)
 
     def schedule(self, step: DeviceStep) -> tuple:
         raise NotImplementedError

@@ -12,6 +12,8 @@ leaves that page to each request's suffix.
 
 from __future__ import annotations
 
+import warnings
+
 import attrs
 import numpy as np
 
@@ -123,6 +125,18 @@ class CascadePlan:
     @property
     def member_queries(self) -> int:
         return int(self.shared_qo_indptr[-1])
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Deprecated: query_order."""
+        warnings.warn("CascadePlan.rows is deprecated: use query_order", DeprecationWarning, 2)
+        return self.query_order
+
+    @property
+    def member_rows(self) -> int:
+        """Deprecated: member_queries."""
+        warnings.warn("CascadePlan.member_rows is deprecated: use member_queries", DeprecationWarning, 2)
+        return self.member_queries
 
 
 def level_plan(c: Cascade, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, kv_indptr: np.ndarray,

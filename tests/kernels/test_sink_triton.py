@@ -101,7 +101,7 @@ def test_a_first_use_inside_a_capture_or_a_failing_kernel_takes_the_torch_path(m
 
     seed = fresh_seed()
     o, lse, sinks = _inputs(seed, 8, 8, 40, torch.bfloat16, "cuda")  # (head dim 40: launched by no other test)
-    key = (o.device, o.dtype, 40)
+    key = _sink_triton.launch_key(o, lse, sinks)
     _sink_triton._launched.discard(key)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -115,7 +115,7 @@ def test_a_first_use_inside_a_capture_or_a_failing_kernel_takes_the_torch_path(m
             raise RuntimeError("no compiler here")
 
     o, lse, sinks = _inputs(seed, 8, 8, 24, torch.bfloat16, "cuda")
-    key = (o.device, o.dtype, 24)
+    key = _sink_triton.launch_key(o, lse, sinks)
     monkeypatch.setattr(_sink_triton, "_kernel", lambda: (__import__("triton"), Broken()))
     monkeypatch.setattr(_sink_triton, "_failed", set())
     with pytest.warns(RuntimeWarning, match="no compiler here"):

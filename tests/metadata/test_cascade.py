@@ -96,7 +96,7 @@ def prefix_steps(draw):
 @settings(max_examples=150, deadline=None)
 @given(prefix_steps())
 def test_level_arrays_split_each_list_into_its_shared_run_and_suffix(case):
-    """plan.cascade (spec.cascade "always"): `rows` is a permutation of the step's rows in level
+    """plan.cascade (spec.cascade "always"): `query_order` is a permutation of the step's rows in level
     order (groups' members first, each group's rows contiguous); each request's shared run and
     suffix concatenate to its page list exactly; suffix lengths, last-page lengths and query
     ranges match the flat plan; shared runs are whole cached pages."""
@@ -237,3 +237,18 @@ def test_regression_pin_cascade_auto_on_the_rows_it_was_fitted_on():
     assert len(rows) == 130
     worst = max(picks(rows), key=lambda r: r["pick_over_best"])
     assert worst["pick_over_best"] <= 0.03, worst
+
+
+def test_the_renamed_level_fields_keep_their_old_names_with_a_deprecation():
+    """CascadePlan.rows / member_rows (before query_order / member_queries) still read, with a DeprecationWarning."""
+    from mstar_attn import AttentionSpec, build_plan
+
+    spec = AttentionSpec(4, 2, 16, 4, 400, dtype=torch.float32, backend="reference", cascade="always")
+    shared = [0, 1, 2]  # three requests over one shared run of 3 pages, then a page each
+    pages = [shared + [3], shared + [4], shared + [5]]
+    c = build_plan(StepBatch.from_pages([1, 1, 1], [14, 14, 14], pages, 4), spec).cascade
+    assert c is not None
+    with pytest.warns(DeprecationWarning, match="use query_order"):
+        assert c.rows is c.query_order
+    with pytest.warns(DeprecationWarning, match="use member_queries"):
+        assert c.member_rows == c.member_queries
