@@ -20,7 +20,7 @@ from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, StepBatch, build
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flashinfer as fi
-from mstar_attn.tuning import event_median_us
+from mstar_attn.tuning import event_median_us, interleaved_rounds
 
 PS, H, KVH, D = 16, 32, 8, 128
 
@@ -69,10 +69,7 @@ def run_case(B: int, context: int) -> dict:
         graphs(step, q=q)
         replays[name] = graphs.graphs[(step.slot, B, 1, "flashinfer", False)][0]
         out[name] = (graphs, pool, cache)
-    t = {name: [] for name in replays}
-    for _ in range(5):
-        for name, g in replays.items():
-            t[name].append(event_median_us(g.replay, 50))
+    t = interleaved_rounds({name: g.replay for name, g in replays.items()})
     med = {k: statistics.median(v) for k, v in t.items()}
     bytes_ = {"bf16": 2, "fp8_e4m3": 1, "fp8_math": 1}
     res = dict(batch=B, context=context, bf16_us=med["bf16"], fp8_us=med["fp8_e4m3"], speedup=med["bf16"] / med["fp8_e4m3"],

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from mstar_attn.tuning import event_median_us
+from mstar_attn.tuning import interleaved_rounds, median_spread
 
 PS, H, KVH, D = 16, 32, 8, 128
 K_SCALE, V_SCALE = 0.02, 0.015
@@ -108,10 +108,7 @@ def run_case(B: int, ctx: int, rounds: int = 5, reps: int = 50) -> dict:
             graphs[f"{name}/{fmt}"] = (g, keep, fn)
             errs[f"{name}/{fmt}"] = dict(max_rel_err=max(err), median_rel_err=statistics.median(err),
                                          replay_finite=bool(torch.isfinite(o).all()), replay_max_abs_err=replay_err)
-    times = {k: [] for k in graphs}
-    for _ in range(rounds):
-        for k, (g, _, _) in graphs.items():
-            times[k].append(event_median_us(g.replay, reps))
+    times = interleaved_rounds({k: g.replay for k, (g, _, _) in graphs.items()}, rounds, reps)
     res = dict(batch=B, context=ctx, variants={})
     base = statistics.median(times["fi_tc/bf16"])
     for k in graphs:
@@ -134,7 +131,7 @@ def markdown(r: dict) -> str:
              "|---:|---:|---|---:|---:|---:|---:|"]
     for c in r["cases"]:
         for k, v in c["variants"].items():
-            lines.append(f"| {c['batch']} | {c['context']} | {k} | {v['us']:.1f} ({min(v['rounds']):.1f}-{max(v['rounds']):.1f}) "
+            lines.append(f"| {c['batch']} | {c['context']} | {k} | {median_spread(v['rounds'])} "
                          f"| {v['vs_fi_tc_bf16']:.2f}x | {v['gbs']:.0f} ({v['gbs'] / r['copy_gbs']:.0%}) | {v['max_rel_err']:.2e} |")
     return "\n".join(lines) + "\n"
 

@@ -21,7 +21,7 @@ from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, StepBatch, build
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.kernels import flashinfer_mla as mla
-from mstar_attn.tuning import event_median_us
+from mstar_attn.tuning import interleaved_rounds, median_spread
 
 CKV, ROPE = 512, 64
 CASES = [(16, 64, 4096), (16, 128, 4096), (128, 64, 4096), (128, 16, 8192), (16, 1, 4096)]  # heads, B, context
@@ -75,10 +75,7 @@ def run_case(heads: int, B: int, context: int, ps: int = 64) -> dict:
     raw_graph.replay()
     torch.cuda.synchronize()
     same = bool(torch.equal(out, ours))
-    t = {"ours": [], "raw": []}
-    for _ in range(5):
-        t["ours"].append(event_median_us(ours_graph.replay, 50))
-        t["raw"].append(event_median_us(raw_graph.replay, 50))
+    t = interleaved_rounds({"ours": ours_graph.replay, "raw": raw_graph.replay})
     nbytes = B * context * (CKV + ROPE) * 2
     res = dict(heads=heads, batch=B, context=context, page_size=ps, bytes=nbytes, ours_equals_raw=same)
     for k, v in t.items():
@@ -100,8 +97,8 @@ def markdown(r: dict) -> str:
              "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in r["cases"]:
         o, w = c["ours"], c["raw"]
-        lines.append(f"| {c['heads']} | {c['batch']} | {c['context']} | {o['us']:.1f} ({min(o['rounds']):.1f}-{max(o['rounds']):.1f}) "
-                     f"| {w['us']:.1f} ({min(w['rounds']):.1f}-{max(w['rounds']):.1f}) | {o['us'] / w['us']:.3f} "
+        lines.append(f"| {c['heads']} | {c['batch']} | {c['context']} | {median_spread(o['rounds'])} "
+                     f"| {median_spread(w['rounds'])} | {o['us'] / w['us']:.3f} "
                      f"| {o['gbs']:.0f} ({o['gbs'] / r['copy_gbs']:.0%}) | {c['ours_equals_raw']} |")
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,7 @@ import torch
 from mstar_attn import AttentionSpec, LayerGroup, PagedKVCache, PoolLimits, StepBatch, build_plan, run
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import GraphBufferPool
-from mstar_attn.tuning import event_median_us
+from mstar_attn.tuning import interleaved_rounds, median_spread
 
 PS, H, KVH, D = 16, 64, 8, 64
 BACKENDS = ("flashinfer", "flash_attn")
@@ -59,10 +59,7 @@ def run_case(B: int, context: int) -> dict:
         for sinks in (False, True):
             arms[(backend, sinks)], outs[(backend, sinks)], held = _arm(backend, sinks, B, context, kv, q, s)
             keep.append(held)
-    t = {a: [] for a in arms}
-    for _ in range(5):
-        for a, g in arms.items():
-            t[a].append(event_median_us(g.replay, 50))
+    t = interleaved_rounds({a: g.replay for a, g in arms.items()})
     res = dict(batch=B, context=context, backends={})
     for backend in BACKENDS:
         off, on = t[(backend, False)], t[(backend, True)]
@@ -86,9 +83,8 @@ def markdown(r: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|"]
     for x in r["cases"]:
         for name, b in x["backends"].items():
-            lines.append(f"| {name} | {x['batch']} | {x['context']} | {b['without_us']:.1f} ({min(b['without_rounds']):.1f}-"
-                         f"{max(b['without_rounds']):.1f}) | {b['with_us']:.1f} ({min(b['with_rounds']):.1f}-"
-                         f"{max(b['with_rounds']):.1f}) | {b['ratio']:.3f} | {b['output_change']:.3f} |")
+            lines.append(f"| {name} | {x['batch']} | {x['context']} | {median_spread(b['without_rounds'])} | "
+                         f"{median_spread(b['with_rounds'])} | {b['ratio']:.3f} | {b['output_change']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -50,11 +50,11 @@ from mstar_attn.tuning.grid import DEFAULT_HEADS, FLUSH_BYTES, GRID_BACKENDS, TO
 from mstar_attn.tuning.measure import RESULTS_VERSION, BenchConfig, run_grid
 from mstar_attn.tuning.render import RESULTS_KIND, load_results, plot_results, render_markdown, render_table_markdown
 from mstar_attn.tuning.table import NOISE_MARGIN, RESULTS_NAME, derive_table, dumps_table, shape_key, write_table
-from mstar_attn.tuning.timing import copy_TBps, event_median_us, host_median_us
+from mstar_attn.tuning.timing import copy_TBps, event_median_us, host_median_us, interleaved_rounds, median_spread
 
 __all__ = [
     "DEFAULT_HEADS", "DEFAULT_OUT", "FLUSH_BYTES", "GRID_BACKENDS", "NOISE_MARGIN", "PACKAGE_TABLE", "RESULTS_KIND",
     "RESULTS_NAME", "RESULTS_VERSION", "TOL", "BenchConfig", "Shape", "bench_main", "copy_TBps", "default_grid",
-    "derive_table", "dumps_table", "event_median_us", "host_median_us", "load_results", "make_batch", "plot_results",
+    "derive_table", "dumps_table", "event_median_us", "host_median_us", "interleaved_rounds", "load_results", "make_batch", "median_spread", "plot_results",
     "quick_grid", "render_markdown", "render_table_markdown", "run_grid", "shape_key", "write_table",
 ]

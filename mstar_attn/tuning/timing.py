@@ -26,6 +26,21 @@ def event_median_us(fn, n: int = 10, before=None) -> float:
     return statistics.median(ts)
 
 
+def interleaved_rounds(calls: dict, rounds: int = 5, n: int = 50, timer=event_median_us) -> dict:
+    """{key: [round medians]}: each of `calls` (key -> fn) timed by timer(fn, n) once per round, the calls
+    interleaved round by round, so slow drift (clocks, temperature) weighs on every arm alike."""
+    out = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            out[key].append(timer(fn, n))
+    return out
+
+
+def median_spread(rounds: list[float]) -> str:
+    """A results-table cell: the median of the round medians and their min-max spread, "12.3 (12.1-12.9)"."""
+    return f"{statistics.median(rounds):.1f} ({min(rounds):.1f}-{max(rounds):.1f})"
+
+
 def _ceilings() -> dict:
     """Copy bandwidth (1 GiB, read + write) and bf16 matmul rate (8192^3), on random data."""
     import torch
