@@ -189,6 +189,16 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     return out, start.elapsed_time(end) * 1e3
 
 
+def compiled_forward(forward: Callable[..., torch.Tensor], mode: str) -> Callable[..., torch.Tensor] | None:
+    """A model adapter's forward as --compile asks: None ("off"); through torch.compile(fullgraph=True) whole
+    ("full"); or split at the attention ops, the pieces between them compiled ("piecewise",
+    mstar_attn.piecewise). Compiled, it is called without a step (its layers are the mstar_attn custom ops,
+    reading the step of step_context)."""
+    if mode == "off":
+        return None
+    return torch.compile(forward, fullgraph=True) if mode == "full" else compile_piecewise(forward)
+
+
 class Engine:
     """One step's forward through the attention seam: eagerly, or (graphs on) replayed.
 
@@ -206,13 +216,8 @@ class Engine:
                  device: torch.device, graphs: bool, compile: str = "off"):
         self.forward, self.model, self.attn, self.layers = forward, model, attn, layers
         self.device, self.graphs = device, graphs
-        # compile "full": the forward through torch.compile(fullgraph=True), its layers called without a step
-        # (the mstar_attn custom ops, reading the step of step_context); "piecewise": the same graph split at
-        # the attention ops, the pieces between them compiled (mstar_attn.piecewise); calls that compiled add
-        # to compile_s
-        self.compiled = {"off": None, "full": lambda: torch.compile(forward, fullgraph=True),
-                         "piecewise": lambda: compile_piecewise(forward)}[compile]
-        self.compiled = self.compiled() if self.compiled is not None else None
+        # compile: see compiled_forward; calls in which torch compiled add to compile_s
+        self.compiled = compiled_forward(forward, compile)
         self.compile_s = 0.0
         self.commit_us: list[float] = []
         self.graph_us: list[float] = []

@@ -30,12 +30,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from mstar_attn import AttentionSpec, DraftTree, PagedKVCache, StepBatch, accepted_moves, build_plan, build_tree_plan
-from mstar_attn import compile_piecewise, step_context
+from mstar_attn import step_context
 from mstar_attn.demo import llama
 from mstar_attn.demo.attention import make_attention
 from mstar_attn.demo.check import Check, check_request
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError, seeded_model, transformers_classes
-from mstar_attn.demo.engine import PageAllocator, make_trace, step_inputs
+from mstar_attn.demo.engine import PageAllocator, compiled_forward, make_trace, step_inputs
 from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, build_round
 from mstar_attn.metadata.tree import MAX_TREE_NODES
 from mstar_attn.warmup import warmup
@@ -145,11 +145,11 @@ class _Model:
 
 
 def _forward(mode: str):
-    """llama.forward as the demo's --compile asks: as it is ("off"), or through torch.compile(fullgraph=True)
-    whole ("full") or split at attention ("piecewise"), its layers reading the step of step_context."""
-    if mode == "off":
+    """llama.forward as the demo's --compile asks (engine.compiled_forward), called with the step: a compiled
+    one runs inside step_context(step)."""
+    compiled = compiled_forward(llama.forward, mode)
+    if compiled is None:
         return llama.forward
-    compiled = torch.compile(llama.forward, fullgraph=True) if mode == "full" else compile_piecewise(llama.forward)
 
     def forward(model, ctx, layers, ids, positions):
         with step_context(ctx):
