@@ -213,8 +213,8 @@ def test_a_decode_step_rows_commit_copies_o_of_batch_bytes():
 def test_the_decode_range_check_agrees_with_the_page_owners():
     """check_step's decode fast path (each row's kv_len inside the tokens it holds alone past its last
     shared page) against the exact check (the owner of the page the token lands on), on random
-    tables changed by assign (shared and alone), append and release, and random decode lengths:
-    the same steps pass, the same fail."""
+    tables changed by assign (shared and alone), append and release, and decode lengths random
+    or on each row's last page (so that many steps are valid): the same steps pass, the same fail."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     spec = spec_for(page_size=4, num_pages=600)
@@ -244,6 +244,8 @@ def test_the_decode_range_check_agrees_with_the_page_owners():
             free += [int(p) for p in table.release(r, int(rng.integers(0, c + 1))) if table.owner[p] == -1]
         rows = rng.choice(12, int(rng.integers(1, 6)), replace=False).astype(np.int32)
         kv = rng.integers(1, 24 * 4 + 1, rows.shape[0]).astype(np.int32)
+        if it % 2:  # (half the steps: each token on its row's last page, as a decode step writes; mostly valid)
+            kv = np.maximum(table.counts[rows] * 4 - rng.integers(0, 4, rows.shape[0]), 1).astype(np.int32)
         _, bad = written(rows, kv - 1)
         plan = build_plan(StepRows.decode(rows, kv), spec)
         for _ in range(2):  # (the second time: the rows' ranges from the memo)
