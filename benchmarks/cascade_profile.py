@@ -26,7 +26,7 @@ def main(gqa: int = 4) -> None:
         batch, _ = batch_of(s, 1)
         step = pool.commit(build_plan(batch, spec))
         step.mark_stored(cache)  # (the cache is filled by hand)
-        q = torch.randn(step.rows, KVH * gqa, D, device="cuda").bfloat16()
+        q = torch.randn(step.padded_batch_size, KVH * gqa, D, device="cuda").bfloat16()
         for _ in range(3):
             fi.run(step, q, cache)
         torch.cuda.synchronize()
@@ -34,7 +34,7 @@ def main(gqa: int = 4) -> None:
             for _ in range(10):
                 fi.run(step, q, cache)
             torch.cuda.synchronize()
-        print(f"== B{s['B']} bucket {step.bucket} rows {step.rows}")
+        print(f"== B{s['B']} bucket {step.bucket} rows {step.padded_batch_size}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=90))
 
 

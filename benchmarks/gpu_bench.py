@@ -99,7 +99,7 @@ def main(out_dir: str) -> None:
         plan_only = host_median(lambda: build_plan(batch, spec))
         commit_only = host_median(lambda: pool.commit(plan))
         step = pool.commit(plan)  # FlashInfer's C++ planner alone, as commit calls it (the floor of any commit)
-        fast, dg = pool.backend_state("flashinfer").fast[(step.slot, 0, step.rows, 1)], step.groups[0]
+        fast, dg = pool.backend_state("flashinfer").fast[(step.slot, 0, step.padded_batch_size, 1)], step.groups[0]
         planner_only = host_median(lambda: fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens))
         raw2 = host_median(raw_plan)
         host.append(dict(batch=B, build_plan_us=plan_only, commit_us=commit_only, cpp_planner_us=planner_only, ours_us=ours,

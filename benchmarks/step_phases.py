@@ -67,7 +67,7 @@ def main(out_dir: str) -> None:
         table, sched = pool.table, pool.backend_state("flashinfer")
         step = pool.commit(plan)
         graph = next(iter(pool.device_work.graphs.values()))
-        views = pool.views_of(0, step.rows, step.num_rows, True)
+        views = pool.views_of(0, step.padded_batch_size, step.padded_num_tokens, True)
         no_updates = np.zeros(0, np.int32)  # ("stage_derived": a fresh StagedHead, the whole head staged each call)
         h = pool.host_np[0]
         ev = torch.cuda.Event()
@@ -123,8 +123,8 @@ def main(out_dir: str) -> None:
             "numpy kv.min()": kv.min,
             "pool.validate": lambda: pool.validate(plan),
             "pool.free_slot": lambda: pool.free_slot(None),
-            "stage_derived": lambda: stage_derived(h, plan, views.offsets, step.rows, 1, no_updates, table, StagedHead()),
-            "stage_derived, rows held": lambda: stage_derived(h, plan, views.offsets, step.rows, 1, no_updates, table, pool.held[0]),
+            "stage_derived": lambda: stage_derived(h, plan, views.offsets, step.padded_batch_size, 1, no_updates, table, StagedHead()),
+            "stage_derived, rows held": lambda: stage_derived(h, plan, views.offsets, step.padded_batch_size, 1, no_updates, table, pool.held[0]),
             "DeviceStep": lambda: DeviceStep(plan=plan, shape=step.shape, generation=step.generation, pool=pool),
             # numpy and torch primitives the step is made of, on this host's versions
             "np: kv.copy()": kv.copy,

@@ -147,7 +147,7 @@ def _timed(pool: GraphBufferPool, caches: list[PagedKVCache], kind: WarmupKind, 
     plan = scratch_plan(spec, kind.batch, kind.q_len, backend=kind.backend, cascade=kind.cascade,
                         prefill=kind.mode is Mode.PREFILL)
     step = pool.commit(plan)
-    rows = step.num_rows
+    rows = step.padded_num_tokens
 
     def randn(heads: int) -> torch.Tensor:
         return torch.randn(rows, heads, spec.head_dim, generator=gen, device=pool.device).to(spec.dtype)

@@ -70,13 +70,13 @@ class Derivation:
 
     def meta(self, offsets: Offsets, q_len: int) -> torch.Tensor:
         """The derive kernel's meta vector for one slot shape (see _derive_triton.derive)."""
-        key = (offsets.rows, offsets.num_rows)
+        key = (offsets.batch_size, offsets.num_tokens)
         m = self._meta.get(key)
         if m is None:
             g, G = offsets.groups, len(offsets.groups)
             stride = (g[1].kv_indptr - g[0].kv_indptr, g[1].indices - g[0].indices) if G > 1 else (0, 0)
             m = self._meta[key] = torch.tensor(
-                [offsets.rows, q_len, self.page_size, self.width, offsets.table_rows, offsets.kv_lens, offsets.qo,
+                [offsets.batch_size, q_len, self.page_size, self.width, offsets.table_rows, offsets.kv_lens, offsets.qo,
                  g[0].kv_indptr, stride[0], g[0].first_page, g[0].indices, stride[1]], dtype=torch.int32,
                 device=self.table.device)
         return m
@@ -96,7 +96,7 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) 
     """Fill a bucketed StepRows step's arrays in the slot buffer `buf` (int32, on the table's device)
     from its staged rows and kv_lens (see the module docstring), q_len tokens per request, the
     table's updates applied. Reads nothing back to the host."""
-    R, ps = offsets.rows, d.page_size
+    R, ps = offsets.batch_size, d.page_size
     if d.kernels is not None:
         slots = buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64)
         d.kernels[1][(R, len(offsets.groups))](buf, slots, d.table, d.windows_dev, d.meta(offsets, q_len),

@@ -110,7 +110,7 @@ class DecodeGraphs:
         for bucket, q_len, backend, slot in itertools.product(buckets, q_lens, backends, range(self.pool.num_slots)):
             for levels in (False, True) if cascade and bucket >= 2 and BACKENDS[backend].cascade else (False,):
                 step = self.pool.commit(scratch_plan(spec, bucket, q_len, backend=backend, cascade=levels), slot=slot)
-                static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
+                static = {name: t[: step.padded_num_tokens] for name, t in self.inputs.items()}
                 self.graphs[_key(step)] = _record(self.fn, step, static, self.memory)
         torch.cuda.synchronize()
 
@@ -165,7 +165,7 @@ class DecodeGraphs:
     def _capture_prepared(self, step: DeviceStep, commit_work) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The graph of commit_work (the step's commit's device work, captured, not run) then fn on the
         step: every kernel it launches has run by now (the forward graph's warm-up, the commit's work)."""
-        static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
+        static = {name: t[: step.padded_num_tokens] for name, t in self.inputs.items()}
         graph = torch.cuda.CUDAGraph()
 
         def both():
@@ -233,8 +233,8 @@ class RoundGraphs:
         for name, t in inputs.items():
             buf = self.inputs[name]
             if (not isinstance(t, torch.Tensor) or t.dtype != buf.dtype or t.device != buf.device
-                    or t.shape[1:] != buf.shape[1:] or not B <= t.shape[0] <= steps[0].rows):
-                raise PlanError(f"RoundGraphs: inputs[{name!r}] must be [{B}..{steps[0].rows}, "
+                    or t.shape[1:] != buf.shape[1:] or not B <= t.shape[0] <= steps[0].padded_batch_size):
+                raise PlanError(f"RoundGraphs: inputs[{name!r}] must be [{B}..{steps[0].padded_batch_size}, "
                                 f"{', '.join(map(str, buf.shape[1:]))}] {buf.dtype} on {buf.device}")
         for name, t in inputs.items():
             self.inputs[name][: t.shape[0]].copy_(t)

@@ -49,8 +49,8 @@ class GroupOffsets:
 class Offsets:
     """int32-element offsets for one (R, N); groups[g]: layer group g's GroupOffsets."""
 
-    rows: int
-    num_rows: int
+    batch_size: int  # R: the requests (a bucketed step's padded batch)
+    num_tokens: int  # N: the token rows
     table_rows: int  # the request rows' page-table rows [R] (0)
     kv_lens: int  # the requests' KV lengths [R] (a bucketed StepRows step's one length array)
     updates: int  # the table updates: positions [U] then values [U]
@@ -107,7 +107,7 @@ class Layout:
         for g, n in enumerate(rows_of):  # cross groups: past the index regions
             if n > 0:
                 group_slots[g], tail = tail, tail + 2 * n
-        return Offsets(rows=rows, num_rows=num_rows, table_rows=0, kv_lens=rows * (1 + G), updates=updates,
+        return Offsets(batch_size=rows, num_tokens=num_rows, table_rows=0, kv_lens=rows * (1 + G), updates=updates,
                        update_capacity=cap, fence=fence, qo=qo, slots=slots,
                        groups=tuple(GroupOffsets(*g, indices=end + i * (self.index_capacity + 1))
                                     for i, g in enumerate(groups)), head_end=end,

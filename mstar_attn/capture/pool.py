@@ -211,7 +211,7 @@ class GraphBufferPool:
         self.unstaged[s] = -1
         self.next_slot = (s + 1) % self.num_slots
         host, dev = self.host[s], self.dev[s]
-        shape = StepShape(slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=q_len, qo_indptr=views.qo_indptr,
+        shape = StepShape(slot=s, padded_batch_size=rows, padded_num_tokens=num_rows, bucket=bucket, q_len=q_len, qo_indptr=views.qo_indptr,
                           host_qo_indptr=views.host_qo_indptr, slot_mapping=views.slot_mapping,
                           table_rows=views.table_rows, groups=self._groups_of(s, views, ranges))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -321,7 +321,7 @@ class GraphBufferPool:
         whole index region (kept: bounded by slots x buckets x q_lens)."""
         views = self.views_of(s, bucket, bucket * q_len, True)
         self._offsets[(bucket, q_len)] = views.offsets
-        shape = StepShape(slot=s, rows=bucket, num_rows=bucket * q_len, bucket=bucket, q_len=q_len,
+        shape = StepShape(slot=s, padded_batch_size=bucket, padded_num_tokens=bucket * q_len, bucket=bucket, q_len=q_len,
                           qo_indptr=views.qo_indptr, host_qo_indptr=views.host_qo_indptr, slot_mapping=views.slot_mapping,
                           table_rows=views.table_rows, groups=self._groups_of(s, views, None))
         self._views[("shape", s, bucket, q_len)] = shape
@@ -337,7 +337,7 @@ class GraphBufferPool:
         """A StepRows commit's device work (derive.rows_work): replayed as one graph for a bucketed CUDA step
         (captured at the first commit of its key), so its host cost is one launch; with `defer`, not even
         that: the step's first use launches it, on the commit's stream `on` (None: the CPU)."""
-        key = ("derived" if derived else "staged", step.slot, step.rows, step.num_rows, step.plan.backend)
+        key = ("derived" if derived else "staged", step.slot, step.padded_batch_size, step.padded_num_tokens, step.plan.backend)
         make = lambda: derive.rows_work(self, step, state, offsets, derived)  # noqa: E731
         if defer:
             self.device_work.defer(step.slot, step.generation, key, make, on)
@@ -349,7 +349,7 @@ class GraphBufferPool:
         """Write a derived step's O(rows) arrays (stage_requests) into its slot's pinned staging for a backend state
         (lazy_host_arrays) that plans from them on the host; a no-op once staged, or for a stale step."""
         if self.unstaged[step.slot] == step.generation == self.generations[step.slot]:
-            stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.rows, step.num_rows), step.rows, step.q_len)
+            stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.padded_batch_size, step.padded_num_tokens), step.padded_batch_size, step.q_len)
             self.unstaged[step.slot] = -1
 
     def _groups_of(self, s: int, views: SlotViews, ranges) -> tuple[DeviceGroup, ...]:
@@ -385,7 +385,7 @@ class GraphBufferPool:
     def index_buffer(self, step: DeviceStep, group: int) -> torch.Tensor:
         """The whole index region [index_capacity] of `group` for the step's slot and shape: what a
         FlashInfer graph-mode wrapper is built over (its buffers must outlive every plan)."""
-        o_idx = self.layout.at(step.rows, step.num_rows).groups[group].indices
+        o_idx = self.layout.at(step.padded_batch_size, step.padded_num_tokens).groups[group].indices
         return self.dev[step.slot][o_idx : o_idx + self.layout.index_capacity]
 
     def memory_report(self) -> MemoryReport:

@@ -92,7 +92,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
             own = more[j - 1] if j else tuple({} for _ in views.groups)  # (step 0 sits where a decode step would)
             groups = tuple(DeviceGroup.over(g, idx, **changes) for g, idx, changes in zip(views.groups, indices, own))
             slots = own[0]["slot_mapping"] if j else views.slot_mapping
-            shape = StepShape(slot=s, rows=rows, num_rows=num_rows, bucket=bucket, q_len=1, qo_indptr=views.qo_indptr,
+            shape = StepShape(slot=s, padded_batch_size=rows, padded_num_tokens=num_rows, bucket=bucket, q_len=1, qo_indptr=views.qo_indptr,
                               host_qo_indptr=views.host_qo_indptr, slot_mapping=slots, table_rows=views.table_rows,
                               groups=groups)
             steps.append(DeviceStep(plan=plan, shape=shape, generation=pool.generations[s], pool=pool))

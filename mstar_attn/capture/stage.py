@@ -46,11 +46,11 @@ def stage_pages(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int,
 
 def stage_rows(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, slots: np.ndarray, updates: np.ndarray,
                table: PageTable, scratch_slots: np.ndarray) -> int:
-    """Write an unbucketed StepRows step (offsets.rows = B requests, offsets.num_rows = T token rows)
+    """Write an unbucketed StepRows step (offsets.batch_size = B requests, offsets.num_tokens = T token rows)
     into a slot's staging h: the O(rows) arrays, the table rows, each group's first page,
     slot_mapping, and the table updates. Returns how many updates did not fit the step's region (U):
     the caller sends those directly. (Bucketed StepRows steps: stage_derived.)"""
-    B, ps, rows, num_rows = plan.batch_size, plan.spec.page_size, offsets.rows, offsets.num_rows
+    B, ps, rows, num_rows = plan.batch_size, plan.spec.page_size, offsets.batch_size, offsets.num_tokens
     stage_requests(h, plan, offsets, rows, 1)
     for gp, o in zip(plan.groups, offsets.groups):
         o_first = o.first_page

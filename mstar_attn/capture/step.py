@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import attrs
@@ -17,19 +18,27 @@ if TYPE_CHECKING:
     from mstar_attn.capture.pool import GraphBufferPool
 
 
+def deprecated_alias(old: str, new: str):
+    """A read-only property `old` that warns and reads `new` (a renamed field, kept for callers of the old name)."""
+    def read(self):
+        warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, 2)
+        return getattr(self, new)
+    return property(read, doc=f"deprecated: {new}")
+
+
 @attrs.frozen
 class DeviceGroup:
     """One layer group's committed arrays: int32 device views, and pinned host views of the small ones."""
 
-    kv_indptr: torch.Tensor  # [rows+1] device
+    kv_indptr: torch.Tensor  # [padded_batch_size+1] device
     kv_indices: torch.Tensor  # [n + padding entries] device
-    kv_last_page_len: torch.Tensor  # [rows] device
-    kv_lens: torch.Tensor  # [rows] device
-    first_page: torch.Tensor  # [rows] device: the first table column a StepRows step's group reads
-    host_kv_indptr: torch.Tensor  # [rows+1] pinned CPU
-    host_last_page_len: torch.Tensor  # [rows] pinned CPU
-    host_kv_lens: torch.Tensor  # [rows] pinned CPU
-    slot_mapping: torch.Tensor  # [num_rows] int64 device: where the group's layers write (the step's
+    kv_last_page_len: torch.Tensor  # [padded_batch_size] device
+    kv_lens: torch.Tensor  # [padded_batch_size] device
+    first_page: torch.Tensor  # [padded_batch_size] device: the first table column a StepRows step's group reads
+    host_kv_indptr: torch.Tensor  # [padded_batch_size+1] pinned CPU
+    host_last_page_len: torch.Tensor  # [padded_batch_size] pinned CPU
+    host_kv_lens: torch.Tensor  # [padded_batch_size] pinned CPU
+    slot_mapping: torch.Tensor  # [padded_num_tokens] int64 device: where the group's layers write (the step's
     # slot_mapping itself, unless the group keeps its own page list: LayerGroup.own_pages)
 
     @classmethod
@@ -48,26 +57,30 @@ class DeviceGroup:
 class StepShape:
     """What every step committed into one pool slot at one shape shares: its views into the slot.
 
-    slot: the pool slot. rows: the batch padded to its bucket (or the exact batch for steps no bucket
-    serves). Bucketed steps are decode and verify steps; q_len is their tokens per request (1 for
+    slot: the pool slot. padded_batch_size: the requests of the step padded to its bucket (or the exact
+    batch for steps no bucket serves). Bucketed steps are decode and verify steps; q_len is their tokens per request (1 for
     decode). A padded request has q_len tokens, reads q_len tokens of the scratch page and writes
-    its token rows there: no request's page is touched. num_rows: token rows of the step (rows *
-    q_len when bucketed; plan.num_tokens otherwise). slot_mapping [num_rows] int64 device: where each
+    its token rows there: no request's page is touched. padded_num_tokens: token rows of the step, the
+    rows q, k and v have in a captured graph (padded_batch_size * q_len when bucketed; plan.num_tokens
+    otherwise). slot_mapping [padded_num_tokens] int64 device: where each
     row's K/V goes (groups[g].slot_mapping for a group with its own page list). A pool keeps one per
     (slot, bucket, q_len) for bucketed StepRows steps (their arrays derived on the device) and makes
     one per commit for every other step.
     """
 
     slot: int
-    rows: int
-    num_rows: int
+    padded_batch_size: int
+    padded_num_tokens: int
     bucket: int | None
     q_len: int
-    qo_indptr: torch.Tensor  # [rows+1] device
-    host_qo_indptr: torch.Tensor  # [rows+1] pinned
-    slot_mapping: torch.Tensor  # [num_rows] int64 device
-    table_rows: torch.Tensor  # [rows] device: a StepRows step's page-table rows (padding: the scratch row)
+    qo_indptr: torch.Tensor  # [padded_batch_size+1] device
+    host_qo_indptr: torch.Tensor  # [padded_batch_size+1] pinned
+    slot_mapping: torch.Tensor  # [padded_num_tokens] int64 device
+    table_rows: torch.Tensor  # [padded_batch_size] device: a StepRows step's page-table rows (padding: the scratch row)
     groups: tuple[DeviceGroup, ...]
+
+    rows = deprecated_alias("StepShape.rows", "padded_batch_size")
+    num_rows = deprecated_alias("StepShape.num_rows", "padded_num_tokens")
 
 
 def _shape_field(name: str, doc: str):
@@ -78,8 +91,8 @@ def _shape_field(name: str, doc: str):
 class DeviceStep:
     """What `run` and `write_kv` read for one committed plan, valid until its slot is committed again.
 
-    shape: the slot, padded rows and views it reads (StepShape); its fields read as the step's own
-    (step.rows, step.groups, ...).
+    shape: the slot, padded sizes and views it reads (StepShape); its fields read as the step's own
+    (step.padded_batch_size, step.groups, ...).
     generation: the pool slot's commit count when this step was made; once the slot is committed
     again the step is stale and every backend refuses it (StaleStepError).
     stream: the side stream it was committed on, or None (the caller's current stream): then the
@@ -96,14 +109,16 @@ class DeviceStep:
     _flags: list = attrs.field(factory=lambda: [False, set()], eq=False, repr=False, alias="_flags")
 
     slot = _shape_field("slot", "the pool slot (StepShape)")
-    rows = _shape_field("rows", "request rows, padding included (StepShape)")
-    num_rows = _shape_field("num_rows", "token rows (StepShape)")
+    padded_batch_size = _shape_field("padded_batch_size", "requests, padding included (StepShape)")
+    padded_num_tokens = _shape_field("padded_num_tokens", "token rows, padding included (StepShape)")
+    rows = deprecated_alias("DeviceStep.rows", "padded_batch_size")
+    num_rows = deprecated_alias("DeviceStep.num_rows", "padded_num_tokens")
     bucket = _shape_field("bucket", "the captured batch size serving the step, or None (StepShape)")
     q_len = _shape_field("q_len", "tokens per request of a bucketed step (StepShape)")
-    qo_indptr = _shape_field("qo_indptr", "[rows+1] int32 device")
-    host_qo_indptr = _shape_field("host_qo_indptr", "[rows+1] int32 pinned")
-    slot_mapping = _shape_field("slot_mapping", "[num_rows] int64 device")
-    table_rows = _shape_field("table_rows", "[rows] int32 device: a StepRows step's page-table rows")
+    qo_indptr = _shape_field("qo_indptr", "[padded_batch_size+1] int32 device")
+    host_qo_indptr = _shape_field("host_qo_indptr", "[padded_batch_size+1] int32 pinned")
+    slot_mapping = _shape_field("slot_mapping", "[padded_num_tokens] int64 device")
+    table_rows = _shape_field("table_rows", "[padded_batch_size] int32 device: a StepRows step's page-table rows")
     groups = _shape_field("groups", "tuple[DeviceGroup, ...], one per layer group")
 
     @property
@@ -182,18 +197,18 @@ class DeviceStep:
 
     def accepts_rows(self, n: int) -> bool:
         """Whether q (or k, v) may have n rows: the step's tokens, or for a bucketed step any
-        b * q_len with plan.batch_size <= b <= rows (padding requests' rows included)."""
+        b * q_len with plan.batch_size <= b <= padded_batch_size (padding requests' rows included)."""
         if n == self.plan.num_tokens:
             return True
         if self.bucket is None:
             return False
         b, extra = divmod(n, self.q_len)
-        return not extra and self.plan.batch_size <= b <= self.rows
+        return not extra and self.plan.batch_size <= b <= self.padded_batch_size
 
     def rows_expected(self) -> str:
         if self.bucket is None:
             return f"{self.plan.num_tokens}"
-        return f"{self.plan.num_tokens} or b * {self.q_len} for b in {self.plan.batch_size}..{self.rows}"
+        return f"{self.plan.num_tokens} or b * {self.q_len} for b in {self.plan.batch_size}..{self.padded_batch_size}"
 
 
 @attrs.frozen

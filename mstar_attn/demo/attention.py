@@ -46,7 +46,7 @@ class StepAttention:
     def prepare(self, plan: AttentionPlan):
         return plan
 
-    def rows(self, ctx) -> int:
+    def token_rows(self, ctx) -> int:
         """Token rows the forward feeds this step: q, k, v and every activation are [rows, ...]."""
         return ctx.num_tokens
 
@@ -127,8 +127,8 @@ class PoolAttention(StepAttention):
     def prepare(self, plan: AttentionPlan):
         return self.pool.commit(plan, defer=True)  # (a StepRows decode step: its device work runs in the graph)
 
-    def rows(self, ctx) -> int:
-        return ctx.num_rows  # decode: the bucket (padded); other modes: the step's tokens
+    def token_rows(self, ctx) -> int:
+        return ctx.padded_num_tokens  # decode: the bucket (padded); other modes: the step's tokens
 
     @property
     def capture_rows(self) -> int:
@@ -152,7 +152,7 @@ class PoolAttention(StepAttention):
         return self.pool.commit_round(draft)
 
     def round_rows(self, steps) -> int:
-        return steps[0].rows
+        return steps[0].padded_batch_size
 
     def capture_round(self, fn: Callable[[tuple, dict], torch.Tensor], static: dict[str, torch.Tensor], k: int) -> int:
         """Record fn(steps, inputs), a whole draft round of k steps, per (pool slot, bucket): RoundGraphs."""

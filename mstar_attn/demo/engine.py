@@ -257,7 +257,7 @@ class Engine:
         self.commit_us.append((time.perf_counter_ns() - t0) / 1e3)
         if before is not None:
             before(ctx)
-        inputs = step_inputs(plan, tokens, self.attn.rows(ctx), self.device)
+        inputs = step_inputs(plan, tokens, self.attn.token_rows(ctx), self.device)
         self.aside_us = 0.0
         if not (self.graphs and self.attn.replays(ctx)):
             return self.fn(ctx, inputs)[: plan.num_tokens]

@@ -128,7 +128,7 @@ class _Model:
         """One step's logits [T, vocab] float32, eagerly (with `tree`: a tree verify step)."""
         plan = build_plan(batch, self.spec) if tree is None else build_tree_plan(batch, self.spec, tree)
         ctx = self.attn.prepare(plan)
-        x = step_inputs(plan, tokens, self.attn.rows(ctx), self.device)
+        x = step_inputs(plan, tokens, self.attn.token_rows(ctx), self.device)
         self.last_plan = plan
         return self.forward(self.model, ctx, self.layers, x["ids"], x["positions"])[: plan.num_tokens].float()
 

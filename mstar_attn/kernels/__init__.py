@@ -42,7 +42,7 @@ def _backend_of(step, where: str) -> ModuleType:
 
 
 def write_kv(step, k: torch.Tensor, v: torch.Tensor, cache, group: int | None = None) -> None:
-    """Store the step's new K/V ([T or step.num_rows, kv_heads, head_dim]) for one layer of layer
+    """Store the step's new K/V ([T or step.padded_num_tokens, kv_heads, head_dim]) for one layer of layer
     group `group` through the backend that step.plan names. group: required when the spec has
     own_pages groups (each writes its own pages), else optional."""
     _backend_of(step, "write_kv").write_kv(step, k, v, cache, group)

@@ -45,7 +45,7 @@ def staging_entries(layout) -> int:
 def shared_batch(step: DeviceStep) -> int:
     """The shared level's request count: a bucketed step's fixed rows // 2 + 1 (a prefix group has 2+
     members, and one "rest" request), else its groups + 1."""
-    return step.rows // 2 + 1 if step.bucket is not None else step.plan.cascade.num_groups + 1
+    return step.padded_batch_size // 2 + 1 if step.bucket is not None else step.plan.cascade.num_groups + 1
 
 
 def shared_workspace_bytes(pool) -> int:
@@ -129,10 +129,10 @@ class CascadeState:
         plan, spec = step.plan, step.plan.spec
         ps = spec.page_size
         Gf = shared_batch(step)
-        r = stage(self.host_np[step.slot], plan.cascade, plan.batch_size, step.rows, step.num_rows, step.q_len, Gf, spec)
+        r = stage(self.host_np[step.slot], plan.cascade, plan.batch_size, step.padded_batch_size, step.padded_num_tokens, step.q_len, Gf, spec)
         at = r["shared_kv_indices"][1]
         perm, inv, mask, s_qo, s_ptr, s_lpl, s_len, x_ptr, x_lpl, x_len, x_idx, s_idx = r.values()
-        R = step.num_rows
+        R = step.padded_num_tokens
         host, dev = self.host[step.slot], self.dev[step.slot]
         self.pool.upload(dev[:at], host[:at])
 
@@ -162,7 +162,7 @@ class CascadeState:
 
     def _shared(self, step: DeviceStep, g: int, Gf: int):
         graph = step.bucket is not None
-        key = ("shared", step.slot, g) + ((step.rows, step.q_len) if graph else ())
+        key = ("shared", step.slot, g) + ((step.padded_batch_size, step.q_len) if graph else ())
         w = self.wrappers.get(key)
         if w is None:
             buffers = {}
@@ -180,16 +180,16 @@ class CascadeState:
 
     def _suffix(self, step: DeviceStep, g: int):
         sch, graph, flashinfer = self.owner, step.bucket is not None, self.fi
-        key = ("suffix", step.slot, g) + ((step.rows, step.q_len) if graph else (step.mode.value,))
+        key = ("suffix", step.slot, g) + ((step.padded_batch_size, step.q_len) if graph else (step.mode.value,))
         w = self.wrappers.get(key)
         if w is None:
             dev = self.pool.device
             if graph:
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     sch.float_ws, "NHD", use_cuda_graph=True, use_tensor_cores=sch.tensor_cores or step.q_len > 1,
-                    paged_kv_indptr_buffer=torch.zeros(step.rows + 1, dtype=torch.int32, device=dev),
+                    paged_kv_indptr_buffer=torch.zeros(step.padded_batch_size + 1, dtype=torch.int32, device=dev),
                     paged_kv_indices_buffer=self.indices[(step.slot, g, 1)],
-                    paged_kv_last_page_len_buffer=torch.zeros(step.rows, dtype=torch.int32, device=dev))
+                    paged_kv_last_page_len_buffer=torch.zeros(step.padded_batch_size, dtype=torch.int32, device=dev))
             elif step.mode.value == "decode":
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(sch.float_ws, "NHD", use_tensor_cores=sch.tensor_cores)
             else:

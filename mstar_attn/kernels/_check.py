@@ -121,7 +121,8 @@ def _tensor(t, name: str, heads: int, plan: AttentionPlan, device, where: str, d
     return t
 
 
-def rows(t: torch.Tensor, name: str, step, plan: AttentionPlan, where: str) -> None:
+def row_count(t: torch.Tensor, name: str, step, plan: AttentionPlan, where: str) -> None:
+    """PlanError unless t [n, ...] has the rows the step takes (see DeviceStep.accepts_rows)."""
     n = t.shape[0]
     ok = step.accepts_rows(n) if isinstance(step, DeviceStep) else n == plan.num_tokens
     if not ok:
@@ -133,7 +134,7 @@ def query(q, step, plan: AttentionPlan, cache, where: str, dtypes=None) -> None:
     """q: [rows, qo_heads, head_dim] (latent attention: head_dim + mla_rope_dim, q_nope then q_pe)."""
     spec = plan.spec
     _tensor(q, "q", spec.num_qo_heads, plan, cache.k.device, where, dtypes or (spec.dtype,), spec.head_dim + spec.mla_rope_dim)
-    rows(q, "q", step, plan, where)
+    row_count(q, "q", step, plan, where)
 
 
 def new_kv(k, v, step, plan: AttentionPlan, cache, where: str, group: int = 0) -> None:
@@ -144,7 +145,7 @@ def new_kv(k, v, step, plan: AttentionPlan, cache, where: str, group: int = 0) -
         dim = spec.mla_rope_dim if name == "v" and spec.mla else spec.head_dim
         _tensor(t, name, spec.num_kv_heads, plan, cache.k.device, where, (spec.dtype,), dim)
         if not cross:
-            rows(t, name, step, plan, where)
+            row_count(t, name, step, plan, where)
         elif t.shape[0] != plan.groups[group].stored or t.shape[0] == 0:
             n = plan.groups[group].stored
             raise PlanError(f"{where}: {name} has {t.shape[0]} rows; layer group {group} is cross attention and this "

@@ -74,7 +74,7 @@ class BlockTables:
         return {label: (n, n if self.pool.device.type == "cuda" else 0)}
 
     def _table(self, step: DeviceStep, t: int, width: int) -> torch.Tensor:
-        return self.dev[step.slot][t][: step.rows * width].view(step.rows, width)
+        return self.dev[step.slot][t][: step.padded_batch_size * width].view(step.padded_batch_size, width)
 
     def gather(self, step: DeviceStep) -> None:
         """A StepRows step's page tables, gathered on the device from the pool's page table
@@ -95,7 +95,7 @@ class BlockTables:
         plan = step.plan
         if plan.rows is not None:  # filled on the device by gather
             return tuple(None if t is None else self._table(step, t, self.pool.table.width) for t in self.table_of)
-        B, rows, ps = plan.batch_size, step.rows, plan.spec.page_size
+        B, rows, ps = plan.batch_size, step.padded_batch_size, plan.spec.page_size
         pad_pages = -(-step.q_len // ps)  # a padding request reads q_len tokens of the scratch page
         tables = {}
         for t, g in self.firsts.items():

@@ -100,8 +100,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
 
     q: [rows, qo_heads, head_dim], spec.dtype (fp16 / bf16), on the cache's device. rows is
     plan.num_tokens; a bucketed step (decode, or verify of q_len step.q_len) also takes the
-    padding requests' rows: any b * q_len rows with plan.batch_size <= b <= step.rows (a captured
-    graph passes step.num_rows, an eager caller the real tokens). k, v: [T, kv_heads, head_dim],
+    padding requests' rows: any b * q_len rows with plan.batch_size <= b <= step.padded_batch_size (a captured
+    graph passes step.padded_num_tokens, an eager caller the real tokens). k, v: [T, kv_heads, head_dim],
     the step's new keys and values, read only by "flash_attn_varlen" (the paged path reads the
     cache, so write_kv must run first). The paged path needs a cache known finite (see PagedKVCache).
     sinks: float32 [qo_heads] on q's device where the group has attention sinks (LayerGroup.sinks), else

@@ -157,7 +157,7 @@ class PoolState(PoolStateBase):
         cascade group's Levels (a cascade step: plan.cascade)."""
         plan = step.plan
         if step.bucket is not None and plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before
-            kept = self.kept_steps.get((step.slot, step.rows, step.q_len, plan.mode))
+            kept = self.kept_steps.get((step.slot, step.padded_batch_size, step.q_len, plan.mode))
             if kept is not None:
                 return kept.wrappers if kept.fixed else self._kept(step, kept)
         if plan.cascade is not None:
@@ -170,10 +170,10 @@ class PoolState(PoolStateBase):
                          for g, dg in enumerate(step.groups))
         out = tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
         if step.bucket is not None and plan.draft_step is None:
-            keys = [(step.slot, g, step.rows, step.q_len) for g in range(len(out))]
+            keys = [(step.slot, g, step.padded_batch_size, step.q_len) for g in range(len(out))]
             plans = tuple(None if k in self.fixed else self.fast.get(k) for k in keys)
             if all(k in self.fixed or k in self.fast for k in keys):  # (every group planned by its kept plan from now on)
-                self.kept_steps[(step.slot, step.rows, step.q_len, plan.mode)] = KeptStep(
+                self.kept_steps[(step.slot, step.padded_batch_size, step.q_len, plan.mode)] = KeptStep(
                     wrappers=out, plans=plans, private=tuple(k in self.private_keys for k in keys),
                     fixed=all(p is None for p in plans))
         return out
@@ -199,7 +199,7 @@ class PoolState(PoolStateBase):
         spec, group = self.pool.spec, self.pool.spec.groups[g]
         draft = step.plan.draft_step  # a round's steps are live together: a wrapper (and int workspace part) each
         if step.bucket is not None:
-            key = (step.slot, g, step.rows, step.q_len) + (() if draft is None else (draft,))
+            key = (step.slot, g, step.padded_batch_size, step.q_len) + (() if draft is None else (draft,))
             w = self.fixed.get(key)
             if w is not None:
                 return w
@@ -220,7 +220,7 @@ class PoolState(PoolStateBase):
                 return fast.wrapper
             self.pool.stage_host(step)
             heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
-            fix = self.use_fast and (step.rows * spec.num_kv_heads >= self.fixed_min_ctas
+            fix = self.use_fast and (step.padded_batch_size * spec.num_kv_heads >= self.fixed_min_ctas
                                      or (draft is not None and self.draft_fixed))
             w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
             if w is None:
@@ -299,7 +299,7 @@ class PoolState(PoolStateBase):
         )
         if not fixed:
             return self.share(w, step.slot, g, step.plan.draft_step)
-        size = fixed_workspace_bytes(step.rows, step.q_len, self.pool.spec.gqa_group)
+        size = fixed_workspace_bytes(step.padded_batch_size, step.q_len, self.pool.spec.gqa_group)
         ws = torch.zeros(size, dtype=torch.uint8, device=self.pool.device)
         pinned = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
         self.private.append((ws, pinned))
@@ -337,8 +337,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
         _check.new_kv(k, v, step, plan, cache, "run")
         return w.run(q, k, v)  # (no sinks: flashinfer_ragged does not declare them, so no sink spec reaches it)
     rows = q.shape[0]
-    if rows < step.num_rows:  # eager call on a bucket-padded step: padding requests read the scratch page
-        q = torch.cat([q, q[:1].expand(step.num_rows - rows, -1, -1)])
+    if rows < step.padded_num_tokens:  # eager call on a bucket-padded step: padding requests read the scratch page
+        q = torch.cat([q, q[:1].expand(step.padded_num_tokens - rows, -1, -1)])
     # an FP8 cache: FlashInfer folds k_scale into the softmax scale (the lse too) and scales the output by v_scale
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale) if plan.spec.fp8_kv else {}
     if lse:

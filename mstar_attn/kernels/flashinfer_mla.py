@@ -85,7 +85,7 @@ class PoolState(PoolStateBase):
     def _plan(self, step: DeviceStep, g: int, dg):
         causal = self.pool.spec.groups[g].causal
         if step.bucket is not None:
-            key = ("graph", step.slot, g, step.rows, step.q_len)
+            key = ("graph", step.slot, g, step.padded_batch_size, step.q_len)
             w = self.wrappers.get(key)
             if w is None:  # over the step's own buffers: a graph captured on it replays the latest plan
                 w = self.wrappers[key] = BatchMLAPagedAttentionWrapper(
@@ -117,8 +117,8 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     _check.query(q, step, plan, cache, "run")
     _check.stored_first(step, k, v, cache, group, "run")
     rows = q.shape[0]
-    if rows < step.num_rows:  # eager call on a bucket-padded step: the wrapper was planned for all rows
-        q = torch.cat([q, q[:1].expand(step.num_rows - rows, -1, -1)])
+    if rows < step.padded_num_tokens:  # eager call on a bucket-padded step: the wrapper was planned for all rows
+        q = torch.cat([q, q[:1].expand(step.padded_num_tokens - rows, -1, -1)])
     P, ps = cache.k.shape[0], cache.k.shape[1]
     kv = (cache.k.view(P, ps, cache.k.shape[-1]), cache.v.view(P, ps, cache.v.shape[-1]))
     return step.scheduled[group].run(query=q, kv_cache=kv)[:rows]

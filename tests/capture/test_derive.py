@@ -52,7 +52,7 @@ def test_derived_arrays_equal_the_host_staged_ones_for_the_same_step(ps, q_len):
         spec, pool, plan, csr = _random_step(seed, ps, q_len)
         step = pool.commit(plan)
         want = table_pool(spec, width=160).commit(csr)  # the same step by pages: staged on the host, padded
-        assert step.bucket is not None and step.rows == want.rows, f"seed {seed}"
+        assert step.bucket is not None and step.padded_batch_size == want.padded_batch_size, f"seed {seed}"
         got, ref = _arrays(step), _arrays(want)
         assert np.array_equal(got[0], ref[0]), f"seed {seed}: qo_indptr"
         for g, (a, b) in enumerate(zip(got[1:], ref[1:])):
@@ -63,7 +63,7 @@ def test_derived_arrays_equal_the_host_staged_ones_for_the_same_step(ps, q_len):
             first = np.zeros(plan.batch_size, np.int32) if kv_start is None else kv_start // ps
             assert np.array_equal(a[3][: plan.batch_size], first), f"seed {seed}, group {g}: first_page"
             assert not a[3][plan.batch_size :].any(), f"seed {seed}, group {g}: padding first_page"
-        T, N = plan.num_tokens, step.num_rows
+        T, N = plan.num_tokens, step.padded_num_tokens
         slots = step.slot_mapping.numpy()
         assert np.array_equal(slots[:T], csr.slot_mapping), f"seed {seed}: slot_mapping"
         assert (slots[T:N] // ps == spec.scratch_page).all(), f"seed {seed}: padding rows write the scratch page"
@@ -85,7 +85,7 @@ def test_a_negative_control_a_wrong_window_is_caught(monkeypatch):
 def derive_again(pool, step, kernels, device: str):
     """The committed (CPU) step's slot buffer copied to `device` with every derived array overwritten
     (-7), then derived again by `kernels` (Triton's, or None: the torch ops); returns (buffer, offsets)."""
-    R, N = step.rows, step.num_rows
+    R, N = step.padded_batch_size, step.padded_num_tokens
     offsets = slot_views(pool.layout, pool.dev[step.slot], pool.host[step.slot], R, N).offsets
     buf = pool.dev[step.slot].clone().to(device)
     for o in offsets.groups:

@@ -110,7 +110,7 @@ def test_a_decode_graph_without_the_commit_work_is_caught(monkeypatch):
     seed = fresh_seed()
 
     def forward_only(self, step, commit_work):
-        static = {name: t[: step.num_rows] for name, t in self.inputs.items()}
+        static = {name: t[: step.padded_num_tokens] for name, t in self.inputs.items()}
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory):
             out = self.fn(step, static)

@@ -41,16 +41,16 @@ def test_device_buffers_hold_the_plan_and_padding_reads_the_scratch_page(q, kv):
     got = device_arrays(step)
     B, T = plan.batch_size, plan.num_tokens
     bucket = pool.bucket_for(plan)
-    assert step.bucket == bucket and step.rows == (bucket or B)
+    assert step.bucket == bucket and step.padded_batch_size == (bucket or B)
     assert np.array_equal(got["qo"][: B + 1], plan.qo_indptr) and np.array_equal(got["slots"][:T], plan.slot_mapping)
     for (indptr, indices, lpl, lens), gp in zip(got["groups"], plan.groups):
         n = gp.kv_indices.shape[0]
         assert np.array_equal(indptr[: B + 1], gp.kv_indptr) and np.array_equal(indices[:n], gp.kv_indices)
         assert np.array_equal(lpl[:B], gp.kv_last_page_len) and np.array_equal(lens[:B], gp.kv_lens)
-        pad = step.rows - B  # padding requests: q_len tokens of the scratch page, nothing else
+        pad = step.padded_batch_size - B  # padding requests: q_len tokens of the scratch page, nothing else
         assert (indices[n:] == spec.scratch_page).all() and indices.shape[0] == n + pad * -(-step.q_len // 4)
         assert (lens[B:] == step.q_len).all() and np.array_equal(np.diff(indptr)[B:], [-(-step.q_len // 4)] * pad)
-    assert step.num_rows == (step.rows * step.q_len if bucket else T)
+    assert step.padded_num_tokens == (step.padded_batch_size * step.q_len if bucket else T)
     assert (got["slots"][T:] // 4 == spec.scratch_page).all(), f"seed {seed}"
 
 
@@ -156,7 +156,7 @@ def test_a_backend_state_failure_leaves_the_pool_usable(monkeypatch):
     monkeypatch.setattr(fa, "_varlen_func", lambda: None)
     assert first.live  # the failed commit went to the other slot
     again = pool.commit(build_plan(random_batch(rng, [1, 1, 1], [5, 9, 13], 4, 300), spec))
-    assert again.live and again.scheduled[0].shape[0] == again.rows
+    assert again.live and again.scheduled[0].shape[0] == again.padded_batch_size
 
 
 def test_scratch_plans_commit_and_capture_shapes():
@@ -165,7 +165,7 @@ def test_scratch_plans_commit_and_capture_shapes():
     for b in pool.buckets:
         for q_len in (1, 4, 16):
             step = pool.commit(scratch_plan(spec, b, q_len))
-            assert step.bucket == b and step.num_rows == b * q_len
+            assert step.bucket == b and step.padded_num_tokens == b * q_len
             assert (step.slot_mapping.numpy() // 4 == spec.scratch_page).all()
 
 
@@ -271,7 +271,7 @@ def test_an_own_pages_group_gets_its_own_slots_on_the_device(q, kv):
     assert step.groups[0].slot_mapping.data_ptr() == step.slot_mapping.data_ptr()
     for g, dg in enumerate(step.groups):
         got = dg.slot_mapping.numpy()
-        assert got.shape == (step.num_rows,) and np.array_equal(got[:T], plan.slots_of(g)), f"seed {seed}"
+        assert got.shape == (step.padded_num_tokens,) and np.array_equal(got[:T], plan.slots_of(g)), f"seed {seed}"
         assert (got[T:] // 4 == spec.scratch_page).all(), f"seed {seed}"
     assert not np.array_equal(plan.slots_of(0), plan.slots_of(1))
 
@@ -287,7 +287,7 @@ def test_cascade_capture_plans_fit_a_pool_of_few_pages():
     for bucket in pool.buckets:
         for q_len in (1, 16):
             step = pool.commit(scratch_plan(spec, bucket, q_len, cascade=True))
-            assert step.plan.cascade.member_queries == bucket * q_len and step.rows == bucket
+            assert step.plan.cascade.member_queries == bucket * q_len and step.padded_batch_size == bucket
 
 
 def test_a_flat_graph_never_replays_a_cascade_step():
@@ -322,3 +322,16 @@ def test_scheduler_for_still_works_with_a_deprecation_naming_backend_state():
     pool = pool_for(spec)
     with pytest.warns(DeprecationWarning, match=r"pool\.backend_state\(backend\)"):
         assert pool.scheduler_for("reference") is pool.backend_state("reference")
+
+
+def test_the_padded_sizes_keep_their_old_names_with_a_deprecation():
+    """DeviceStep.rows / num_rows and StepShape.rows / num_rows (before padded_batch_size / padded_num_tokens)
+    still read, with a DeprecationWarning naming the new field."""
+    seed = fresh_seed()
+    spec = spec_for(page_size=4, num_pages=200, groups=GROUPS)
+    step = pool_for(spec).commit(build_plan(random_batch(np.random.default_rng(seed), [1] * 3, [5, 9, 2], 4, 200), spec))
+    for obj, name in ((step, "DeviceStep"), (step.shape, "StepShape")):
+        with pytest.warns(DeprecationWarning, match=f"{name}.rows is deprecated: use padded_batch_size"):
+            assert obj.rows == obj.padded_batch_size == step.bucket, seed
+        with pytest.warns(DeprecationWarning, match=f"{name}.num_rows is deprecated: use padded_num_tokens"):
+            assert obj.num_rows == obj.padded_num_tokens == step.bucket, seed

@@ -44,7 +44,7 @@ def test_each_step_views_its_plan_and_padding_reads_the_scratch_page(B):
     assert len(steps) == draft.k and len({(s.slot, s.generation) for s in steps}) == 1, seed
     rows = 4 if B == 3 else B
     for plan, step in zip(draft.steps, steps):
-        assert step.plan is plan and step.rows == rows and step.q_len == 1, seed
+        assert step.plan is plan and step.padded_batch_size == rows and step.q_len == 1, seed
         assert np.array_equal(step.qo_indptr.numpy()[: B + 1], plan.qo_indptr), seed
         assert np.array_equal(step.slot_mapping.numpy()[:B], plan.slot_mapping), seed
         assert (step.slot_mapping.numpy()[B:] // 4 == plan.spec.scratch_page).all(), seed

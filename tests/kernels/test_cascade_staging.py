@@ -46,7 +46,7 @@ def test_staged_levels_compute_the_flat_attention(ps, q_len, families, loners, k
     plan, flat = build_plan(batch, spec), build_plan(batch, flat_spec)
     step = pool.commit(plan)
     assert (step.bucket is not None) == (bucketed and plan.batch_size <= 32 and (q_len == 1 or kind == "causal")), seed
-    c, B, T, rows, R, Gf = plan.cascade, plan.batch_size, plan.num_tokens, step.rows, step.num_rows, shared_batch(step)
+    c, B, T, rows, R, Gf = plan.cascade, plan.batch_size, plan.num_tokens, step.padded_batch_size, step.padded_num_tokens, shared_batch(step)
     h = np.full(staging_entries(pool.layout), -7, np.int32)
     r = stage(h, c, B, rows, R, q_len, Gf, spec)
     assert r["shared_kv_indices"][1] <= h.shape[0] and (h[: r["shared_kv_indices"][1]] != -7).all(), seed

@@ -161,7 +161,7 @@ def test_cpu_every_mode_through_the_pool(cpu_pool, q_lens, kv_lens, mode, page_s
     reference.write_kv(plan, k_new, v_new, ref_cache)
     assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
     if mode is Mode.DECODE:  # bucketed: the captured shape, padding rows on the scratch page
-        assert step.rows == 8 and all(t.shape == (8, pool.max_pages_per_request) for t in step.scheduled)
+        assert step.padded_batch_size == 8 and all(t.shape == (8, pool.max_pages_per_request) for t in step.scheduled)
         assert all((t[5:, 0] == spec.scratch_page).all() for t in step.scheduled)
     for g in range(len(spec.groups)):
         want = reference.run(plan, q.float(), cache, group=g)
@@ -192,7 +192,7 @@ def test_cpu_bucketed_verify_takes_padded_rows(cpu_pool):
     seed = fresh_seed()
     spec, plan, cache, q, _, _, k_new, v_new = cpu_step(seed, [4, 4, 4], [5, 40, 129], groups=GROUPS[:2])
     step = cpu_pool(spec, buckets=(1, 2, 8)).commit(plan)
-    assert (step.bucket, step.q_len, step.num_rows) == (8, 4, 32)
+    assert (step.bucket, step.q_len, step.padded_num_tokens) == (8, 4, 32)
     assert all(t.shape == (8, step.plan.spec.num_pages) and (t[3:, 0] == spec.scratch_page).all() for t in step.scheduled)
     fa.write_kv(step, k_new, v_new, cache)
     for g in range(2):

@@ -118,7 +118,7 @@ def test_the_largest_verify_bucket_captures_and_replays():
     batch = StepBatch.from_pages(q, kv, pages, 16)
     plan, flat = build_plan(batch, spec), build_plan(batch, flat_spec)
     step = marked(pool.commit(plan), cache)  # (random K/V already at every slot)
-    assert graphs.serves(step) and step.rows == 256 and plan.cascade.num_groups == 8, seed
+    assert graphs.serves(step) and step.padded_batch_size == 256 and plan.cascade.num_groups == 8, seed
     qt = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
     out, replayed = replay_or_run(graphs, step, {"q": qt}, lambda st, x: fi.run(st, x["q"], cache), (f"seed {seed}",))
     assert replayed
