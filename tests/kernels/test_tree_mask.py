@@ -1,0 +1,129 @@
+"""The tree verify mask in FlashInfer's custom-mask layout (kernels/_tree_mask.py): the host builder read
+bit by bit the way FlashInfer's kernel reads it (variants.cuh: byte (j * kv + c) / 8 of the request's
+segment, bit (j * kv + c) % 8) against each token's ancestor set (DraftTree.visible), a flipped
+ancestor bit caught; the Triton kernel equal to the host builder under Triton's interpreter on the CPU,
+and on the GPU."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import DraftTree
+from mstar_attn.kernels import _tree_mask
+from mstar_attn.metadata.tree import MAX_TREE_NODES
+from tests.helpers import fresh_seed
+from tests.support.trees import random_parents
+
+
+def random_step(seed: int, requests: int = 6, max_prefix: int = 90) -> tuple[DraftTree, np.ndarray, np.ndarray]:
+    """Random trees (chains, stars, random; a one-token tree and a 64-token one among them) and prefixes
+    (0 included): the tree, q_lens [R], kv_lens [R]."""
+    rng = np.random.default_rng(seed)
+    sizes = [1, MAX_TREE_NODES] + [int(rng.integers(1, MAX_TREE_NODES + 1)) for _ in range(requests - 2)]
+    shapes = rng.choice(["chain", "star", "random"], requests)
+    tree = DraftTree.from_parents([random_parents(rng, n, str(s)) for n, s in zip(sizes, shapes)])
+    prefix = rng.integers(0, max_prefix + 1, requests)
+    prefix[0] = 0
+    q = tree.sizes.astype(np.int32)
+    return tree, q, (prefix + q).astype(np.int32)
+
+
+def read_bit(packed: np.ndarray, starts: np.ndarray, r: int, j: int, c: int, kv: int) -> bool:
+    """Bit (j, c) of request r as FlashInfer's kernel reads it."""
+    off = j * kv + c
+    return bool((int(packed[starts[r] + off // 8]) >> (off % 8)) & 1)
+
+
+def test_the_host_mask_read_as_flashinfer_reads_it_is_each_tokens_prefix_and_ancestors():
+    seed = fresh_seed()
+    tree, q, kv = random_step(seed)
+    packed = _tree_mask.host_mask(q, kv, tree.masks)
+    starts = _tree_mask.byte_indptr(q, kv)
+    assert packed.dtype == np.uint8 and packed.shape[0] == starts[-1], seed
+    flat = _tree_mask.host_mask(q, kv, tree.masks, packed=False)
+    assert flat.shape[0] == int((q.astype(np.int64) * kv).sum()), seed
+    bit0 = 0
+    for r in range(q.shape[0]):
+        vis, prefix = tree.visible(r), kv[r] - q[r]
+        want = np.concatenate([np.ones((q[r], prefix), bool), vis], axis=1)
+        got = np.array([[read_bit(packed, starts, r, j, c, kv[r]) for c in range(kv[r])] for j in range(q[r])])
+        assert np.array_equal(got, want), (seed, f"request {r}")
+        assert np.array_equal(flat[bit0 : bit0 + q[r] * kv[r]].reshape(q[r], kv[r]), want), (seed, f"request {r}")
+        assert starts[r + 1] - starts[r] == -(-int(q[r] * kv[r]) // 8), (seed, r)
+        bit0 += int(q[r] * kv[r])
+
+
+def test_one_flipped_ancestor_bit_changes_that_tokens_row_alone():
+    """Negative control: token j of one request loses an ancestor; the mask differs at that one key."""
+    seed = fresh_seed()
+    tree, q, kv = random_step(seed)
+    r = int(np.flatnonzero(q > 1)[0])
+    t0 = int(q[:r].sum())
+    bits = tree.masks.copy()
+    j = int(q[r]) - 1
+    i = int(np.flatnonzero(tree.visible(r)[j][:j])[0])  # (an ancestor of j other than itself: the root at least)
+    bits[t0 + j] ^= np.uint64(1 << i)
+    a = _tree_mask.host_mask(q, kv, tree.masks, packed=False)
+    b = _tree_mask.host_mask(q, kv, bits, packed=False)
+    at = int((q[:r].astype(np.int64) * kv[:r]).sum()) + j * int(kv[r]) + int(kv[r] - q[r]) + i
+    assert np.flatnonzero(a != b).tolist() == [at], seed
+
+
+_INTERPRETED = """
+import sys, numpy as np, torch
+sys.path.insert(0, {root!r})
+from mstar_attn.kernels import _tree_mask
+from tests.kernels.test_tree_mask import device_mask, random_step
+for i in range(3):
+    tree, q, kv = random_step({seed} + i, requests=4, max_prefix=40)
+    for packed in (True, False):
+        got = device_mask(tree, q, kv, "cpu", packed)
+        want = _tree_mask.host_mask(q, kv, tree.masks, packed)
+        assert np.array_equal(got, want), ({seed} + i, packed, np.flatnonzero(got != want)[:8])
+print("ok")
+"""
+
+
+def device_mask(tree: DraftTree, q: np.ndarray, kv: np.ndarray, device: str, packed: bool) -> np.ndarray:
+    """The Triton kernel's mask on `device` (the CPU: under the interpreter), as numpy, exactly segments[-1]
+    long (the output buffer is longer and filled with a canary that must survive past the end)."""
+    qo = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    if packed:
+        seg = _tree_mask.byte_indptr(q, kv)
+    else:
+        seg = np.concatenate([[0], np.cumsum(q.astype(np.int64) * kv)]).astype(np.int32)
+    lens = np.diff(seg)
+    n = int(seg[-1])
+    out = torch.full((n + 64,), 0xA5 if packed else 1, dtype=torch.uint8 if packed else torch.bool, device=device)
+    t = {name: torch.from_numpy(a).to(device) for name, a in (("qo", qo), ("kv", kv.astype(np.int32)), ("seg", seg))}
+    bits = torch.from_numpy(tree.masks.view(np.int64).copy()).to(device)
+    _tree_mask.pack(t["qo"], t["kv"], t["seg"], bits, out, int(lens.max()), packed)
+    got = out.cpu().numpy()
+    assert (got[n:] == (0xA5 if packed else 1)).all(), "the kernel wrote past the mask"
+    return got[:n]
+
+
+def test_the_triton_kernel_equals_the_host_mask_under_the_interpreter():
+    pytest.importorskip("triton")
+    seed = fresh_seed()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED.format(root=root, seed=seed)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), f"seed {seed}:\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.gpu
+def test_the_triton_kernel_equals_the_host_mask_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    seed = fresh_seed()
+    for i in range(4):
+        tree, q, kv = random_step(seed + i, requests=16, max_prefix=3000)
+        for packed in (True, False):
+            got = device_mask(tree, q, kv, "cuda", packed)
+            assert np.array_equal(got, _tree_mask.host_mask(q, kv, tree.masks, packed)), (seed + i, packed)
