@@ -35,14 +35,15 @@ def _record(fn, step, static: dict[str, torch.Tensor], memory) -> tuple[torch.cu
     return graph, out
 
 
-def _key(step: DeviceStep) -> tuple[int, int, int, str, bool]:
-    """A decode / verify graph's key: (slot, bucket, q_len, backend, whether a cascade step)."""
-    return step.slot, step.bucket, step.q_len, step.plan.backend, step.plan.cascade is not None
+def _key(step: DeviceStep) -> tuple[int, int, int, str, bool, bool]:
+    """A decode / verify graph's key: (slot, bucket, q_len, backend, whether a cascade step, whether a token-tree
+    step)."""
+    return step.slot, step.bucket, step.q_len, step.plan.backend, step.plan.cascade is not None, step.plan.tree is not None
 
 
 class DecodeGraphs:
-    """fn(step, inputs) -> Tensor [num_rows, ...], captured once per (pool slot, bucket, q_len, backend,
-    whether a cascade step: plan.cascade).
+    """fn(step, inputs) -> Tensor [padded_num_tokens, ...], captured once per (pool slot, bucket, q_len, backend,
+    whether a cascade step: plan.cascade, whether a token-tree verify step: plan.tree).
 
     inputs: static device buffers, each [max bucket * max q_len, ...]; a call copies the live
     inputs into their first rows and replays. q_len 1 is decode; q_len > 1 serves verify steps
@@ -64,11 +65,11 @@ class DecodeGraphs:
                 raise PlanError(f"DecodeGraphs: inputs[{name!r}] must be a tensor with a row dimension")
         self.pool, self.fn, self.inputs = pool, fn, dict(inputs)
         self.memory = None  # the graphs' shared memory pool, made at the first capture
-        # (slot, bucket, q_len, backend, cascade) -> (graph, its output)
-        self.graphs: dict[tuple[int, int, int, str, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (slot, bucket, q_len, backend, cascade, tree) -> (graph, its output)
+        self.graphs: dict[tuple[int, int, int, str, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # the same keys -> the graph that first runs a deferred commit's device work (commit(defer=True)),
         # captured at the first such step of the key: then one launch per step does both
-        self.prepared: dict[tuple[int, int, int, str, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prepared: dict[tuple[int, int, int, str, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _check_capture(self, buckets, q_lens, backends) -> None:
         pool = self.pool
@@ -93,12 +94,15 @@ class DecodeGraphs:
             raise PlanError(f"DecodeGraphs.capture: CUDA graphs need a CUDA pool, not {pool.device}")
 
     def capture(self, buckets: tuple[int, ...] | None = None, q_lens: tuple[int, ...] = (1,),
-                backends: tuple[str, ...] | None = None, cascade: bool | None = None) -> None:
+                backends: tuple[str, ...] | None = None, cascade: bool | None = None, trees: bool = False) -> None:
         """Capture every (bucket, q_len, backend, slot). buckets: default the pool's; backends: default
         the spec's backend; with spec.backend "auto", every backend the dispatch table may pick for
         this spec's decode and verify steps (select.graph_backends). cascade (default: whether the
         spec has cascade on): also capture shared-prefix steps (plan.cascade) of every bucket of 2+
-        rows for the backends that run them (Capabilities.cascade): a graph of their own, on a cascade scratch plan."""
+        rows for the backends that run them (Capabilities.cascade): a graph of their own, on a cascade scratch plan.
+        trees: also capture token-tree verify steps (build_tree_plan: every tree of the step q_len tokens) of
+        every q_len > 1 for the backends that serve them (Capabilities.tree): a graph of their own, on a scratch
+        plan of chains, which replays any tree of that size (the mask is data the commit writes)."""
         spec = self.pool.spec
         buckets = tuple(self.pool.buckets if buckets is None else buckets)
         if backends is None:
@@ -108,18 +112,24 @@ class DecodeGraphs:
             self.memory = torch.cuda.graph_pool_handle()
         cascade = bool(spec.cascade_groups) if cascade is None else cascade
         for bucket, q_len, backend, slot in itertools.product(buckets, q_lens, backends, range(self.pool.num_slots)):
-            for levels in (False, True) if cascade and bucket >= 2 and BACKENDS[backend].cascade else (False,):
-                step = self.pool.commit(scratch_plan(spec, bucket, q_len, backend=backend, cascade=levels), slot=slot)
+            kinds = [(False, False)]
+            if cascade and bucket >= 2 and BACKENDS[backend].cascade:
+                kinds.append((True, False))
+            if trees and q_len > 1 and BACKENDS[backend].tree:
+                kinds.append((False, True))
+            for levels, tree in kinds:
+                plan = scratch_plan(spec, bucket, q_len, backend=backend, cascade=levels, tree=tree)
+                step = self.pool.commit(plan, slot=slot)
                 static = {name: t[: step.padded_num_tokens] for name, t in self.inputs.items()}
                 self.graphs[_key(step)] = _record(self.fn, step, static, self.memory)
         torch.cuda.synchronize()
 
     def serves(self, step: DeviceStep) -> bool:
-        """Whether `step` replays a graph: this pool's, bucketed, and captured for its q_len and its backend
-        (never a step of a draft round: its arrays are not where a decode graph reads; RoundGraphs serves those;
-        never a token-tree step: its graph would attend with the chain's mask)."""
+        """Whether `step` replays a graph: this pool's, bucketed, and captured for its q_len, its backend and its
+        kind (cascade, token tree: capture(trees=True)); never a step of a draft round: its arrays are not where
+        a decode graph reads (RoundGraphs serves those)."""
         return (step.pool is self.pool and step.bucket is not None and step.plan.draft_step is None
-                and step.plan.tree is None and _key(step) in self.graphs)
+                and _key(step) in self.graphs)
 
     def __call__(self, step: DeviceStep, **inputs: torch.Tensor) -> torch.Tensor:
         """fn(step, inputs), replayed when a graph serves the step; returns [plan.num_tokens, ...] rows."""

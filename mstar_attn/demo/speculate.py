@@ -37,6 +37,7 @@ from mstar_attn.demo.check import Check, check_request
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError, seeded_model, transformers_classes
 from mstar_attn.demo.engine import PageAllocator, compiled_forward, make_trace, step_inputs
 from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, build_round
+from mstar_attn.metadata.backends import BACKENDS, TREE_BACKENDS
 from mstar_attn.metadata.tree import MAX_TREE_NODES
 from mstar_attn.warmup import warmup
 
@@ -187,8 +188,9 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
         raise DemoError(f"--speculate {k}: a round drafts 1..{MAX_DRAFT_STEPS - 1} tokens")
     if width and not (1 <= width and 1 + k * width <= MAX_TREE_NODES):
         raise DemoError(f"--tree {width}: a tree of 1 + K x W tokens holds at most {MAX_TREE_NODES} (K {k})")
-    if width and cfg.backend != "reference":
-        raise DemoError(f"--tree: token-tree verify is served by the reference backend (not {cfg.backend!r} yet)")
+    if width and cfg.backend in BACKENDS and not BACKENDS[cfg.backend].tree:
+        raise DemoError(f"--tree: backend {cfg.backend!r} does not verify token trees (backends that do: "
+                        f"{', '.join(TREE_BACKENDS)})")
     if draft not in ("small", "self"):
         raise DemoError(f"--draft {draft!r}: 'small' or 'self'")
     if cfg.model != "llama":

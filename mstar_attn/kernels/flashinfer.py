@@ -18,6 +18,7 @@ import torch
 
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _cascade, _check
+from mstar_attn.kernels._flashinfer_tree import TreeState
 from mstar_attn.kernels._common import with_sinks, write_kv  # noqa: F401  (write_kv: this backend's)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
 from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
@@ -113,6 +114,7 @@ class PoolState(PoolStateBase):
         self.draft_fixed = True
         self.xqa = Xqa(pool) if spec.fp8_math else None
         self.cascade = _cascade.CascadeState(self) if spec.cascade_groups else None  # shared-prefix steps
+        self.trees: TreeState | None = None  # token-tree verify steps' masks and staging: made at the first one
         self.plan_kwargs = dict(  # the same for every plan() call of this pool
             logits_soft_cap=spec.soft_cap or None, q_data_type=spec.dtype, kv_data_type=spec.kv_cache_dtype,
             sm_scale=spec.sm_scale, non_blocking=True,
@@ -139,7 +141,8 @@ class PoolState(PoolStateBase):
         private = [t for pair in self.private for t in pair]
         shared = {t.untyped_storage().data_ptr() for t in
                   (self.float_ws, *sum(self.int_ws, []), *sum(self.pinned_ws, []), *self.pool.dev, *self.pool.host, *private,
-                   *(self.cascade.tensors() if self.cascade is not None else ()))}  # (counted by their owners)
+                   *(self.cascade.tensors() if self.cascade is not None else ()),
+                   *(self.trees.tensors() if self.trees is not None else ()))}  # (counted by their owners)
         own = [0, 0]
         for w in (*self.wrappers.values(), *(self.cascade.wrappers.values() if self.cascade is not None else ())):
             for t in vars(w).values():
@@ -148,7 +151,8 @@ class PoolState(PoolStateBase):
                     own[0 if t.is_cuda else 1] += t.untyped_storage().nbytes() if (t.is_cuda or t.is_pinned()) else 0
         m = sum(ws.numel() for ws, _ in self.private)
         return {**(self.xqa.memory() if self.xqa is not None else {}),
-                **(self.cascade.memory() if self.cascade is not None else {}), "flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
+                **(self.cascade.memory() if self.cascade is not None else {}),
+                **(self.trees.memory() if self.trees is not None else {}), "flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
                 f"flashinfer fixed-schedule int workspaces ({len(self.private)})": (m, m),
                 f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
 
@@ -156,6 +160,10 @@ class PoolState(PoolStateBase):
         """One entry per layer group: its planned wrapper, an XqaDecode (fp8_math decode), or the
         cascade group's Levels (a cascade step: plan.cascade)."""
         plan = step.plan
+        if plan.tree is not None:  # a token-tree verify step: paged prefill with its mask (_flashinfer_tree.py)
+            if self.trees is None:
+                self.trees = TreeState(self)
+            return tuple(self.trees.plan(step, g) for g in range(len(step.groups)))
         if step.bucket is not None and plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before
             kept = self.kept_steps.get((step.slot, step.padded_batch_size, step.q_len, plan.mode))
             if kept is not None:
@@ -244,19 +252,19 @@ class PoolState(PoolStateBase):
             return w
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         if draft is not None:  # tensor cores: their planner splits KV by each request's length, never past it
-            w = self._eager(("draft", step.slot, g, draft), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=True)
+            w = self.eager(("draft", step.slot, g, draft), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=True)
             w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
                    window_left=group.window_left, seq_lens=dg.host_kv_lens, **self.plan_kwargs)
         elif step.mode is Mode.DECODE:
-            w = self._eager(("decode", step.slot, g), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=self.tensor_cores)
+            w = self.eager(("decode", step.slot, g), flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=self.tensor_cores)
             w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
                    window_left=group.window_left, seq_lens=dg.host_kv_lens, **self.plan_kwargs)
         elif step.plan.backend == "flashinfer_ragged":
-            w = self._eager(("ragged", step.slot, g), flashinfer.BatchPrefillWithRaggedKVCacheWrapper)
+            w = self.eager(("ragged", step.slot, g), flashinfer.BatchPrefillWithRaggedKVCacheWrapper)
             w.plan(step.host_qo_indptr, step.host_qo_indptr, *heads, causal=group.causal,
                    window_left=group.window_left, **{**self.plan_kwargs, "kv_data_type": spec.dtype})  # (new K/V, not the cache)
         else:
-            w = self._eager(("prefill", step.slot, g), flashinfer.BatchPrefillWithPagedKVCacheWrapper)
+            w = self.eager(("prefill", step.slot, g), flashinfer.BatchPrefillWithPagedKVCacheWrapper)
             w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads,
                    spec.page_size, causal=group.causal, window_left=group.window_left, seq_lens=dg.host_kv_lens,
                    **self.plan_kwargs)
@@ -279,7 +287,9 @@ class PoolState(PoolStateBase):
         share_workspace(w, self.float_ws, ws, pinned)
         return w
 
-    def _eager(self, key: tuple, cls, **kw):
+    def eager(self, key: tuple, cls, **kw):
+        """The eager wrapper of `key` ((kind, slot, group[, draft step])), made on first use over the slot and
+        group's int workspace."""
         w = self.wrappers.get(key)
         if w is None:
             draft = key[3] if key[0] == "draft" else None

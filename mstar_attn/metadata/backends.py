@@ -85,7 +85,7 @@ BACKENDS: dict[str, Capabilities] = {
     "reference": Capabilities("mstar_attn.kernels.reference", HALF | {torch.float32, torch.float64}, kv_dtypes=FP8,
                               mla=True, cascade=True, fp8_math=True, sinks=True, tree=True),
     "flashinfer": Capabilities(_FI, HALF, _FI_DIMS, package="flashinfer", kv_dtypes=FP8, cascade=True, fp8_math=True,
-                               sinks=True),
+                               sinks=True, tree=True),
     "flashinfer_ragged": Capabilities(_FI, HALF, _FI_DIMS, frozenset({"prefill"}), True, "flashinfer",
                                       kv_note="it attends over the step's K/V as given, not as an FP8 cache holds them"),
     "flashinfer_mla": Capabilities("mstar_attn.kernels.flashinfer_mla", frozenset({torch.bfloat16}), frozenset({128, 256, 512}),

@@ -63,15 +63,24 @@ def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: Draf
                         + (" (hand-made or attrs.evolve'd: not checked)" if isinstance(tree, DraftTree) else ""))
     if not isinstance(spec, AttentionSpec):
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+    _check_tree_spec(spec)
+    if isinstance(batch, StepRows):  # (the pool derives a StepRows step's slots from its positions, here by depth)
+        raise PlanError("batch: a tree verify step is planned from a StepBatch (its page lists), not StepRows")
+    return _with_tree(spec, build_plan(batch, spec), tree)
+
+
+def _check_tree_spec(spec: AttentionSpec) -> None:
+    """PlanError unless every layer group is full causal attention and cascade is off."""
     bad = [g for g, group in enumerate(spec.groups) if group.kind is not Kind.CAUSAL]
     if bad:
         raise PlanError(f"spec.groups[{bad[0]}]: tree verify serves full causal layer groups, not "
                         f"{spec.groups[bad[0]].kind.value}")
     if spec.cascade != "off":
         raise PlanError(f"spec.cascade: tree verify reads every page flat (cascade {spec.cascade!r}: use 'off')")
-    if isinstance(batch, StepRows):  # (the pool derives a StepRows step's slots from its positions, here by depth)
-        raise PlanError("batch: a tree verify step is planned from a StepBatch (its page lists), not StepRows")
-    plan = build_plan(batch, spec)
+
+
+def _with_tree(spec: AttentionSpec, plan: AttentionPlan, tree: DraftTree) -> AttentionPlan:
+    """`plan` as the verify step of `tree` (its sizes the plan's q_lens): positions by depth, sealed."""
     q = plan.q_lens
     if q.shape != tree.sizes.shape:
         raise PlanError(f"tree: {tree.batch_size} trees for a batch of {plan.batch_size} requests")
@@ -89,13 +98,14 @@ def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: Draf
 
 
 def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: str | None = None,
-                 cascade: bool = False, prefill: bool = False) -> AttentionPlan:
+                 cascade: bool = False, prefill: bool = False, tree: bool = False) -> AttentionPlan:
     """A plan of `batch_size` requests that read and write only the scratch page: a decode step
     (q_len 1, kv_len 1), a verify step (q_len new tokens after one cached token), or with `prefill`
     q_len new tokens and no cached ones. Graph capture and warm-up run on it, so neither touches a
     request's KV. backend: the backend to plan for (default: the spec's, or with "auto" the
     dispatcher's pick). cascade (a spec with cascade on): every request reads one whole cached
-    scratch page first, all in one prefix group."""
+    scratch page first, all in one prefix group. tree: a verify step of token trees, each a chain of
+    q_len tokens (what graph capture of tree steps records on)."""
     ps = spec.page_size
     if prefill and q_len < 2:
         raise PlanError(f"scratch_plan: a prefill step has 2+ new tokens per request (q_len 1 and no cached ones is a "
@@ -114,7 +124,14 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
     if cascade and (batch_size < 2 or (backend or spec.backend) not in (*CASCADE_BACKENDS, AUTO)):
         raise PlanError(f"scratch_plan: a cascade step has 2+ requests (got {batch_size}) and runs on flashinfer or "
                         f"reference (got {backend or spec.backend!r})")
-    return _plan(batch, spec, False, spec.num_pages + 1, backend, cascade)
+    plan = _plan(batch, spec, False, spec.num_pages + 1, backend, cascade)
+    if not tree:
+        return plan
+    if prefill or q_len < 2 or cascade:
+        raise PlanError(f"scratch_plan: a tree step is a verify step of 2+ tokens per request without cascade (got "
+                        f"q_len {q_len}{', prefill' if prefill else ''}{', cascade' if cascade else ''})")
+    _check_tree_spec(spec)
+    return _with_tree(spec, plan, DraftTree.from_parents([list(range(-1, q_len - 1))] * batch_size))
 
 
 def check_batch(batch: StepBatch, spec: AttentionSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -239,7 +239,7 @@ def test_replay_refuses_another_pools_step_and_inputs_unlike_the_captured_ones()
             replays.append(1)
 
     step = pool.commit(plan)
-    graphs.graphs[(step.slot, step.bucket, 1, "reference", False)] = (Graph(), torch.zeros(16, 4, 16))
+    graphs.graphs[(step.slot, step.bucket, 1, "reference", False, False)] = (Graph(), torch.zeros(16, 4, 16))
     assert graphs.serves(step)
     for bad, match in [(torch.randn(3, 4, 16, dtype=torch.float64), "float32"), (torch.randn(3, 1, 16), r"\[rows, 4, 16\]"),
                        (torch.randn(3, 4, 16, device="meta"), "on cpu"), (torch.randn(5, 4, 16), "has 5 rows")]:
@@ -309,13 +309,44 @@ def test_a_flat_graph_never_replays_a_cascade_step():
         def replay(self):
             raise AssertionError("a flat graph replayed a cascade step")
 
-    graphs.graphs[(step.slot, step.bucket, 1, "reference", False)] = (Graph(), torch.zeros(16, 4, 16))
+    graphs.graphs[(step.slot, step.bucket, 1, "reference", False, False)] = (Graph(), torch.zeros(16, 4, 16))
     assert not graphs.serves(step)
     graphs(step, q=torch.randn(3, 4, 16))
     assert eager == [step]
-    graphs.graphs[(step.slot, step.bucket, 1, "reference", True)] = (Graph(), torch.zeros(16, 4, 16))
+    graphs.graphs[(step.slot, step.bucket, 1, "reference", True, False)] = (Graph(), torch.zeros(16, 4, 16))
     assert graphs.serves(step)
 
+
+
+def test_a_chain_graph_never_replays_a_tree_step():
+    """Graphs are keyed by whether the step verifies token trees (plan.tree): a graph captured for a chain
+    verify of the same slot, bucket, q_len and backend does not serve a tree step (its kernels attend with
+    the causal mask); the tree step runs eagerly until a tree graph is captured. Stand-in graphs."""
+    from mstar_attn import DraftTree, StepBatch, build_tree_plan
+    from mstar_attn.capture.graphs import DecodeGraphs
+
+    spec = spec_for(page_size=4, num_pages=64)
+    pool = pool_for(spec)
+    eager = []
+    graphs = DecodeGraphs(pool, lambda step, x: eager.append(step) or x["q"], {"q": torch.zeros(64, 4, 16)})
+    batch = StepBatch.from_pages([3, 3], [9, 10], [[1, 2, 3], [4, 5, 6]], 4)
+    step = pool.commit(build_tree_plan(batch, spec, DraftTree.from_parents([[-1, 0, 0], [-1, 0, 1]])))
+    assert step.plan.tree is not None and step.bucket is not None and step.q_len == 3
+
+    class Graph:
+        def replay(self):
+            raise AssertionError("a chain graph replayed a tree step")
+
+    graphs.graphs[(step.slot, step.bucket, 3, "reference", False, False)] = (Graph(), torch.zeros(64, 4, 16))
+    assert not graphs.serves(step)
+    graphs(step, q=torch.randn(6, 4, 16))
+    assert eager == [step]
+    graphs.graphs[(step.slot, step.bucket, 3, "reference", False, True)] = (Graph(), torch.zeros(64, 4, 16))
+    assert graphs.serves(step)
+    chain = scratch_plan(spec, 2, 3, tree=True)
+    assert chain.tree.parents.tolist() == [-1, 0, 1] * 2 and chain.positions.tolist() == [1, 2, 3] * 2
+    with pytest.raises(PlanError, match="a tree step is a verify step of 2\\+ tokens"):
+        scratch_plan(spec, 2, 1, tree=True)
 
 def test_scheduler_for_still_works_with_a_deprecation_naming_backend_state():
     spec = AttentionSpec(4, 2, 16, 4, 64, backend="reference")

@@ -74,6 +74,24 @@ def test_speculative_demo_replays_each_draft_round_as_one_graph(backend):
 
 @pytest.mark.gpu
 @gpu
+def test_tree_speculation_on_flashinfer_with_graphs():
+    """demo --speculate 4 --tree 2 on FlashInfer with graphs (bf16): tree verify steps through FlashInfer's
+    custom mask (the demo runs tree rounds and verify steps eagerly), tokens equal plain greedy decoding up to
+    each request's first near-tie, every target logit within bounds; the self draft accepts every level."""
+    pytest.importorskip("flashinfer")
+    from mstar_attn.demo.speculate import run_speculative
+    from mstar_attn.demo.speculate import summary as spec_summary
+
+    for draft in ("small", "self"):
+        res = run_speculative(attrs.evolve(GPU, backend="flashinfer", graphs=True), 4, draft, width=2)
+        print(spec_summary(res))
+        assert res.matched, spec_summary(res)
+        assert res.width == 2 and res.rounds > 0
+        if draft == "self":
+            assert res.accepted == res.proposed > 0
+
+@pytest.mark.gpu
+@gpu
 def test_shared_system_prompts_through_cascade_with_graphs():
     """demo --cascade always on FlashInfer with graphs (bf16): the shared system prompts are read once
     per prefix group in some steps; every logit within the oracle's bound, every decode step replayed

@@ -102,8 +102,9 @@ def test_a_tree_round_without_the_kv_moves_is_caught(monkeypatch):
 def test_tree_rounds_refuse_what_they_cannot_serve():
     with pytest.raises(DemoError, match=r"--tree 16: a tree of 1 \+ K x W tokens holds at most 64"):
         run_speculative(CPU, 4, width=16)
-    with pytest.raises(DemoError, match="served by the reference backend"):
-        run_speculative(attrs.evolve(CPU, backend="flashinfer", device="cpu"), 4, width=2)
+    with pytest.raises(DemoError, match=r"--tree: backend 'flash_attn' does not verify token trees \(backends that do: "
+                                         r"flashinfer, reference\)"):
+        run_speculative(attrs.evolve(CPU, backend="flash_attn", device="cpu"), 4, width=2)
 
 
 def test_tree_rounds_leave_no_stale_draft_kv(monkeypatch):

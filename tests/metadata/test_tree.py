@@ -63,8 +63,10 @@ def test_the_tree_plan_positions_tokens_by_depth_and_refuses_what_it_cannot_serv
         build_tree_plan(StepBatch.from_pages([4, 3], [10, 3], [[1, 2, 3], [4]], 4), spec, tree)
     with pytest.raises(PlanError, match="2 trees for a batch of 1 requests"):
         build_tree_plan(StepBatch.from_pages([4], [10], [[1, 2, 3]], 4), spec, tree)
-    with pytest.raises(PlanError, match=r"backend: 'flashinfer' does not serve token trees \(backends that do: 'reference'\)"):
-        build_tree_plan(batch, AttentionSpec(4, 2, 64, 4, 64), tree)
+    with pytest.raises(PlanError, match=r"backend: 'flash_attn' does not serve token trees \(backends that do: "
+                       r"'flashinfer', 'reference'\)"):
+        build_tree_plan(batch, AttentionSpec(4, 2, 64, 4, 64, backend="flash_attn"), tree)
+    assert build_tree_plan(batch, AttentionSpec(4, 2, 64, 4, 64), tree).backend == "flashinfer"
     window = AttentionSpec(4, 2, 16, 4, 64, dtype=torch.float32, backend="reference",
                            groups=(LayerGroup(), LayerGroup("window", window=4)), layer_groups=(0, 1))
     with pytest.raises(PlanError, match=r"spec.groups\[1\]: tree verify serves full causal layer groups, not window"):

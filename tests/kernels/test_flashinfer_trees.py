@@ -1,0 +1,105 @@
+"""FlashInfer on token-tree verify steps (kernels/_flashinfer_tree.py), eager and replayed, against the
+reference per request (GPU only): bucketed steps (every tree the same size) through the graph-mode wrapper
+and its mask buffers, other steps through the eager wrapper; a negative control with other trees of the
+same sizes."""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_attn import AttentionSpec, DraftTree, build_tree_plan
+from mstar_attn.kernels import reference
+from tests.helpers import (
+    assert_close_per_request, attend_filled, fresh_seed, gpu_pool, random_batch, random_cache, request_errors,
+)
+from tests.support.trees import random_parents
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("flashinfer")
+
+from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
+from mstar_attn.kernels import flashinfer as fi  # noqa: E402
+
+QH, KVH, D, PS = 32, 8, 128, 16
+
+
+def tree_step(rng, spec: AttentionSpec, sizes: list[int], prefix: list[int], shapes: list[str]):
+    """A tree verify step over random distinct pages of spec's cache: the plan, its parent lists, q and the
+    new K/V (bf16 on the GPU, seeded by rng)."""
+    parents = [random_parents(rng, n, s) for n, s in zip(sizes, shapes)]
+    batch = random_batch(rng, sizes, [p + n for p, n in zip(prefix, sizes)], PS, spec.num_pages)
+    plan = build_tree_plan(batch, spec, DraftTree.from_parents(parents))
+    gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+    new = lambda h: torch.randn(plan.num_tokens, h, D, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    return plan, parents, new(QH), new(KVH), new(KVH)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("soft_cap", [0.0, 30.0], ids=["plain", "soft-cap"])
+def test_tree_steps_match_the_reference_eager_and_replayed(soft_cap):
+    """Steps of random trees (chains, stars, random), prefixes 0..3000: bucketed ones (one size per step,
+    2..16 tokens, 1..8 requests) replayed by the graph captured for their (bucket, size) and run eagerly,
+    unbucketed ones (sizes 1..64 mixed) eagerly; every request against the reference on the same cache."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(QH, KVH, D, PS, 6000, soft_cap=soft_cap)
+    cache = random_cache(spec, seed)
+    pool = gpu_pool(spec, buckets=(1, 2, 4, 8), max_pages_per_request=300)
+    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": torch.zeros(8 * 16, QH, D, device="cuda",
+                                                                                dtype=torch.bfloat16)})
+    captured = (3, 9)
+    graphs.capture(q_lens=captured, trees=True)
+    ran = {"replayed": 0, "eager bucketed": 0, "eager unbucketed": 0}
+    for i in range(12):
+        if i % 3 == 2:  # unbucketed: mixed sizes (the eager wrapper; FlashInfer packs the mask)
+            B = int(rng.integers(2, 6))
+            sizes = [int(rng.integers(1, 65)) for _ in range(B)]
+            sizes[0] = sizes[1] + 1
+        else:
+            B, n = int(rng.integers(1, 9)), int(rng.choice(captured if i % 3 == 0 else [2, 5, 16]))
+            sizes = [n] * B
+        prefix = [int(rng.choice([1, int(rng.integers(2, 3000))])) for _ in range(B)]
+        shapes = [str(x) for x in rng.choice(["chain", "star", "random"], B)]
+        plan, _, q, k, v = tree_step(rng, spec, sizes, prefix, shapes)
+        step = pool.commit(plan)
+        fi.write_kv(step, k, v, cache)
+        want = reference.run(plan, q.float(), cache)
+        kind = "eager bucketed" if step.bucket is not None else "eager unbucketed"
+        assert_close_per_request(fi.run(step, q, cache), want, plan, spec.dtype, (f"seed {seed}", i, kind, sizes))
+        ran[kind] += 1
+        if graphs.serves(step):
+            assert_close_per_request(graphs(step, q=q), want, plan, spec.dtype, (f"seed {seed}", i, "replayed", sizes))
+            ran["replayed"] += 1
+    assert all(ran.values()), (f"seed {seed}", ran)
+
+
+def test_a_tree_step_is_not_the_chain_or_another_tree():
+    """Negative control: a step's output against the reference under other trees of the same sizes (a chain
+    where the step has a star, a star where it has a chain) over one or two cached tokens: every request is far
+    off (10x the bound at least), bucketed (equal sizes) and not; against its own trees it is within the bound."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(QH, KVH, D, PS, 6000)
+    cache = random_cache(spec, seed)
+    pool = gpu_pool(spec, buckets=(1, 2, 4, 8), max_pages_per_request=300)
+    for sizes in ([6, 6, 6], [5, 12, 40]):
+        plan, parents, q, k, v = tree_step(rng, spec, sizes, [1, 1, 2], ["star", "chain", "star"])  # (short prefixes:
+        # one key more or less among a few is far off)
+        step = pool.commit(plan)
+        assert (step.bucket is not None) == (len(set(sizes)) == 1), (seed, sizes)
+        fi.write_kv(step, k, v, cache)
+        out = fi.run(step, q, cache)
+        assert_close_per_request(out, reference.run(plan, q.float(), cache), plan, spec.dtype, (f"seed {seed}", sizes))
+        swapped = [[-1] + list(range(n - 1)) if p[1:] == [0] * (n - 1) else [-1] + [0] * (n - 1)
+                   for p, n in zip(parents, sizes)]
+        other = build_tree_plan(_batch_of(plan), spec, DraftTree.from_parents(swapped))
+        errs = [err for err, _, _ in request_errors(out, reference.run(other, q.float(), cache), plan)]
+        assert all(e > 10 * 2 * 2**-8 for e in errs), (f"seed {seed}", sizes, errs)
+
+
+def _batch_of(plan):
+    from mstar_attn import StepBatch
+
+    return StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, PS)
