@@ -34,7 +34,7 @@ from mstar_attn.metadata.backends import BACKENDS
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, Mode, scratch_plan
 from mstar_attn.metadata.select import spec_backends
-from mstar_attn.metadata.spec import AttentionSpec
+from mstar_attn.metadata.spec import AttentionSpec, Kind
 
 WARMUP_PAGES = 8  # the warm-up pool's cache: a few pages (kernels are compiled per shape class, not per size)
 BATCH = 2  # requests per warm-up step (a cascade step needs two)
@@ -53,11 +53,13 @@ class WarmupKind:
     q_len: int
     cascade: bool = False
     batch: int = BATCH
+    tree: bool = False  # a token-tree verify step (scratch chains: the kernels a tree's mask runs)
 
     @property
     def name(self) -> str:
         return f"{self.backend} {self.mode.value}" + (f" q_len {self.q_len}" if self.q_len > 1 else "") + (
-            " cascade" if self.cascade else "") + (f" batch {self.batch}" if self.batch != BATCH else "")
+            " cascade" if self.cascade else "") + (" tree" if self.tree else "") + (
+            f" batch {self.batch}" if self.batch != BATCH else "")
 
 
 @attrs.frozen
@@ -86,7 +88,7 @@ class WarmupReport:
         return "\n".join(rows + [f"{'total':<40} cold {self.cold_s:8.2f} s  warm {self.warm_s * 1e3:8.2f} ms"])
 
 
-def kinds(spec: AttentionSpec, backends: tuple[str, ...] | None = None) -> tuple[WarmupKind, ...]:
+def kinds(spec: AttentionSpec, backends: tuple[str, ...] | None = None, trees: bool = False) -> tuple[WarmupKind, ...]:
     """Every kind of step warm-up runs for `spec` (default backends: select.spec_backends(spec)). Pure: no GPU."""
     if not isinstance(spec, AttentionSpec):
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
@@ -107,16 +109,21 @@ def kinds(spec: AttentionSpec, backends: tuple[str, ...] | None = None) -> tuple
             out += [WarmupKind(name, Mode.PREFILL, VERIFY_Q_LEN), WarmupKind(name, Mode.PREFILL, LONG_Q_LEN)]
         if spec.cascade_groups and caps.cascade:
             out.append(WarmupKind(name, Mode.DECODE, 1, cascade=True))
+        if trees and caps.tree and not spec.cascade_groups and all(g.kind is Kind.CAUSAL for g in spec.groups):
+            # a bucketed tree step and one past the warm-up pool's bucket (FlashInfer: its graph-mode and eager paths)
+            out += [WarmupKind(name, Mode.VERIFY, VERIFY_Q_LEN, tree=True),
+                    WarmupKind(name, Mode.VERIFY, VERIFY_Q_LEN, tree=True, batch=BATCH + 1)]
     return tuple(out)
 
 
 def warmup(spec: AttentionSpec, *, backends: tuple[str, ...] | None = None, device: torch.device | str | None = None,
-           progress: Callable[[int, int, WarmupTime], None] | None = None) -> WarmupReport:
-    """Run every kind of kinds(spec, backends) twice, on a pool and caches of WARMUP_PAGES pages of
+           progress: Callable[[int, int, WarmupTime], None] | None = None, trees: bool = False) -> WarmupReport:
+    """Run every kind of kinds(spec, backends, trees) twice (trees: token-tree verify steps too, for an engine
+    that verifies draft trees), on a pool and caches of WARMUP_PAGES pages of
     their own on `device` (None: CUDA when torch sees a device, else the CPU); returns each kind's cold and warm
     seconds. progress(i, n, time): called
     after each kind (i from 1). Raises PlanError for a spec a backend cannot serve."""
-    todo = kinds(spec, backends)
+    todo = kinds(spec, backends, trees)
     if spec.mla:
         raise PlanError("warmup: latent attention (mla) specs are not warmed up yet; their kernels compile at first use")
     small = attrs.evolve(spec, num_pages=WARMUP_PAGES)
@@ -145,7 +152,7 @@ def _timed(pool: GraphBufferPool, caches: list[PagedKVCache], kind: WarmupKind, 
         torch.cuda.synchronize(pool.device)
     t0 = time.perf_counter()
     plan = scratch_plan(spec, kind.batch, kind.q_len, backend=kind.backend, cascade=kind.cascade,
-                        prefill=kind.mode is Mode.PREFILL)
+                        prefill=kind.mode is Mode.PREFILL, tree=kind.tree)
     step = pool.commit(plan)
     rows = step.padded_num_tokens
 

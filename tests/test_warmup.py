@@ -56,6 +56,21 @@ def test_warmup_runs_every_kind_on_the_cpu_reference_backend():
     assert all(t.cold_s > 0 and t.warm_s > 0 for t in report.times) and "total" in str(report)
 
 
+
+def test_tree_kinds_only_when_asked_and_where_trees_are_served():
+    """trees=True adds a bucketed and an unbucketed tree verify step per backend that verifies trees, for specs
+    whose groups are all full causal attention; none for other backends or groups, none unless asked. On the CPU
+    reference backend they run."""
+    spec = AttentionSpec(8, 2, 64, 4, 100)
+    assert [k.name for k in kinds(spec, trees=True)] == _names(spec) + ["flashinfer verify q_len 2 tree",
+                                                                         "flashinfer verify q_len 2 tree batch 3"]
+    assert not any(k.tree for k in kinds(spec, ("flash_attn",), trees=True))
+    window = AttentionSpec(8, 2, 64, 4, 100, groups=GROUPS, layer_groups=(0, 1))
+    assert not any(k.tree for k in kinds(window, trees=True))
+    ref = AttentionSpec(4, 2, 16, 4, 100, dtype=torch.float32, backend="reference")
+    report = warmup(ref, device="cpu", trees=True)
+    assert [t.kind for t in report.times if t.kind.tree] == [k for k in kinds(ref, trees=True) if k.tree] != []
+
 @pytest.mark.parametrize("model", ["llama", "gemma2", "bart"])
 def test_the_warmup_list_runs_anywhere(model):
     pytest.importorskip("transformers")

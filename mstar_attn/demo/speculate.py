@@ -215,7 +215,7 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
         t = _Model(cfg, target, num_pages, rows, tokens_max, k, device)
         d = _Model(attrs.evolve(cfg, layers=drafter.config.num_hidden_layers), drafter, num_pages, rows, tokens_max, k, device)
         if cfg.gpu:  # the kernels of every kind of step (a round's steps decode on the verify kind's), before the trace
-            warmup(t.spec, device=device)
+            warmup(t.spec, device=device, trees=bool(width))
         if cfg.graphs:
             static = {n: torch.zeros(max(d.attn.pool.buckets), dtype=torch.int64, device=device) for n in ("ids", "positions")}
             res.round_graphs = d.attn.capture_round(d.round_fn, static, k)
