@@ -51,6 +51,8 @@ _keys = itertools.count()
 # the step of the forward in progress (step_context): a context variable, so each thread and each asyncio task
 # (an engine serving two pools from two threads, or from two tasks of one event loop) sees only its own
 _STEP: contextvars.ContextVar = contextvars.ContextVar("mstar_attn_step", default=None)
+# the forward's padded token rows (step_context(step, padded_rows=n)), or None
+_PADDED: contextvars.ContextVar = contextvars.ContextVar("mstar_attn_padded_rows", default=None)
 
 
 def register(layer) -> int:
@@ -61,20 +63,46 @@ def register(layer) -> int:
 
 
 @contextlib.contextmanager
-def step_context(step) -> Iterator:
+def step_context(step, padded_rows: int | None = None) -> Iterator:
     """The step the mstar_attn ops of a forward run with: a committed DeviceStep (or, on the reference
     backend, an AttentionPlan). Enter it around the model's forward, eager, compiled or being captured
     into a CUDA graph; contexts nest (the inner step wins until it exits) and belong to their thread and
-    asyncio task (an engine serving two pools from two threads or two tasks gives each its own)."""
-    before = _STEP.get()
-    token = _STEP.set(step)
+    asyncio task (an engine serving two pools from two threads or two tasks gives each its own).
+
+    padded_rows: the forward's inputs are padded to this many token rows (at least the step's tokens), as a
+    piecewise-compiled forward replaying its pieces per token-count bucket is (mstar_attn.piecewise): the ops
+    then take q, k, v of padded_rows rows, store and attend the step's rows only (its tokens, or a bucketed
+    step's padded batch) and write zeros past them; the compiled pieces key their CUDA graphs on it. None:
+    the rows must be the step's (DeviceStep.accepts_rows)."""
+    if padded_rows is not None:
+        rows = _step_rows(step)
+        if isinstance(padded_rows, bool) or not isinstance(padded_rows, int) or padded_rows < rows:
+            raise PlanError(f"step_context: padded_rows must be an int of at least the step's {rows} token rows, "
+                            f"got {padded_rows!r}")
+    before, padded_before = _STEP.get(), _PADDED.get()
+    token, padded_token = _STEP.set(step), _PADDED.set(padded_rows)
     try:
         yield step
     finally:
         try:
             _STEP.reset(token)
+            _PADDED.reset(padded_token)
         except ValueError:  # (a generator suspended inside the context and finished in another one)
             _STEP.set(before)
+            _PADDED.set(padded_before)
+
+
+def padded_rows() -> int | None:
+    """The padded token rows of the enclosing step_context (None: not padded, or outside one)."""
+    return _PADDED.get()
+
+
+def _step_rows(step) -> int:
+    """The token rows a step's kernels take: a bucketed DeviceStep's padded rows, else its plan's tokens."""
+    shape = getattr(step, "shape", None)
+    if shape is not None:
+        return shape.padded_num_tokens if shape.bucket is not None else step.plan.num_tokens
+    return getattr(step, "num_tokens", 0)
 
 
 def current_step(where: str):
@@ -101,11 +129,34 @@ def _attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, 
     if tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:  # (before any work)
         raise PlanError(f"mstar_attn.attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; layer "
                         f"{layer.layer} writes {want} {q.dtype} on {q.device}")
+    n = _real_rows(q.shape[0], step, "mstar_attn.attention")
+    if n < q.shape[0]:  # (padded rows: the step's rows only, zeros past them)
+        q, k, v = q[:n], _rows(k, n, layer), _rows(v, n, layer)
+        out[n:].zero_()
+        out = out[:n]
     out.copy_(layer.attend(q, step) if attend_only else layer.forward(q, k, v, step))
 
 
 def _store(k: torch.Tensor, v: torch.Tensor, key: int) -> None:
-    _layer(key, "mstar_attn.store").store(k, v, current_step("mstar_attn.store"))
+    layer, step = _layer(key, "mstar_attn.store"), current_step("mstar_attn.store")
+    n = _real_rows(k.shape[0], step, "mstar_attn.store")
+    layer.store(_rows(k, n, layer), _rows(v, n, layer), step)
+
+
+def _real_rows(rows: int, step, where: str) -> int:
+    """The rows of a padded forward's tensors that the step takes (the step's rows when `rows` is the
+    step_context's padded_rows and past them), else `rows` (the direct call checks them)."""
+    padded = _PADDED.get()
+    if padded is None or rows != padded:
+        return rows
+    return min(rows, _step_rows(step))
+
+
+def _rows(t: torch.Tensor | None, n: int, layer) -> torch.Tensor | None:
+    """t's first n rows (k, v of a padded forward); a cross-attention layer's encoder tokens as they are."""
+    if t is None or layer.spec.groups[layer.group].cross:
+        return t
+    return t[:n]
 
 
 def _nothing(*args) -> None:

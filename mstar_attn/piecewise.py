@@ -3,16 +3,28 @@
     forward = mstar_attn.compile_piecewise(model_forward)    # torch.compile(fullgraph=True, dynamic=True)
     with mstar_attn.step_context(step):
         logits = forward(ids, positions)                     # its layers call Attention.forward(q, k, v)
+    with mstar_attn.step_context(step, padded_rows=n):      # ids, positions padded to n rows (a bucket)
+        logits = forward(ids_n, positions_n)[:T]             # the pieces replay CUDA graphs captured for n
 
 Dynamo captures the whole forward as one graph (no graph break: attention is the mstar_attn custom ops,
 mstar_attn.ops), with the token count symbolic. `piecewise_backend` then splits that graph at every
 `mstar_attn.attention` / `mstar_attn.store` call (torch.fx's split_module): each attention call becomes a
 piece of its own that runs as it is (the op reads the committed step of `step_context`, whatever its
 mode: decode, mixed, prefill), and every piece between two attention calls is compiled by Inductor for
-any token count (two compiles: Dynamo specializes a one-token step). This is vLLM's piecewise mode: the pieces around attention are what an engine captures as
-CUDA graphs per token-count bucket, so that mixed and prefill steps, whose attention cannot be captured
-with its metadata, still replay everything else. Capturing the pieces per bucket is not part of this module
-yet: here the compiled pieces run eagerly between the attention calls.
+any token count (two compiles: Dynamo specializes a one-token step). This is vLLM's piecewise mode: the
+pieces around attention are captured as CUDA graphs per token-count bucket, so that mixed and prefill steps,
+whose attention cannot be captured with its metadata, still replay everything else.
+
+Graphs per bucket: an engine pads the forward's inputs to a bucket of n token rows and says so with
+`step_context(step, padded_rows=n)`. On CUDA each compiled piece then captures a CUDA graph at its first call
+for that n (after one warm-up run) and replays it at every later one; the attention ops between them run
+eagerly on the step's own rows and write zeros past them (mstar_attn.ops). A piece's graph reads its inputs
+where the capture found them: model parameters and the outputs of other piece graphs stay where they are,
+any other tensor input (the padded ids, a buffer) is cloned at capture and copied in before each replay when
+a call passes it elsewhere. All graphs of one compiled function share one memory pool; a replay's outputs
+live until that piece replays again (the forward's logits: read them before the next forward). Without
+padded_rows (or on the CPU, or inside a capture of the whole forward) the pieces run as compiled. `STATS`
+counts the piece graphs captured and replayed.
 
 How the pieces get compiled: the split graph is run once under Dynamo's fake tensor mode (a
 torch.fx.Interpreter), which hands each non-attention piece its fake inputs, symbolic shapes included;
@@ -27,9 +39,10 @@ from typing import Callable
 
 import torch
 
-from mstar_attn import ops  # noqa: F401  (registers the ops the split looks for)
+from mstar_attn import ops  # (registers the ops the split looks for)
 
 ATTENTION_OPS = (torch.ops.mstar_attn.attention, torch.ops.mstar_attn.store)
+STATS = {"captured": 0, "replayed": 0}  # piece graphs captured and replayed in this process (all compiled functions)
 _TARGETS = frozenset([*ATTENTION_OPS, *(op.default for op in ATTENTION_OPS)])
 
 
@@ -55,15 +68,56 @@ def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
     return split, attention
 
 
-class _Compiled(torch.nn.Module):
-    """A compiled piece in the split module's place of the original one (the split graph calls modules)."""
+class _PieceGraph:
+    """One compiled piece captured as a CUDA graph for one padded token count: its static inputs (a model
+    parameter, or another piece graph's output, as given; any other tensor cloned) and outputs."""
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, args: tuple, memory, outputs: set):
+        from mstar_attn.capture.graph_cache import capture_into
+
+        self.inputs = [a.clone() if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
+                       and a.data_ptr() not in outputs else a for a in args]
+        fn(*self.inputs)  # (warm-up, outside the capture: lazy allocations, autotuning)
+        self.graph = torch.cuda.CUDAGraph()
+        self.out = capture_into(self.graph, memory, lambda: fn(*self.inputs))
+        outputs.update(t.data_ptr() for t in _tensors(self.out))
+
+    def __call__(self, args: tuple):
+        """Replay on `args`: a tensor not where the capture read copied in first (same shape and dtype)."""
+        for a, s in zip(args, self.inputs):
+            if isinstance(a, torch.Tensor) and a.data_ptr() != s.data_ptr():
+                s.copy_(a)
+        self.graph.replay()
+        return self.out
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    return [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+
+
+class _Compiled(torch.nn.Module):
+    """A compiled piece in the split module's place of the original one (the split graph calls modules). In a
+    forward padded to n token rows on CUDA (step_context(step, padded_rows=n)) it replays the CUDA graph it
+    captured at its first such call (one per n; all of a compiled function's in one memory pool), else it runs."""
+
+    def __init__(self, fn: Callable, shared: dict):
         super().__init__()
-        self.fn = fn
+        self.fn, self.shared, self.graphs = fn, shared, {}
 
     def forward(self, *args):
-        return self.fn(*args)
+        n = ops.padded_rows()
+        if n is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return self.fn(*args)  # (inside a capture of the whole forward: captured with it)
+        graph = self.graphs.get(n)
+        if graph is None:
+            if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+                return self.fn(*args)
+            if self.shared["memory"] is None:
+                self.shared["memory"] = torch.cuda.graph_pool_handle()
+            graph = self.graphs[n] = _PieceGraph(self.fn, args, self.shared["memory"], self.shared["outputs"])
+            STATS["captured"] += 1
+        STATS["replayed"] += 1
+        return graph(args)
 
 
 def piecewise_backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
@@ -91,8 +145,9 @@ def piecewise_backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.f
             for a in example_inputs]  # (Dynamo's fake inputs; module attributes it lifted come real)
     with fake, enable_python_dispatcher():  # (some SymInt decompositions need the Python dispatcher)
         Compile(split).run(*args)
+    shared = {"memory": None, "outputs": set()}  # the pieces' graph memory pool; their graphs' output addresses
     for target, fn in compiled.items():
-        setattr(split, target, _Compiled(fn))
+        setattr(split, target, _Compiled(fn, shared))
     return split
 
 

@@ -14,14 +14,14 @@ HEADS, KV_HEADS, D, PS = 4, 2, 16, 4
 HIDDEN = HEADS * D
 
 
-def _model(seed: int, layers: int = 2):
+def _model(seed: int, layers: int = 2, device: str = "cpu"):
     """A toy decoder: per layer q/k/v projections, Attention.forward(q, k, v) (the custom op inside a compiled
     forward), an output projection and an MLP; returns (forward(x) -> [T, HIDDEN], the Attention layers)."""
     g = torch.Generator().manual_seed(seed)
     spec = AttentionSpec(HEADS, KV_HEADS, D, PS, 256, backend="reference", dtype=torch.float32)
-    attn = [Attention(spec, 0, PagedKVCache.allocate(spec, "cpu")) for _ in range(layers)]
-    w = [torch.randn(HIDDEN, 2 * HIDDEN, generator=g) / HIDDEN**0.5 for _ in range(layers)]
-    m = [torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5 for _ in range(layers)]
+    attn = [Attention(spec, 0, PagedKVCache.allocate(spec, device)) for _ in range(layers)]
+    w = [(torch.randn(HIDDEN, 2 * HIDDEN, generator=g) / HIDDEN**0.5).to(device) for _ in range(layers)]
+    m = [(torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5).to(device) for _ in range(layers)]
 
     def forward(x):
         for a, wi, mi in zip(attn, w, m):
@@ -99,3 +99,60 @@ def test_a_bad_step_inside_the_compiled_forward_raises_the_direct_calls_plan_err
     plan = _step(np.random.default_rng(1), spec, 2)
     with pytest.raises(PlanError, match="no step"):
         compiled(torch.randn(plan.num_tokens, HIDDEN))
+
+
+def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([x, torch.randn(n - x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_forward_padded_to_a_bucket_matches_the_unpadded_one_per_request(device):
+    """step_context(step, padded_rows=n) with the inputs padded to n rows (random padding): the compiled pieces
+    run on n rows (on CUDA: replaying the graph each captured for n), the attention ops on the step's rows; each
+    request's rows equal the unpadded eager forward's (bound as above); the caches hold the step's K/V where
+    the eager forward stored them (to float32 rounding: compiled projections) and nothing else changed (the
+    padding rows stored nowhere). Steps of changing token counts share a bucket, so graphs replay with another
+    step's metadata. A padded_rows under the step's rows, or not an int, is a PlanError."""
+    from mstar_attn import PlanError
+    from mstar_attn.piecewise import STATS
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    forward, attn, spec = _model(seed, device=device)
+    compiled = compile_piecewise(forward)
+    before = dict(STATS)
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(6):
+        plan = _step(rng, spec, int(rng.integers(1, 5)))
+        n = 128 if plan.num_tokens <= 128 else 256
+        x = torch.randn(plan.num_tokens, HIDDEN, generator=gen).to(device)
+        fill = [tuple(torch.randn(a.cache.k.shape, generator=gen).to(device) for _ in range(2)) for a in attn]
+        for a, (k, v) in zip(attn, fill):
+            a.cache.k.copy_(k), a.cache.v.copy_(v)
+        with step_context(plan):
+            want = forward(x)
+        stored = [(a.cache.k.clone(), a.cache.v.clone()) for a in attn]
+        for a, (k, v) in zip(attn, fill):
+            a.cache.k.copy_(k), a.cache.v.copy_(v)
+        with step_context(plan, padded_rows=n):
+            got = compiled(_pad(x, n))
+        assert got.shape[0] == n, seed
+        assert_close_per_request(got[: plan.num_tokens].reshape(-1, HEADS, D), want.reshape(-1, HEADS, D), plan,
+                                 torch.float32, (f"seed {seed}", f"step {i}", f"T {plan.num_tokens}", n), 16.0)
+        written = torch.zeros(spec.num_pages * PS + PS, dtype=torch.bool)  # (the scratch page's slots included)
+        written[torch.from_numpy(plan.slot_mapping)] = True
+        for a, (k, v), (k0, v0) in zip(attn, stored, fill):
+            for got_c, want_c, was in ((a.cache.k, k, k0), (a.cache.v, v, v0)):
+                got_c, want_c, was = (t.reshape(-1, KV_HEADS, D).cpu() for t in (got_c, want_c, was))
+                assert torch.equal(got_c[~written[: got_c.shape[0]]], was[~written[: got_c.shape[0]]]), (seed, i)
+                assert torch.allclose(got_c[written[: got_c.shape[0]]], want_c[written[: got_c.shape[0]]],
+                                      rtol=1e-4, atol=1e-5), (seed, i)
+    if device == "cuda":
+        assert STATS["captured"] - before["captured"] >= 3 and STATS["replayed"] - before["replayed"] > \
+            STATS["captured"] - before["captured"], (seed, STATS, before)
+    for bad in (plan.num_tokens - 1, True, 2.0):
+        with pytest.raises(PlanError, match="padded_rows must be an int of at least"):
+            with step_context(plan, padded_rows=bad):
+                pass

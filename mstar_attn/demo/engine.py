@@ -199,6 +199,21 @@ def compiled_forward(forward: Callable[..., torch.Tensor], mode: str) -> Callabl
     return torch.compile(forward, fullgraph=True) if mode == "full" else compile_piecewise(forward)
 
 
+PIECE_BUCKETS = tuple(1 << i for i in range(3, 11))  # token-count buckets of piecewise graphs: 8 .. 1,024 rows
+
+
+def piece_bucket(rows: int) -> int | None:
+    """The smallest PIECE_BUCKETS size holding `rows` token rows (None past the largest: no graphs)."""
+    return next((n for n in PIECE_BUCKETS if n >= rows), None)
+
+
+def pad_rows(t: torch.Tensor, n: int | None) -> torch.Tensor:
+    """t [rows] padded with zeros to n rows (token 0 at position 0: padding rows; t itself when n is None or rows)."""
+    if n is None or n == t.shape[0]:
+        return t
+    return torch.cat([t, t.new_zeros(n - t.shape[0])])
+
+
 class Engine:
     """One step's forward through the attention seam: eagerly, or (graphs on) replayed.
 
@@ -218,6 +233,8 @@ class Engine:
         self.device, self.graphs = device, graphs
         # compile: see compiled_forward; calls in which torch compiled add to compile_s
         self.compiled = compiled_forward(forward, compile)
+        # piecewise with graphs on CUDA: steps padded to a token-count bucket, the pieces replayed per bucket
+        self.piece_graphs = compile == "piecewise" and graphs and device.type == "cuda"
         self.compile_s = 0.0
         self.commit_us: list[float] = []
         self.graph_us: list[float] = []
@@ -233,8 +250,11 @@ class Engine:
             return self.forward(self.model, ctx, self.layers, inputs["ids"], inputs["positions"])
         graphs = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter_ns()
-        with step_context(ctx):
-            out = self.compiled(self.model, None, self.layers, inputs["ids"], inputs["positions"])
+        rows = inputs["ids"].shape[0]
+        n = piece_bucket(rows) if self.piece_graphs else None
+        ids, positions = (pad_rows(inputs[name], n) for name in ("ids", "positions"))
+        with step_context(ctx, padded_rows=n):
+            out = self.compiled(self.model, None, self.layers, ids, positions)[:rows]
         if counters["stats"]["unique_graphs"] != graphs:
             spent = (time.perf_counter_ns() - t0) / 1e3
             self.compile_s += spent / 1e6

@@ -68,6 +68,8 @@ class DemoResult:
     cascade_steps: int = 0  # steps that read shared prompts once per prefix group (AttentionSpec.cascade)
     compile_s: float = 0.0  # --compile: seconds of the steps in which torch compiled (kept out of step_us)
     graph_breaks: int = 0  # --compile: torch._dynamo's graph-break count over the run
+    piece_graphs: int = 0  # --compile piecewise with --graphs on CUDA: piece graphs captured (mstar_attn.piecewise)
+    piece_replays: int = 0  # ... and replayed
 
     @property
     def modes(self) -> Counter:
@@ -173,7 +175,9 @@ def summary(res: DemoResult) -> str:
             f"compile   torch.compile(fullgraph=True) of the {'decoder ' if c.model == 'bart' else ''}step's forward, "
             f"attention as mstar_attn custom ops{': piecewise, split at attention' if c.compile == 'piecewise' else ''}: "
             f"graph breaks: {res.graph_breaks}; {res.compile_s:.1f} s compiling "
-            "(those steps left out of the step times)")
+            "(those steps left out of the step times)"
+            + (f"; pieces between attention calls: {res.piece_graphs} CUDA graphs captured per token-count bucket, "
+               f"{res.piece_replays} replays" if res.piece_graphs else ""))
     if res.encoder_tokens:
         lines.append(
             f"encoder   {res.encoder_tokens} encoder tokens run once through the dense path; each request's cross K/V "

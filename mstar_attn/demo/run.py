@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
-from mstar_attn import AttentionSpec, CrossRows, GroupPages, PagedKVCache, StepBatch, build_plan
+from mstar_attn import AttentionSpec, CrossRows, GroupPages, PagedKVCache, StepBatch, build_plan, piecewise
 from mstar_attn.demo import bart, gemma2, gpt_oss, llama
 from mstar_attn.demo.attention import StepAttention, make_attention
 from mstar_attn.demo.check import check_request, decoder_logits
@@ -85,6 +85,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         sinks = family.layer_sinks(model) if hasattr(family, "layer_sinks") else None  # (gpt-oss: each layer's own)
         layers = attn.layers(spec, caches, sinks)  # the model's Attention layers, one per layer over its cache
         breaks = sum(counters["graph_break"].values())
+        pieces = dict(piecewise.STATS)
         engine = Engine(family.forward, model, attn, layers, device, cfg.graphs, compile=cfg.compile)
         if cfg.graphs:
             bar.note("capturing the decode forward as CUDA graphs ...")
@@ -171,6 +172,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         pages_held=held if own is not None else None, encoder_tokens=sum(len(r.encoder) for r in reqs),
         cross_rows=table is not None, cascade_steps=cascades, compile_s=engine.compile_s,
         graph_breaks=sum(counters["graph_break"].values()) - breaks,
+        piece_graphs=piecewise.STATS["captured"] - pieces["captured"], piece_replays=piecewise.STATS["replayed"] - pieces["replayed"],
     )
     if out is not None:
         write(out, summary(result))

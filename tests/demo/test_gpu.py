@@ -102,3 +102,20 @@ def test_shared_system_prompts_through_cascade_with_graphs():
     assert res.matched, [(c.err, c.tol) for c in res.checks]
     assert res.cascade_steps >= 1 and res.replayed == res.modes[Mode.DECODE.value] > 0
     assert res.num_graphs == 2 * 4 + 2 * 3  # 2 slots x buckets 1, 2, 4, 8 flat; buckets 2, 4, 8 cascade
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("backend", ["flashinfer", "flash_attn"])
+def test_piecewise_with_graphs_replays_the_pieces_of_every_step(backend):
+    """demo --compile piecewise --graphs (bf16): decode steps replay the whole compiled forward's graph, and
+    every other step (prefill chunks, mixed steps) pads to a token-count bucket and replays the pieces between
+    its attention calls; the tokens and logits match transformers."""
+    pytest.importorskip("flashinfer" if backend == "flashinfer" else "flash_attn.cute")
+    torch._dynamo.reset()
+    res = run_demo(attrs.evolve(GPU, backend=backend, graphs=True, compile="piecewise"))
+    print(summary(res))
+    assert res.matched, [(c.err, c.tol) for c in res.checks]
+    assert res.graph_breaks == 0 and res.replayed == res.modes[Mode.DECODE.value] > 0
+    assert res.piece_graphs > 0 and res.piece_replays > res.piece_graphs, summary(res)
+    assert "CUDA graphs captured per token-count bucket" in summary(res)
