@@ -143,7 +143,7 @@ class PoolAttention(StepAttention):
 
     def replays(self, ctx) -> bool:
         """A decode step with a graph captured for its bucket, slot and backend (see DecodeGraphs.serves)."""
-        return ctx.mode is Mode.DECODE and self.graphs.serves(ctx)
+        return ctx.mode is Mode.DECODE and self.graphs is not None and self.graphs.serves(ctx)
 
     def replay(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.graphs(ctx, **inputs)

@@ -251,7 +251,8 @@ class Engine:
         graphs = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter_ns()
         rows = inputs["ids"].shape[0]
-        n = piece_bucket(rows) if self.piece_graphs else None
+        pad = self.piece_graphs and not torch.cuda.is_current_stream_capturing() and not self.attn.replays(ctx)
+        n = piece_bucket(rows) if pad else None  # (a step decode graphs replay whole is not padded)
         ids, positions = (pad_rows(inputs[name], n) for name in ("ids", "positions"))
         with step_context(ctx, padded_rows=n):
             out = self.compiled(self.model, None, self.layers, ids, positions)[:rows]
