@@ -230,3 +230,30 @@ def test_a_compiled_step_captures_as_one_cuda_graph_and_replays_right():
             rows = slice(plan.qo_indptr[i], plan.qo_indptr[i + 1])
             torch.testing.assert_close(out[rows].float(), h[rows].float(), rtol=2e-2, atol=2e-2,
                                        msg=lambda m: f"seed {seed} request {i}: {m}")
+
+
+def test_padded_rows_attend_the_steps_rows_and_zero_the_rest():
+    """step_context(step, padded_rows=n): the ops take n rows (random padding), store and attend the step's T rows
+    (the same output rows and cache bytes as the direct call on T rows) and write zeros past them; n rows
+    without padded_rows, or another row count with it, are the direct call's PlanError."""
+    seed = fresh_seed()
+    spec, plan, layers, q, k, v = setup(seed)
+    _, _, twins, _, _, _ = setup(seed)
+    T, n = plan.num_tokens, plan.num_tokens + 5
+    pad = lambda t: torch.cat([t, torch.randn(n - T, *t.shape[1:])])  # noqa: E731
+    with step_context(plan, padded_rows=n):
+        out = layers[0].forward(pad(q), pad(k), pad(v))
+        layers[1].store(pad(k), pad(v))
+        attended = layers[1].attend(pad(q))
+    assert out.shape[0] == n and not out[T:].any() and not attended[T:].any(), seed
+    assert torch.equal(out[:T], twins[0].forward(q, k, v, plan)), seed
+    twins[1].store(k, v, plan)
+    assert torch.equal(attended[:T], twins[1].attend(q, plan)), seed
+    for mine, twin in zip(layers, twins):
+        assert torch.equal(mine.cache.k, twin.cache.k) and torch.equal(mine.cache.v, twin.cache.v), seed
+    with step_context(plan):
+        with pytest.raises(PlanError, match=f"k has {n} rows; this mixed step takes {T}"):
+            layers[0].forward(pad(q), pad(k), pad(v))
+    with step_context(plan, padded_rows=n):
+        with pytest.raises(PlanError, match=f"has {n + 1} rows"):
+            layers[0].forward(torch.cat([pad(q), q[:1]]), torch.cat([pad(k), k[:1]]), torch.cat([pad(v), v[:1]]))
