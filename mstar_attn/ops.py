@@ -102,7 +102,10 @@ def _step_rows(step) -> int:
     shape = getattr(step, "shape", None)
     if shape is not None:
         return shape.padded_num_tokens if shape.bucket is not None else step.plan.num_tokens
-    return getattr(step, "num_tokens", 0)
+    n = getattr(step, "num_tokens", None)
+    if not isinstance(n, int):
+        raise PlanError(f"step_context: step must be a DeviceStep or an AttentionPlan, got {type(step).__name__}")
+    return n
 
 
 def current_step(where: str):

@@ -21,10 +21,13 @@ for that n (after one warm-up run) and replays it at every later one; the attent
 eagerly on the step's own rows and write zeros past them (mstar_attn.ops). A piece's graph reads its inputs
 where the capture found them: model parameters and the outputs of other piece graphs stay where they are,
 any other tensor input (the padded ids, a buffer) is cloned at capture and copied in before each replay when
-a call passes it elsewhere. All graphs of one compiled function share one memory pool; a replay's outputs
-live until that piece replays again (the forward's logits: read them before the next forward). Without
-padded_rows (or on the CPU, or inside a capture of the whole forward) the pieces run as compiled. `STATS`
-counts the piece graphs captured and replayed.
+a call passes it elsewhere (the same shape, else PlanError). A piece's graphs are keyed by n and by the sizes
+it takes as arguments. A piece that writes into one of its inputs (`mutates_inputs`) is never captured: it
+runs as compiled. All graphs of one compiled function share one memory pool and its static inputs and
+outputs: one thread runs it at a time, and a replay's outputs live until that piece replays again (the
+forward's logits: read them before the next forward). Pieces capture at their first call for an n, during
+serving: run each bucket once before serving. Without padded_rows (or on the CPU, or inside a capture of
+the whole forward) the pieces run as compiled. `STATS` counts the piece graphs captured and replayed.
 
 How the pieces get compiled: the split graph is run once under Dynamo's fake tensor mode (a
 torch.fx.Interpreter), which hands each non-attention piece its fake inputs, symbolic shapes included;
@@ -35,11 +38,13 @@ fails when they move.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
 
 from mstar_attn import ops  # (registers the ops the split looks for)
+from mstar_attn.metadata.errors import PlanError
 
 ATTENTION_OPS = (torch.ops.mstar_attn.attention, torch.ops.mstar_attn.store)
 STATS = {"captured": 0, "replayed": 0}  # piece graphs captured and replayed in this process (all compiled functions)
@@ -68,6 +73,36 @@ def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
     return split, attention
 
 
+_VIEWS = frozenset({"view", "reshape", "narrow", "__getitem__", "transpose", "permute", "squeeze", "unsqueeze", "expand",
+                    "flatten", "t", "select", "unflatten", "view_as", "split", "chunk", "unbind", "as_strided"})
+_INPLACE = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem})
+
+
+def mutates_inputs(gm: torch.fx.GraphModule) -> bool:
+    """Whether the piece `gm` writes into one of its inputs or a view of one (an in-place method, an in-place
+    operator, an op whose schema writes an argument): such a piece is not captured (a graph replay would apply
+    the write to inputs it reads in place twice, and never to those it cloned)."""
+
+    seen = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    for n in gm.graph.nodes:
+        first = n.args[0] if n.args else None
+        if n.op == "call_method" and first in seen:
+            if n.target in _VIEWS:
+                seen.add(n)
+            elif n.target.endswith("_") and not n.target.endswith("__"):
+                return True
+        elif n.op == "call_function":
+            if n.target is operator.getitem and first in seen:
+                seen.add(n)
+            elif n.target in _INPLACE and first in seen:
+                return True
+            schema = getattr(n.target, "_schema", None)
+            if schema is not None and any(a.alias_info is not None and a.alias_info.is_write and arg in seen
+                                          for a, arg in zip(schema.arguments, n.args)):
+                return True
+    return False
+
+
 class _PieceGraph:
     """One compiled piece captured as a CUDA graph for one padded token count: its static inputs (a model
     parameter, or another piece graph's output, as given; any other tensor cloned) and outputs."""
@@ -77,15 +112,21 @@ class _PieceGraph:
 
         self.inputs = [a.clone() if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
                        and a.data_ptr() not in outputs else a for a in args]
+        self.copied = [i for i, (a, s) in enumerate(zip(args, self.inputs)) if s is not a]  # (the cloned inputs)
         fn(*self.inputs)  # (warm-up, outside the capture: lazy allocations, autotuning)
         self.graph = torch.cuda.CUDAGraph()
         self.out = capture_into(self.graph, memory, lambda: fn(*self.inputs))
         outputs.update(t.data_ptr() for t in _tensors(self.out))
 
     def __call__(self, args: tuple):
-        """Replay on `args`: a tensor not where the capture read copied in first (same shape and dtype)."""
-        for a, s in zip(args, self.inputs):
-            if isinstance(a, torch.Tensor) and a.data_ptr() != s.data_ptr():
+        """Replay on `args`: a cloned input copied in first when the call passes it elsewhere (PlanError if its
+        shape is not the capture's: the piece's inputs change shape at one padded_rows)."""
+        for i in self.copied:
+            a, s = args[i], self.inputs[i]
+            if a.data_ptr() != s.data_ptr():
+                if a.shape != s.shape:
+                    raise PlanError(f"piecewise: input {i} of a piece is {tuple(a.shape)}, its graph for this "
+                                    f"padded_rows took {tuple(s.shape)}: pad every per-step input to padded_rows rows")
                 s.copy_(a)
         self.graph.replay()
         return self.out
@@ -100,14 +141,15 @@ class _Compiled(torch.nn.Module):
     forward padded to n token rows on CUDA (step_context(step, padded_rows=n)) it replays the CUDA graph it
     captured at its first such call (one per n; all of a compiled function's in one memory pool), else it runs."""
 
-    def __init__(self, fn: Callable, shared: dict):
+    def __init__(self, fn: Callable, shared: dict, graphs: bool = True):
         super().__init__()
-        self.fn, self.shared, self.graphs = fn, shared, {}
+        self.fn, self.shared, self.graphs, self.graphable = fn, shared, {}, graphs
 
     def forward(self, *args):
         n = ops.padded_rows()
-        if n is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        if n is None or not self.graphable or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             return self.fn(*args)  # (inside a capture of the whole forward: captured with it)
+        n = (n, *(a for a in args if isinstance(a, int)))  # (and any size the piece takes as an argument)
         graph = self.graphs.get(n)
         if graph is None:
             if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
@@ -130,12 +172,14 @@ def piecewise_backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.f
 
     split, attention = split_at_attention(gm)
     compiled: dict[str, Callable] = {}
+    graphable: dict[str, bool] = {}
 
     class Compile(torch.fx.Interpreter):
         def call_module(self, target, args, kwargs):
             out = super().call_module(target, args, kwargs)
             if target not in attention:
                 compiled[target] = compile_fx(self.fetch_attr(target), list(args))
+                graphable[target] = not mutates_inputs(self.fetch_attr(target))
             return out
 
     from torch._dispatch.python import enable_python_dispatcher
@@ -147,7 +191,7 @@ def piecewise_backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.f
         Compile(split).run(*args)
     shared = {"memory": None, "outputs": set()}  # the pieces' graph memory pool; their graphs' output addresses
     for target, fn in compiled.items():
-        setattr(split, target, _Compiled(fn, shared))
+        setattr(split, target, _Compiled(fn, shared, graphable[target]))
     return split
 
 

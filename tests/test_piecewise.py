@@ -142,7 +142,7 @@ def test_a_forward_padded_to_a_bucket_matches_the_unpadded_one_per_request(devic
         assert_close_per_request(got[: plan.num_tokens].reshape(-1, HEADS, D), want.reshape(-1, HEADS, D), plan,
                                  torch.float32, (f"seed {seed}", f"step {i}", f"T {plan.num_tokens}", n), 16.0)
         written = torch.zeros(spec.num_pages * PS + PS, dtype=torch.bool)  # (the scratch page's slots included)
-        written[torch.from_numpy(plan.slot_mapping)] = True
+        written[torch.from_numpy(plan.slot_mapping.copy())] = True
         for a, (k, v), (k0, v0) in zip(attn, stored, fill):
             for got_c, want_c, was in ((a.cache.k, k, k0), (a.cache.v, v, v0)):
                 got_c, want_c, was = (t.reshape(-1, KV_HEADS, D).cpu() for t in (got_c, want_c, was))
@@ -156,3 +156,30 @@ def test_a_forward_padded_to_a_bucket_matches_the_unpadded_one_per_request(devic
         with pytest.raises(PlanError, match="padded_rows must be an int of at least"):
             with step_context(plan, padded_rows=bad):
                 pass
+
+
+def test_pieces_that_write_into_their_inputs_are_found():
+    """mutates_inputs: a piece writing into an input (an in-place method, an in-place operator, through a view)
+    is found, so it is never captured as a graph; an out-of-place piece is not."""
+    from mstar_attn.piecewise import mutates_inputs
+
+    def pieces(fn, *args):
+        found = []
+
+        def backend(gm, example_inputs):
+            found.append(mutates_inputs(gm))
+            return gm
+
+        torch._dynamo.reset()
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+        return found
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    assert pieces(lambda a, b: torch.tanh(a) + b, x.clone(), y) == [False]
+    assert pieces(lambda a, b: a.add_(b), x.clone(), y) == [True]
+    assert pieces(lambda a, b: a[:2].mul_(b[:2]), x.clone(), y) == [True]
+
+    def iadd(a, b):
+        a += b
+        return a
+    assert pieces(iadd, x.clone(), y) == [True]

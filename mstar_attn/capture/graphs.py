@@ -14,7 +14,7 @@ from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata.backends import AUTO, BACKENDS
 from mstar_attn.metadata.draft import scratch_round
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, check_tree_spec, scratch_plan
 from mstar_attn.metadata.select import graph_backends
 
 
@@ -108,6 +108,8 @@ class DecodeGraphs:
         if backends is None:
             backends = (spec.backend,) if spec.backend != AUTO else graph_backends(spec)
         self._check_capture(buckets, tuple(q_lens), tuple(backends))
+        if trees:  # (before any capture: a spec that cannot verify trees fails here, not halfway)
+            check_tree_spec(spec)
         if self.memory is None:
             self.memory = torch.cuda.graph_pool_handle()
         cascade = bool(spec.cascade_groups) if cascade is None else cascade

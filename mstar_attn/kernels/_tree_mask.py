@@ -24,12 +24,10 @@ BLOCK = 256  # bytes (packed) or bits (unpacked) per program
 
 
 def byte_indptr(q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
-    """[R+1] int32: where each request's packed segment starts (ceil(q * kv / 8) bytes each)."""
+    """[R+1] int32: where each request's packed segment starts (ceil(q * kv / 8) bytes each); q_lens, kv_lens [R]."""
     out = np.zeros(q_lens.shape[0] + 1, np.int64)
     np.cumsum((q_lens.astype(np.int64) * kv_lens + 7) // 8, out=out[1:])
-    if out[-1] >= 2**31:
-        raise ValueError(f"a tree mask of {int(out[-1])} bytes: more than int32 offsets hold")
-    return out.astype(np.int32)
+    return out.astype(np.int32)  # (TreeState.check keeps a step's mask within the pool's buffer)
 
 
 def host_mask(q_lens: np.ndarray, kv_lens: np.ndarray, tree_bits: np.ndarray, packed: bool = True) -> np.ndarray:
@@ -58,16 +56,16 @@ def _kernel():
 
     @triton.jit
     def tree_mask(qo_ptr, kv_ptr, seg_ptr, bits_ptr, out_ptr, PACKED: tl.constexpr, BLOCK: tl.constexpr):
-        # grid (requests, blocks of the longest segment): qo [R+1], kv [R], seg [R+1] int32 (byte offsets
+        # grid (blocks of the longest segment, requests): qo [R+1], kv [R], seg [R+1] int32 (byte offsets
         # when PACKED, else bit offsets), bits [sum q] int64 (a uint64 ancestor set), out uint8 / bool
-        r = tl.program_id(0)
+        r = tl.program_id(1)
         q0 = tl.load(qo_ptr + r)
         q = tl.load(qo_ptr + r + 1) - q0
         kv = tl.load(kv_ptr + r)
         s0 = tl.load(seg_ptr + r)
         n = tl.load(seg_ptr + r + 1) - s0
         prefix = kv - q
-        k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = k < n
         if PACKED:
             acc = tl.zeros([BLOCK], dtype=tl.int32)
@@ -108,7 +106,8 @@ def pack(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, segments: torch.Tensor,
     R = kv_lens.shape[0]
     if R and longest:
         with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():  # (CPU: the interpreter)
-            kernel[(R, triton.cdiv(longest, BLOCK))](qo_indptr, kv_lens, segments, tree_bits, out, PACKED=packed,
+            # (blocks on grid axis 0, up to 2^31 - 1; requests on axis 1, up to 65,535)
+            kernel[(triton.cdiv(longest, BLOCK), R)](qo_indptr, kv_lens, segments, tree_bits, out, PACKED=packed,
                                                      BLOCK=BLOCK)
     return out
 

@@ -122,9 +122,12 @@ class PoolState(PoolStateBase):
 
     def check(self, plan: AttentionPlan, bucket: int | None) -> None:
         """XQA decode (fp8_math): PlanError if a request reads more pages than the pool's
-        max_pages_per_request. Nothing else to refuse beyond what build_plan and the pool check."""
+        max_pages_per_request; a token-tree step: if its mask would not fit (TreeState.check). Nothing else to
+        refuse beyond what build_plan and the pool check."""
         if self._on_xqa(plan):
             self.xqa.tables.check(plan)
+        if plan.tree is not None:
+            TreeState.check(self.pool, plan, bucket)
 
     def gather(self, step: DeviceStep) -> None:
         """A StepRows step's XQA page tables, on the device (fp8_math decode), after the pool's CSR page lists."""
@@ -163,7 +166,7 @@ class PoolState(PoolStateBase):
         if plan.tree is not None:  # a token-tree verify step: paged prefill with its mask (_flashinfer_tree.py)
             if self.trees is None:
                 self.trees = TreeState(self)
-            return tuple(self.trees.plan(step, g) for g in range(len(step.groups)))
+            return self.trees.schedule(step)
         if step.bucket is not None and plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before
             kept = self.kept_steps.get((step.slot, step.padded_batch_size, step.q_len, plan.mode))
             if kept is not None:

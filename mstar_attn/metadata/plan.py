@@ -63,13 +63,13 @@ def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: Draf
                         + (" (hand-made or attrs.evolve'd: not checked)" if isinstance(tree, DraftTree) else ""))
     if not isinstance(spec, AttentionSpec):
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-    _check_tree_spec(spec)
+    check_tree_spec(spec)
     if isinstance(batch, StepRows):  # (the pool derives a StepRows step's slots from its positions, here by depth)
         raise PlanError("batch: a tree verify step is planned from a StepBatch (its page lists), not StepRows")
     return _with_tree(spec, build_plan(batch, spec), tree)
 
 
-def _check_tree_spec(spec: AttentionSpec) -> None:
+def check_tree_spec(spec: AttentionSpec) -> None:
     """PlanError unless every layer group is full causal attention and cascade is off."""
     bad = [g for g, group in enumerate(spec.groups) if group.kind is not Kind.CAUSAL]
     if bad:
@@ -130,7 +130,7 @@ def scratch_plan(spec: AttentionSpec, batch_size: int, q_len: int = 1, backend: 
     if prefill or q_len < 2 or cascade:
         raise PlanError(f"scratch_plan: a tree step is a verify step of 2+ tokens per request without cascade (got "
                         f"q_len {q_len}{', prefill' if prefill else ''}{', cascade' if cascade else ''})")
-    _check_tree_spec(spec)
+    check_tree_spec(spec)
     return _with_tree(spec, plan, DraftTree.from_parents([list(range(-1, q_len - 1))] * batch_size))
 
 

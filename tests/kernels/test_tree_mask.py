@@ -127,3 +127,31 @@ def test_the_triton_kernel_equals_the_host_mask_on_the_gpu():
         for packed in (True, False):
             got = device_mask(tree, q, kv, "cuda", packed)
             assert np.array_equal(got, _tree_mask.host_mask(q, kv, tree.masks, packed)), (seed + i, packed)
+
+
+def test_a_tree_step_whose_mask_would_not_fit_is_refused_before_the_commit():
+    """TreeState.check (what FlashInfer's PoolState.check runs for a tree step, before the commit changes anything):
+    a bucketed step's packed mask against the pool's mask buffer (sized for the largest bucketed verify step over
+    max_pages_per_request pages), padding requests counted; a pool without buckets serves unbucketed steps only;
+    an unbucketed step's bits within int32. The numbers are named."""
+    from mstar_attn import AttentionSpec, GraphBufferPool, PlanError, PoolLimits, StepBatch, build_tree_plan
+    from mstar_attn.kernels._flashinfer_tree import TreeState
+
+    spec = AttentionSpec(4, 2, 16, 4, 400, dtype=torch.float32, backend="reference")
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=16, max_num_pages=400, buckets=(8,),
+                                            max_pages_per_request=8), device="cpu")
+    assert TreeState.mask_bytes(pool) == min(pool.layout.max_tokens, 8 * 16) * 8 * 4 // 8 + pool.layout.max_rows + 16
+    tree = DraftTree.from_parents([[-1, 0, 0, 1]] * 8)
+    step = build_tree_plan(StepBatch.from_pages([4] * 8, [32] * 8, [list(range(8 * i, 8 * i + 8)) for i in range(8)], 4),
+                           spec, tree)
+    assert pool.bucket_for(step) == 8 and step.num_tokens > pool.max_num_tokens  # (a bucketed step past max_num_tokens)
+    TreeState.check(pool, step, 8)  # 8 x ceil(4 x 32 / 8) = 128 bytes: fits
+    small = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=16, max_num_pages=400, buckets=(1,),
+                                             max_pages_per_request=8), device="cpu")
+    with pytest.raises(PlanError, match=r"tree: the step's packed mask needs 144 bytes, more than the pool's \d+ "
+                                        r"\(request 0: 4 tokens over 32\)"):
+        TreeState.check(small, step, 8)
+    none = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=64, max_num_pages=400, buckets=(),
+                                            max_pages_per_request=8), device="cpu")
+    assert none.buckets == () and TreeState.mask_bytes(none) == none.layout.max_rows + 16 and none.bucket_for(step) is None
+    TreeState.check(none, step, None)

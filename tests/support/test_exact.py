@@ -45,6 +45,7 @@ def test_exact_attention_equals_the_loop(case):
     got = exact_attention(q, k, v, scale=1 / math.sqrt(16), soft_cap=soft_cap, causal=causal, window=window)
     assert torch.allclose(got, want, atol=1e-12, rtol=1e-12), f"seed {seed}"
     sinks = 2 * torch.randn(hkv * rep, generator=g)
+    sinks[0] = sinks[0].abs() + 3  # (one head's sink weighs for sure: the control below; the others any sign)
     with_sinks = exact_attention(q, k, v, scale=1 / math.sqrt(16), soft_cap=soft_cap, causal=causal, window=window,
                                  sinks=sinks)
     assert torch.allclose(with_sinks, _loop(q, k, v, 1 / math.sqrt(16), soft_cap, causal, window, sinks), atol=1e-12,
