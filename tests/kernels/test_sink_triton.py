@@ -12,15 +12,13 @@ x * log2(e): at most 2^-24 (4 |a| + 2 |s|) in all; an error d in the argument mo
 allowed): e = 2^-24 (4 |a| + 2 |s| + 8)."""
 
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from tests.helpers import fresh_seed
+from tests.support.interpreted import run_interpreted
 
 U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 SHAPES = ((1, 8, 64), (7, 64, 64), (300, 8, 128), (33, 4, 80), (5, 16, 256))
@@ -141,12 +139,7 @@ print("ok")
 
 def test_fused_epilogue_under_the_triton_interpreter():
     pytest.importorskip("triton")
-    seed = fresh_seed()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED.format(root=root, seed=seed)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), f"seed {seed}:\n{done.stderr[-3000:]}"
+    run_interpreted(_INTERPRETED, fresh_seed())
 
 
 def test_cpu_tensors_and_the_reference_take_the_torch_path():

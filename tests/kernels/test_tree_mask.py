@@ -4,9 +4,6 @@ segment, bit (j * kv + c) % 8) against each token's ancestor set (DraftTree.visi
 ancestor bit caught; the Triton kernel equal to the host builder under Triton's interpreter on the CPU,
 and on the GPU."""
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +13,7 @@ from mstar_attn import DraftTree
 from mstar_attn.kernels import _tree_mask
 from mstar_attn.metadata.tree import MAX_TREE_NODES
 from tests.helpers import fresh_seed
+from tests.support.interpreted import run_interpreted
 from tests.support.trees import random_parents
 
 
@@ -109,12 +107,7 @@ def device_mask(tree: DraftTree, q: np.ndarray, kv: np.ndarray, device: str, pac
 
 def test_the_triton_kernel_equals_the_host_mask_under_the_interpreter():
     pytest.importorskip("triton")
-    seed = fresh_seed()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED.format(root=root, seed=seed)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), f"seed {seed}:\n{done.stderr[-3000:]}"
+    run_interpreted(_INTERPRETED, fresh_seed())
 
 
 @pytest.mark.gpu
