@@ -1,12 +1,12 @@
-"""Per-call cost of attention through the custom op (torch.ops.mstar_attn.attention, what a compiled
+"""Per-call cost of attention through the custom op (torch.ops.mstar_attn.forward, what a compiled
 model calls) against the direct call it wraps (Attention.forward with the step), same layer, same
 step, same inputs, interleaved in rounds; host clock, the device drained after each round.
 
     python -m benchmarks.op_dispatch [--device cpu|cuda] [--backend reference|flashinfer|flash_attn] [--out DIR]
 
 Both ops (attention, store). By default the layer's work with a step is a fixed result (store:
-nothing), so the difference is the op's own cost: dispatch, registry and context lookups, the out
-buffer and its copy; --real times the backend's work too. Reports per call: the direct call, the op
+nothing), so the difference is the op's own cost: dispatch, registry and context lookups (the op
+returns the layer's output as it is: no buffer, no copy); --real times the backend's work too. Reports per call: the direct call, the op
 call, and their difference in the same round, medians over rounds with the 10th-90th percentile
 spread. Writes op_dispatch_<device>[_real].json and .md under --out (default benchmarks/results).
 """
@@ -28,7 +28,7 @@ from mstar_attn import GraphBufferPool, PoolLimits, step_context
 
 class NullAttention(ma.Attention):
     """An Attention whose work with a step is a fixed result (store: nothing), so the op's own cost
-    (dispatch, registry and context lookups, the out buffer and its copy) is all that differs."""
+    (dispatch, registry and context lookups) is all that differs."""
 
     def forward(self, q, k, v, step=None):
         if step is None:

@@ -83,7 +83,7 @@ class Attention:
         head_dim]); returns [rows, qo_heads, head_dim]. Rows: the step's tokens (or a bucketed step's padded
         rows: DeviceStep.accepts_rows). step: a committed DeviceStep (the reference backend also takes an
         AttentionPlan); None: the step of the enclosing `step_context`, through the custom op
-        torch.ops.mstar_attn.attention (what a compiled model calls). k, v may be None only on a cross-attention
+        torch.ops.mstar_attn.forward (what a compiled model calls). k, v may be None only on a cross-attention
         layer at a step that stores no encoder tokens for it: PlanError otherwise (the layer would attend over
         slots nothing wrote)."""
         if step is None:
@@ -102,7 +102,7 @@ class Attention:
         tokens the step stores for its group, plan.groups[group].stored rows). step None: the step_context's,
         through torch.ops.mstar_attn.store."""
         if step is None:
-            torch.ops.mstar_attn.store(k, v, self.key)
+            torch.ops.mstar_attn.store.default(k, v, self.key)
             return
         if k is None or v is None:
             raise PlanError(f"store: layer {self.layer}: give both k and v")
@@ -122,9 +122,7 @@ class Attention:
         return rows, self.spec.num_qo_heads, self.spec.head_dim
 
     def _through_op(self, q, k, v, attend_only: bool) -> torch.Tensor:
-        out = q.new_empty(self.out_shape(q.shape[0]))
-        torch.ops.mstar_attn.attention(q, k, v, out, self.key, attend_only)
-        return out
+        return torch.ops.mstar_attn.forward.default(q, k, v, self.key, attend_only)
 
     def __reduce__(self):
         """Copies and pickles are new layers over (a copy of) the cache, each with a key of its own."""

@@ -1,9 +1,11 @@
 """Attention as `torch.library` custom ops, so a `torch.compile`d model keeps its attention layers in
 one graph (`fullgraph=True`, no graph break) and CUDA graphs capture the compiled step.
 
+    torch.ops.mstar_attn.forward(q, k, v, key, attend_only=False) -> out
+                                      store k, v and attend (Attention.forward), or attend only
+                                      (Attention.attend): what Attention calls without a step
     torch.ops.mstar_attn.attention(q, k, v, out, key, attend_only=False)
-                                      store k, v (as Attention.forward), or attend only (Attention.attend),
-                                      writing into out
+                                      the same, writing into a preallocated out
     torch.ops.mstar_attn.store(k, v, key)               store k, v only (a layer that splits the two)
 
 `key` names the `Attention` layer (its cache, layer group and spec: `Attention.key`); the step comes
@@ -18,11 +20,12 @@ does not trace into a custom op's implementation, so the op may read the step fr
 as vLLM's unified attention op reads its forward context. The KV caches are not op arguments: as
 mutable arguments, functionalization would clone a whole cache per layer wherever Inductor cannot
 re-inplace it (and the eager `aot_eager` path always does). They are mutated behind the ops, like
-vLLM's, and ordering holds because every layer's attention output feeds the next layer; both ops
-are registered as side effects: Inductor (torch 2.13) keeps an attention call whose output nothing reads
+vLLM's, and ordering holds because every layer's attention output feeds the next layer; every op
+is registered as a side effect: Inductor (torch 2.13) keeps an attention call whose output nothing reads
 (tests/test_ops.py pins it), and orders a separate `store` before `attend` by program order only: prefer
-`forward(q, k, v)` over a split store + attend inside a compiled model. `out` is the one declared
-mutation (Tensor(a!)), written in place: a preallocated output as vLLM's op has.
+`forward(q, k, v)` over a split store + attend inside a compiled model. `forward` returns the backend's
+output as it is (no output buffer to allocate, no copy into one: the cheaper call, what Attention uses);
+`attention` writes into a preallocated `out`, its one declared mutation (Tensor(a!)), as vLLM's op does.
 
 The implementations run `Attention.forward` / `Attention.store` with the context's step, so every
 check of the direct call runs and bad input raises the same PlanError, at run time (the fake
@@ -43,6 +46,7 @@ import torch
 from mstar_attn.metadata.errors import PlanError
 
 _LIB = torch.library.Library("mstar_attn", "DEF")  # noqa: TOR901  (held for the process: the ops stay registered)
+_LIB.define("forward(Tensor q, Tensor? k, Tensor? v, int key, bool attend_only=False) -> Tensor")
 _LIB.define("attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) out, int key, bool attend_only=False) -> ()")
 _LIB.define("store(Tensor k, Tensor v, int key) -> ()")
 
@@ -125,6 +129,24 @@ def _layer(key: int, where: str):
     return layer
 
 
+def _forward(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, key: int,
+             attend_only: bool = False) -> torch.Tensor:
+    layer, step = _layer(key, "mstar_attn.forward"), current_step("mstar_attn.forward")
+    rows = q.shape[0]
+    n = _real_rows(rows, step, "mstar_attn.forward")
+    if n == rows:
+        return layer.attend(q, step) if attend_only else layer.forward(q, k, v, step)
+    q, k, v = q[:n], _rows(k, n, layer), _rows(v, n, layer)  # (padded rows: the step's rows only, zeros past them)
+    out = layer.attend(q, step) if attend_only else layer.forward(q, k, v, step)
+    return torch.cat([out, out.new_zeros((rows - n, *out.shape[1:]))])
+
+
+def _forward_fake(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, key: int,
+                  attend_only: bool = False) -> torch.Tensor:
+    """Fake (meta) implementation: the layer's output shape (Attention.out_shape), q's dtype and device."""
+    return q.new_empty(_layer(key, "mstar_attn.forward").out_shape(q.shape[0]))
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor, key: int,
                attend_only: bool = False) -> None:
     layer, step = _layer(key, "mstar_attn.attention"), current_step("mstar_attn.attention")
@@ -143,7 +165,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, 
 def _store(k: torch.Tensor, v: torch.Tensor, key: int) -> None:
     layer, step = _layer(key, "mstar_attn.store"), current_step("mstar_attn.store")
     n = _real_rows(k.shape[0], step, "mstar_attn.store")
-    layer.store(_rows(k, n, layer), _rows(v, n, layer), step)
+    if n < k.shape[0]:  # (padded rows: the step's rows only)
+        k, v = _rows(k, n, layer), _rows(v, n, layer)
+    layer.store(k, v, step)
 
 
 def _real_rows(rows: int, step, where: str) -> int:
@@ -167,10 +191,13 @@ def _nothing(*args) -> None:
     return None
 
 
+_LIB.impl("forward", _forward, "CompositeExplicitAutograd")
 _LIB.impl("attention", _attention, "CompositeExplicitAutograd")
 _LIB.impl("store", _store, "CompositeExplicitAutograd")
+torch.library.register_fake("mstar_attn::forward", _forward_fake, lib=_LIB)
 torch.library.register_fake("mstar_attn::attention", _nothing, lib=_LIB)
 torch.library.register_fake("mstar_attn::store", _nothing, lib=_LIB)
+torch.fx.node.has_side_effect(torch.ops.mstar_attn.forward.default)
 torch.fx.node.has_side_effect(torch.ops.mstar_attn.store.default)
 torch.fx.node.has_side_effect(torch.ops.mstar_attn.attention.default)
 

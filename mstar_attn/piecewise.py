@@ -46,7 +46,7 @@ import torch
 from mstar_attn import ops  # (registers the ops the split looks for)
 from mstar_attn.metadata.errors import PlanError
 
-ATTENTION_OPS = (torch.ops.mstar_attn.attention, torch.ops.mstar_attn.store)
+ATTENTION_OPS = (torch.ops.mstar_attn.forward, torch.ops.mstar_attn.attention, torch.ops.mstar_attn.store)
 STATS = {"captured": 0, "replayed": 0}  # piece graphs captured and replayed in this process (all compiled functions)
 _TARGETS = frozenset([*ATTENTION_OPS, *(op.default for op in ATTENTION_OPS)])
 

@@ -42,10 +42,14 @@ def test_opcheck_passes_for_every_op(on):
     out = torch.empty_like(q)
     with step_context(step):
         torch.library.opcheck(torch.ops.mstar_attn.store.default, (k, v, layers[0].key))
+        torch.library.opcheck(torch.ops.mstar_attn.forward.default, (q, k, v, layers[0].key))
+        torch.library.opcheck(torch.ops.mstar_attn.forward.default, (q, None, None, layers[0].key, True))
         torch.library.opcheck(torch.ops.mstar_attn.attention.default, (q, k, v, out, layers[0].key))
         torch.library.opcheck(torch.ops.mstar_attn.attention.default, (q, None, None, out, layers[0].key, True))
         torch.ops.mstar_attn.attention(q, k, v, out, layers[1].key)
     assert torch.equal(out, layers[1].forward(q, k, v, step)), seed  # the op writes what the direct call returns
+    with step_context(step):
+        assert torch.equal(torch.ops.mstar_attn.forward(q, k, v, layers[1].key), out), seed  # (and returns it)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
