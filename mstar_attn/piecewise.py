@@ -8,7 +8,7 @@
 
 Dynamo captures the whole forward as one graph (no graph break: attention is the mstar_attn custom ops,
 mstar_attn.ops), with the token count symbolic. `piecewise_backend` then splits that graph at every
-`mstar_attn.attention` / `mstar_attn.store` call (torch.fx's split_module): each attention call becomes a
+`mstar_attn.forward` / `attention` / `store` call (torch.fx's split_module): each attention call becomes a
 piece of its own that runs as it is (the op reads the committed step of `step_context`, whatever its
 mode: decode, mixed, prefill), and every piece between two attention calls is compiled by Inductor for
 any token count (two compiles: Dynamo specializes a one-token step). This is vLLM's piecewise mode: the
