@@ -10,7 +10,7 @@ import torch
 from mstar_attn import AttentionSpec, DraftTree, build_tree_plan
 from mstar_attn.kernels import reference
 from tests.helpers import (
-    assert_close_per_request, attend_filled, fresh_seed, gpu_pool, random_batch, random_cache, request_errors,
+    assert_close_per_request, fresh_seed, gpu_pool, marked, random_batch, random_cache, request_errors,
 )
 from tests.support.trees import random_parents
 
@@ -37,18 +37,26 @@ def tree_step(rng, spec: AttentionSpec, sizes: list[int], prefix: list[int], sha
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("soft_cap", [0.0, 30.0], ids=["plain", "soft-cap"])
-def test_tree_steps_match_the_reference_eager_and_replayed(soft_cap):
-    """Steps of random trees (chains, stars, random), prefixes 0..3000: bucketed ones (one size per step,
+@pytest.mark.parametrize("soft_cap, sinks", [(0.0, False), (30.0, False), (0.0, True)], ids=["plain", "soft-cap", "sinks"])
+def test_tree_steps_match_the_reference_eager_and_replayed(soft_cap, sinks):
+    """Steps of random trees (chains, stars, random), prefixes 1..3000: bucketed ones (one size per step,
     2..16 tokens, 1..8 requests) replayed by the graph captured for their (bucket, size) and run eagerly,
-    unbucketed ones (sizes 1..64 mixed) eagerly; every request against the reference on the same cache."""
+    unbucketed ones (sizes 1..64 mixed) eagerly; every request against the reference on the same cache (with
+    attention sinks: FlashInfer's by its log-sum-exp)."""
+    from mstar_attn import LayerGroup
+
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    spec = AttentionSpec(QH, KVH, D, PS, 6000, soft_cap=soft_cap)
+    spec = AttentionSpec(QH, KVH, D, PS, 6000, soft_cap=soft_cap, groups=(LayerGroup(sinks=sinks),))
     cache = random_cache(spec, seed)
+    s = (1.0 + 2.0 * torch.randn(QH, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))) \
+        if sinks else None
     pool = gpu_pool(spec, buckets=(1, 2, 4, 8), max_pages_per_request=300)
-    graphs = DecodeGraphs(pool, attend_filled(fi.run, cache), {"q": torch.zeros(8 * 16, QH, D, device="cuda",
-                                                                                dtype=torch.bfloat16)})
+
+    def attend(step, x):
+        return fi.run(marked(step, cache), x["q"], cache, sinks=s)
+
+    graphs = DecodeGraphs(pool, attend, {"q": torch.zeros(8 * 16, QH, D, device="cuda", dtype=torch.bfloat16)})
     captured = (3, 9)
     graphs.capture(q_lens=captured, trees=True)
     ran = {"replayed": 0, "eager bucketed": 0, "eager unbucketed": 0}
@@ -65,9 +73,9 @@ def test_tree_steps_match_the_reference_eager_and_replayed(soft_cap):
         plan, _, q, k, v = tree_step(rng, spec, sizes, prefix, shapes)
         step = pool.commit(plan)
         fi.write_kv(step, k, v, cache)
-        want = reference.run(plan, q.float(), cache)
+        want = reference.run(plan, q.float(), cache, sinks=s)
         kind = "eager bucketed" if step.bucket is not None else "eager unbucketed"
-        assert_close_per_request(fi.run(step, q, cache), want, plan, spec.dtype, (f"seed {seed}", i, kind, sizes))
+        assert_close_per_request(fi.run(step, q, cache, sinks=s), want, plan, spec.dtype, (f"seed {seed}", i, kind, sizes))
         ran[kind] += 1
         if graphs.serves(step):
             assert_close_per_request(graphs(step, q=q), want, plan, spec.dtype, (f"seed {seed}", i, "replayed", sizes))
