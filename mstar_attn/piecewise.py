@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from mstar_attn import ops  # (registers the ops the split looks for)
+from mstar_attn.capture.graph_cache import capture_into
 from mstar_attn.metadata.errors import PlanError
 
 ATTENTION_OPS = (torch.ops.mstar_attn.forward, torch.ops.mstar_attn.attention, torch.ops.mstar_attn.store)
@@ -103,24 +104,28 @@ def mutates_inputs(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
+def _new_graph():
+    return torch.cuda.CUDAGraph()
+
+
 class _PieceGraph:
     """One compiled piece captured as a CUDA graph for one padded token count: its static inputs (a model
     parameter, or another piece graph's output, as given; any other tensor cloned) and outputs."""
 
     def __init__(self, fn: Callable, args: tuple, memory, outputs: set):
-        from mstar_attn.capture.graph_cache import capture_into
-
         self.inputs = [a.clone() if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
                        and a.data_ptr() not in outputs else a for a in args]
-        self.copied = [i for i, (a, s) in enumerate(zip(args, self.inputs)) if s is not a]  # (the cloned inputs)
+        # (every input but a parameter: copied in when a call passes it elsewhere, another graph's output too)
+        self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)]
         fn(*self.inputs)  # (warm-up, outside the capture: lazy allocations, autotuning)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = _new_graph()
         self.out = capture_into(self.graph, memory, lambda: fn(*self.inputs))
         outputs.update(t.data_ptr() for t in _tensors(self.out))
 
     def __call__(self, args: tuple):
-        """Replay on `args`: a cloned input copied in first when the call passes it elsewhere (PlanError if its
-        shape is not the capture's: the piece's inputs change shape at one padded_rows)."""
+        """Replay on `args`: an input other than a parameter copied in first when the call passes it elsewhere
+        than the capture read it (PlanError if its shape is not the capture's: the piece's inputs change shape
+        at one padded_rows)."""
         for i in self.copied:
             a, s = args[i], self.inputs[i]
             if a.data_ptr() != s.data_ptr():
@@ -130,6 +135,15 @@ class _PieceGraph:
                 s.copy_(a)
         self.graph.replay()
         return self.out
+
+
+def _capturable(args: tuple) -> bool:
+    """Whether a piece called on `args` can be captured: a CUDA tensor among them."""
+    return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+
+
+def _new_pool():
+    return torch.cuda.graph_pool_handle()
 
 
 def _tensors(out) -> list[torch.Tensor]:
@@ -152,10 +166,10 @@ class _Compiled(torch.nn.Module):
         n = (n, *(a for a in args if isinstance(a, int)))  # (and any size the piece takes as an argument)
         graph = self.graphs.get(n)
         if graph is None:
-            if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+            if not _capturable(args):
                 return self.fn(*args)
             if self.shared["memory"] is None:
-                self.shared["memory"] = torch.cuda.graph_pool_handle()
+                self.shared["memory"] = _new_pool()
             graph = self.graphs[n] = _PieceGraph(self.fn, args, self.shared["memory"], self.shared["outputs"])
             STATS["captured"] += 1
         STATS["replayed"] += 1
