@@ -175,7 +175,7 @@ def summary(res: DemoResult) -> str:
             f"compile   torch.compile(fullgraph=True) of the {'decoder ' if c.model == 'bart' else ''}step's forward, "
             f"attention as mstar_attn custom ops{': piecewise, split at attention' if c.compile == 'piecewise' else ''}: "
             f"graph breaks: {res.graph_breaks}; {res.compile_s:.1f} s compiling "
-            "(those steps left out of the step times)"
+            "(those steps, and those in which a piece captured a graph, left out of the step times)"
             + (f"; pieces between attention calls: {res.piece_graphs} CUDA graphs captured per token-count bucket, "
                f"{res.piece_replays} replays" if res.piece_graphs else ""))
     if res.encoder_tokens:
