@@ -220,7 +220,7 @@ class PageTable:
                     return None
             row_t, pos = rows, plan.kv_lens - 1  # (the exact check: its message, or a row past a shared page)
         else:
-            row_t, pos = np.repeat(rows, plan.q_lens), plan.positions
+            row_t, pos = np.repeat(rows, plan.q_lens), plan.cache_positions
         page, bad = self.written(row_t, pos)
         if bad.any():
             t = int(np.flatnonzero(bad)[0])
@@ -252,6 +252,16 @@ class PageTable:
         at += pos // self.spec.page_size
         page = self.flat[at]
         return page, self.owner[page] != row_t
+
+    def slots_of(self, plan: AttentionPlan) -> np.ndarray:
+        """slot_mapping [T] int64 of a StepRows plan's new tokens as this table holds its rows' pages now: the
+        slots its commit wrote (what accepted_moves takes after a StepRows tree step; read before the table
+        changes). PlanError for a plan over no table rows."""
+        if plan.rows is None:
+            raise PlanError("slots_of: the plan lists its pages (a StepBatch plan): its slot_mapping holds its slots")
+        pos = plan.cache_positions
+        page, _ = self.written(np.repeat(plan.rows, plan.q_lens), pos)
+        return self.slots(page, pos)
 
     def slots(self, page: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """slot_mapping [n] int64 of tokens at positions pos on pages `page`."""

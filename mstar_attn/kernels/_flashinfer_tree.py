@@ -67,6 +67,12 @@ class TreeState:
         self.bits_dev = [torch.zeros(n, dtype=torch.int64, device=pool.device) for _ in range(pool.num_slots)]
         self.seg_host = [[torch.zeros(B + 1, dtype=torch.int32, pin_memory=True) for _ in range(G)]
                          for _ in range(pool.num_slots)]
+        # the mask kernel's own lengths, qo_indptr [R+1] then kv_lens [R] (a StepRows step's device arrays are
+        # derived after the backend state schedules: the kernel reads these instead)
+        self.lens_host = [[torch.zeros(2 * B + 1, dtype=torch.int32, pin_memory=True) for _ in range(G)]
+                          for _ in range(pool.num_slots)]
+        self.lens_dev = [[torch.zeros(2 * B + 1, dtype=torch.int32, device=pool.device) for _ in range(G)]
+                         for _ in range(pool.num_slots)]
         self.masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, group) -> (mask, mask_indptr)
 
     @staticmethod
@@ -97,7 +103,7 @@ class TreeState:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer this state owns (the wrappers hold the masks: counted here, not as theirs)."""
-        return [*self.bits_host, *self.bits_dev, *(t for per in self.seg_host for t in per),
+        return [*self.bits_host, *self.bits_dev, *(t for per in (*self.seg_host, *self.lens_host, *self.lens_dev) for t in per),
                 *(t for pair in self.masks.values() for t in pair)]
 
     def memory(self) -> dict[str, tuple[int, int]]:
@@ -109,6 +115,7 @@ class TreeState:
     def schedule(self, step: DeviceStep) -> tuple:
         """One wrapper per layer group for tree step `step`, each planned with the step's mask (built once, and
         again only for a group whose lengths differ)."""
+        self.state.pool.stage_host(step)  # (a StepRows step's pinned arrays, staged only when a planner reads them)
         host_bits, bits = self._stage_bits(step)
         out, built = [], None
         for g in range(len(step.groups)):
@@ -179,8 +186,12 @@ class TreeState:
         if not _tree_mask.available():  # (the host builder: O(total bits) on the host, then one copy)
             data.copy_(torch.from_numpy(_tree_mask.host_mask(q, kv, bits[0], packed)))
         else:
+            lens = self.lens_host[step.slot][g].numpy()
+            lens[: R + 1], lens[R + 1 : 2 * R + 1] = step.host_qo_indptr[: R + 1].numpy(), kv
+            lens_dev = self.lens_dev[step.slot][g][: 2 * R + 1]
+            lens_dev.copy_(self.lens_host[step.slot][g][: 2 * R + 1], non_blocking=True)
             seg_dev = torch.empty(R + 1, dtype=torch.int32, device=dev).copy_(host, non_blocking=True)
-            _tree_mask.pack(step.qo_indptr, step.groups[g].kv_lens, seg_dev, bits[1], data, int(np.diff(seg).max()), packed)
+            _tree_mask.pack(lens_dev[: R + 1], lens_dev[R + 1 :], seg_dev, bits[1], data, int(np.diff(seg).max()), packed)
         return StepMask(data=data, seg=host, kv=kv.copy())
 
     def _buffers(self, s: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:

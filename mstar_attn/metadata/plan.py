@@ -55,7 +55,9 @@ def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: Draf
     """The verify step of draft token trees (metadata/tree.py): `batch` as for build_plan, request i's new
     tokens being tree i's tokens in its order (q_lens == tree.sizes), stored like any step's; each token
     attends to the cached prefix and to its ancestors and itself (plan.tree), and sits at position
-    prefix + depth (plan.positions: the RoPE positions). Pure; PlanError for a tree that does not match
+    prefix + depth (plan.positions: the RoPE positions; plan.cache_positions: where its K/V are stored, tree
+    order). A StepRows batch works too (accepted_moves then takes the slots from the pool's table:
+    PageTable.slots_of). Pure; PlanError for a tree that does not match
     the batch, a spec with window, non-causal or cross groups or cascade on, or a backend that does not
     declare token trees (Capabilities.tree)."""
     if not isinstance(tree, DraftTree) or not tree.sealed:
@@ -64,8 +66,6 @@ def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: Draf
     if not isinstance(spec, AttentionSpec):
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
     check_tree_spec(spec)
-    if isinstance(batch, StepRows):  # (the pool derives a StepRows step's slots from its positions, here by depth)
-        raise PlanError("batch: a tree verify step is planned from a StepBatch (its page lists), not StepRows")
     return _with_tree(spec, build_plan(batch, spec), tree)
 
 

@@ -168,6 +168,21 @@ class AttentionPlan:
         return kv - first_read_page(g, self.q_lens, kv, self.spec.page_size) * self.spec.page_size
 
     @property
+    def cache_positions(self) -> np.ndarray:
+        """[T] int64: where each new token's K/V sits in its request's sequence, kv_len - q_len plus its index
+        among the request's new tokens (the slots a step writes): `positions`, except in a token-tree step,
+        whose `positions` are by depth (the RoPE positions) while its tokens are stored in tree order."""
+        if self.tree is None:
+            return self.positions
+        got = self._cache.get("cache_positions")
+        if got is None:
+            q, qo = self.q_lens, self.qo_indptr
+            got = np.repeat((self.kv_lens - q - qo[:-1]).astype(np.int64), q) + np.arange(self.num_tokens)
+            got.flags.writeable = False
+            self._cache["cache_positions"] = got
+        return got
+
+    @property
     def sm_scale(self) -> float:
         return self.spec.sm_scale
 

@@ -124,18 +124,27 @@ class AcceptedMoves:
     kept: np.ndarray = array_field()
 
 
-def accepted_moves(plan, accepted: Sequence[Sequence[int]]) -> AcceptedMoves:
-    """The K/V moves after a tree verify step (`plan`: build_tree_plan's, with page ids: a StepBatch step)
-    when request i keeps the path accepted[i]: node indices from its root down (0 first, each next node a
-    child of the one before). Accepted token k, stored at position prefix + accepted[i][k] (tree order),
-    belongs at prefix + k, where the request continues. PlanError for a path that does not start at the
-    root or leaves the parent links (naming the request and the node), or a plan without a tree or slots."""
+def accepted_moves(plan, accepted: Sequence[Sequence[int]], slots: np.ndarray | None = None) -> AcceptedMoves:
+    """The K/V moves after a tree verify step (`plan`: build_tree_plan's) when request i keeps the path
+    accepted[i]: node indices from its root down (0 first, each next node a child of the one before). Accepted
+    token k, stored at position prefix + accepted[i][k] (tree order), belongs at prefix + k, where the request
+    continues. slots [T] int64: where the step stored each new token, for a plan that holds none (a StepRows
+    step: `pool.table.slots_of(plan)`, read before the table changes); a StepBatch plan's own by default.
+    PlanError for a path that does not start at the root or leaves the parent links (naming the request and
+    the node), or a plan without a tree or slots."""
     tree = getattr(plan, "tree", None)
     if tree is None:
         raise PlanError("accepted_moves: plan is not a tree verify step (build_tree_plan)")
-    if plan.slot_mapping is None or any(g.slot_mapping is not None for g in plan.groups):
-        raise PlanError("accepted_moves: the plan holds no slots of its own (a StepRows step: the pool derives them) "
-                        "or the spec has own-page groups; plan the tree step from a StepBatch")
+    if any(g.slot_mapping is not None for g in plan.groups):
+        raise PlanError("accepted_moves: the spec has own-page groups (their slots are their own); plan the tree step "
+                        "over one page list")
+    if slots is None:
+        slots = plan.slot_mapping
+        if slots is None:
+            raise PlanError("accepted_moves: a StepRows plan holds no slots; pass slots=pool.table.slots_of(plan)")
+    elif not isinstance(slots, np.ndarray) or slots.shape != (plan.num_tokens,) or slots.dtype.kind not in "iu":
+        raise PlanError(f"accepted_moves: slots must be an int array of the step's {plan.num_tokens} tokens, got "
+                        f"{getattr(slots, 'shape', type(slots).__name__)}")
     if isinstance(accepted, (str, bytes)) or len(accepted) != tree.batch_size:
         raise PlanError(f"accepted: expected one path per request ({tree.batch_size})")
     src, dst, kept = [], [], []
@@ -153,11 +162,11 @@ def accepted_moves(plan, accepted: Sequence[Sequence[int]]) -> AcceptedMoves:
             if not 0 < p[k] < n or parents[p[k]] != p[k - 1]:
                 raise PlanError(f"accepted[{r}][{k}] = {p[k]}: not a child of node {p[k - 1]} in request {r}'s tree "
                                 f"({n} nodes)")
-        slots = plan.slot_mapping[start : start + n]
+        at = slots[start : start + n]
         for k, j in enumerate(p):
             if j != k:
-                src.append(int(slots[j]))
-                dst.append(int(slots[k]))
+                src.append(int(at[j]))
+                dst.append(int(at[k]))
         kept.append(len(p))
         start += n
     out = AcceptedMoves(src=np.array(src, np.int64), dst=np.array(dst, np.int64), kept=np.array(kept, np.int32))

@@ -111,3 +111,41 @@ def _batch_of(plan):
     from mstar_attn import StepBatch
 
     return StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, PS)
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["commit", "deferred"])
+def test_tree_steps_over_the_page_table(defer):
+    """StepRows tree steps (the pool's page table): bucketed (one size, the pool derives the step's arrays on the
+    device after FlashInfer schedules: the mask is built from the backend's own staged lengths; with defer, at
+    the step's first use) and unbucketed; every request against the reference on the StepBatch plan of the same
+    pages."""
+    from mstar_attn import StepBatch, StepRows
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(QH, KVH, D, PS, 6000)
+    cache = random_cache(spec, seed)
+    pool = gpu_pool(spec, buckets=(1, 2, 4, 8), max_pages_per_request=300, max_requests=64)
+    free = list(rng.permutation(spec.num_pages).astype(np.int32))
+    for i in range(6):
+        B = int(rng.integers(1, 9))
+        sizes = [int(rng.integers(2, 17))] * B if i % 2 == 0 else [int(rng.integers(1, 40)) for _ in range(B)]
+        kv = [int(rng.integers(1, 2000)) + n for n in sizes]
+        rows = rng.choice(64, B, replace=False).astype(np.int32)
+        lists = []
+        for r, k in zip(rows, kv):
+            pages = [free.pop() for _ in range(-(-k // PS))]
+            pool.table.assign(int(r), pages)
+            lists.append(pages)
+        tree = DraftTree.from_parents([random_parents(rng, n, str(rng.choice(["chain", "star", "random"])))
+                                       for n in sizes])
+        plan = build_tree_plan(StepRows(rows=rows, q_lens=sizes, kv_lens=kv), spec, tree)
+        by_pages = build_tree_plan(StepBatch.from_pages(sizes, kv, lists, PS), spec, tree)
+        step = pool.commit(plan, defer=defer)
+        gen = torch.Generator(device="cuda").manual_seed(seed + i)
+        q, k, v = (torch.randn(plan.num_tokens, h, D, device="cuda", generator=gen).bfloat16() for h in (QH, KVH, KVH))
+        fi.write_kv(step, k, v, cache)
+        assert_close_per_request(fi.run(step, q, cache), reference.run(by_pages, q.float(), cache), plan, spec.dtype,
+                                 (f"seed {seed}", i, sizes, "bucketed" if step.bucket is not None else "unbucketed"))
+        for r in rows:  # (their pages back to the free list)
+            free += [int(p) for p in pool.table.release(int(r))]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import StepBatch, build_plan
+from mstar_attn import PlanError, StepBatch, build_plan
 from mstar_attn.kernels import reference
 from tests.helpers import fresh_seed, make_step
 from tests.kernels.test_reference import TOL
@@ -117,3 +117,62 @@ def test_accepted_paths_move_to_where_their_requests_continue():
         want = exact_attention(q1[i : i + 1], keys, values, scale=spec.sm_scale, causal=False)
         err = ((out[i : i + 1].double() - want).norm() / want.norm()).item()
         assert err < TOL[torch.float32], (f"seed {seed}", f"request {i}", err)
+
+
+@pytest.mark.parametrize("bucketed", [True, False], ids=["bucketed", "unbucketed"])
+def test_a_tree_step_over_the_page_table_equals_the_same_step_over_page_lists(bucketed):
+    """A tree verify step planned from StepRows (the pool's page table, its slots derived by the pool) and committed
+    to a CPU pool: it stores its new K/V at the slots the StepBatch plan of the same pages lists (tree order), its
+    output equals that plan's per request, and the accepted paths' moves with the table's slots (slots_of) equal
+    the StepBatch plan's; bucketed (every tree one size, a verify step) and not (mixed sizes, some past 16)."""
+    from mstar_attn import DraftTree, PagedKVCache, StepRows, build_tree_plan
+    from mstar_attn.metadata.tree import accepted_moves
+    from tests.helpers import pool_of, spec_for
+    from tests.support.trees import random_parents
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=4, num_pages=600, dtype=torch.float32)
+    pool = pool_of(spec, max_batch_size=8, max_num_tokens=512, max_num_pages=600, device="cpu", buckets=(1, 2, 4, 8),
+                   max_requests=16, max_pages_per_request=40)
+    B = int(rng.integers(1, 7))
+    sizes = [int(rng.integers(2, 17))] * B if bucketed else [int(rng.integers(1, 40)) for _ in range(B)]
+    kv = [int(rng.integers(1, 100)) + n for n in sizes]
+    rows = rng.choice(16, B, replace=False).astype(np.int32)
+    free = list(rng.permutation(600).astype(np.int32))
+    lists = []
+    for r, k in zip(rows, kv):
+        pages = [free.pop() for _ in range(-(-k // 4) + int(rng.integers(0, 2)))]  # (sometimes a spare page)
+        pool.table.assign(int(r), pages)
+        lists.append(pages[: -(-k // 4)])
+    parents = [random_parents(rng, n, str(rng.choice(["chain", "star", "random"]))) for n in sizes]
+    tree = DraftTree.from_parents(parents)
+    by_rows = build_tree_plan(StepRows(rows=rows, q_lens=sizes, kv_lens=kv), spec, tree)
+    by_pages = build_tree_plan(StepBatch.from_pages(sizes, kv, lists, 4), spec, tree)
+    step = pool.commit(by_rows)
+    assert (step.bucket is not None) == bucketed, (seed, sizes)
+    T = by_rows.num_tokens
+    assert np.array_equal(step.slot_mapping[:T].numpy(), by_pages.slot_mapping), seed
+    assert np.array_equal(pool.table.slots_of(by_rows), by_pages.slot_mapping), seed
+    cache = PagedKVCache.allocate(spec, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    for t in (cache.k, cache.v):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    q, k, v = (torch.randn(T, h, spec.head_dim, generator=gen) for h in (spec.num_qo_heads, spec.num_kv_heads,
+                                                                         spec.num_kv_heads))
+    reference.write_kv(step, k, v, cache)
+    out = reference.run(step, q, cache)
+    want = reference.run(by_pages, q, cache)
+    for i in range(B):
+        a, b = int(by_pages.qo_indptr[i]), int(by_pages.qo_indptr[i + 1])
+        assert torch.allclose(out[a:b], want[a:b], rtol=1e-6, atol=1e-6), (f"seed {seed}", f"request {i}")
+    paths = [[0] + ([j for j in range(1, n) if p[j] == 0][:1]) for p, n in zip(parents, sizes)]
+    mine = accepted_moves(by_rows, paths, slots=pool.table.slots_of(by_rows))
+    theirs = accepted_moves(by_pages, paths)
+    assert all(np.array_equal(getattr(mine, f), getattr(theirs, f)) for f in ("src", "dst", "kept")), seed
+    with pytest.raises(PlanError, match=r"a StepRows plan holds no slots; pass slots=pool.table.slots_of\(plan\)"):
+        accepted_moves(by_rows, paths)
+    with pytest.raises(PlanError, match=f"slots must be an int array of the step's {T} tokens"):
+        accepted_moves(by_rows, paths, slots=np.zeros(T + 1, np.int64))
+    with pytest.raises(PlanError, match="slots_of: the plan lists its pages"):
+        pool.table.slots_of(by_pages)

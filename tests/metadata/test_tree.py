@@ -75,8 +75,9 @@ def test_the_tree_plan_positions_tokens_by_depth_and_refuses_what_it_cannot_serv
     assert other != plan and build_tree_plan(batch, spec, DraftTree.from_parents([[-1, 0, 0, 1], [-1, 0]])) == plan
     from mstar_attn import StepRows
 
-    with pytest.raises(PlanError, match="planned from a StepBatch"):
-        build_tree_plan(StepRows.decode([0, 1], [3, 4]), spec, DraftTree.from_parents([[-1], [-1]]))
+    rows = build_tree_plan(StepRows(rows=[5, 2], q_lens=[4, 2], kv_lens=[10, 3]), spec, tree)  # (over a page table)
+    assert rows.positions.tolist() == plan.positions.tolist() and rows.rows.tolist() == [5, 2]
+    assert rows.cache_positions.tolist() == [6, 7, 8, 9, 1, 2] == plan.cache_positions.tolist()  # (tree order)
     with pytest.raises(PlanError, match="tree: expected a DraftTree made by DraftTree.from_parents, got list"):
         build_tree_plan(batch, spec, [[-1, 0, 0, 1], [-1, 0]])
     import attrs
