@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its plan
 FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
-# A bucket whose rows x KV heads reach this many CTAs per SM of the GPU is planned once, without
+# A bucket whose requests x KV heads reach this many CTAs per SM of the GPU is planned once, without
 # split-KV, and never re-planned (see PoolState); below it split-KV pays for small batches over
 # long contexts, and the schedule is re-planned per step (benchmarks/host_step.py part b measures both)
 FIXED_CTAS_PER_SM = 2
@@ -48,7 +48,7 @@ def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
 
 @attrs.frozen
 class KeptStep:
-    """The kept plans of one bucketed step shape (slot, rows, q_len, mode) once every layer group has one:
+    """The kept plans of one bucketed step shape (slot, padded batch, q_len, mode) once every layer group has one:
     per group its wrapper, and its FastDecodePlan (None: planned once for good, `fixed`) with whether
     that plan sits in an int workspace of its own (`private`), not the slot and group's shared one."""
 
@@ -61,9 +61,9 @@ class KeptStep:
 class PoolState(PoolStateBase):
     """The pool's FlashInfer wrappers, planned at commit from pinned host arrays.
 
-    Bucketed steps (decode, and verify) use graph-mode decode wrappers keyed by (slot, group, rows,
+    Bucketed steps (decode, and verify) use graph-mode decode wrappers keyed by (slot, group, padded batch,
     q_len) over the slot's own device buffers, so a graph captured on one replays whatever the
-    latest commit planned. A bucket of rows x KV heads >= fixed_min_ctas (FIXED_CTAS_PER_SM per SM)
+    latest commit planned. A bucket of requests x KV heads >= fixed_min_ctas (FIXED_CTAS_PER_SM per SM)
     is planned once with split-KV off (each request one chunk, its length read by the kernel at run
     time), so its plan holds for any lengths and is never redone: no host scheduling per step.
     Smaller buckets keep split-KV and are re-planned at every commit through `FastDecodePlan` (the
@@ -103,8 +103,8 @@ class PoolState(PoolStateBase):
         self.fast: dict[tuple, FastDecodePlan] = {}
         self.ws_owner: dict[tuple, object] = {}  # (slot, group) -> the wrapper that last planned into its shared int workspace
         self.private_keys: set[tuple] = set()  # kept plans of wrappers with an int workspace of their own
-        self.fixed: dict[tuple, object] = {}  # (slot, group, rows, q_len[, draft step]) -> its wrapper, planned once for good
-        self.kept_steps: dict[tuple, KeptStep] = {}  # (slot, rows, q_len, mode) -> its groups' kept plans (schedule)
+        self.fixed: dict[tuple, object] = {}  # (slot, group, padded batch, q_len[, draft step]) -> its wrapper, planned once for good
+        self.kept_steps: dict[tuple, KeptStep] = {}  # (slot, padded batch, q_len, mode) -> its groups' kept plans (schedule)
         self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once
         props = torch.cuda.get_device_properties(pool.device)
         self.fixed_min_ctas = 1 << 62 if FIXED_CTAS_PER_SM is None else FIXED_CTAS_PER_SM * props.multi_processor_count
