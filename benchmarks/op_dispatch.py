@@ -4,7 +4,7 @@ step, same inputs, interleaved in rounds; host clock, the device drained after e
 
     python -m benchmarks.op_dispatch [--device cpu|cuda] [--backend reference|flashinfer|flash_attn] [--out DIR]
 
-Both ops (attention, store). By default the layer's work with a step is a fixed result (store:
+Both ops a layer calls (forward, store). By default the layer's work with a step is a fixed result (store:
 nothing), so the difference is the op's own cost: dispatch, registry and context lookups (the op
 returns the layer's output as it is: no buffer, no copy); --real times the backend's work too. Reports per call: the direct call, the op
 call, and their difference in the same round, medians over rounds with the 10th-90th percentile

@@ -131,6 +131,10 @@ def _layer(key: int, where: str):
 
 def _forward(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, key: int,
              attend_only: bool = False) -> torch.Tensor:
+    """mstar_attn.forward: layer `key`'s forward (or attend) with the step of step_context; q [rows, qo_heads,
+    head_dim (+ rope dims: MLA)], k, v [rows, kv_heads, ...] (a cross layer: the encoder tokens it stores) ->
+    a new [rows, qo_heads, head_dim] tensor of q's dtype on q's device (rows past a padded forward's step rows:
+    zeros)."""
     layer, step = _layer(key, "mstar_attn.forward"), current_step("mstar_attn.forward")
     rows = q.shape[0]
     n = _real_rows(rows, step, "mstar_attn.forward")

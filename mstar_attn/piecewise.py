@@ -19,9 +19,11 @@ Graphs per bucket: an engine pads the forward's inputs to a bucket of n token ro
 `step_context(step, padded_rows=n)`. On CUDA each compiled piece then captures a CUDA graph at its first call
 for that n (after one warm-up run) and replays it at every later one; the attention ops between them run
 eagerly on the step's own rows and write zeros past them (mstar_attn.ops). A piece's graph reads its inputs
-where the capture found them: model parameters and the outputs of other piece graphs stay where they are,
-any other tensor input (the padded ids, a buffer) is cloned at capture and copied in before each replay when
-a call passes it elsewhere (the same shape, else PlanError). A piece's graphs are keyed by n and by the sizes
+where the capture found them: model parameters and the outputs of other piece graphs are read in place,
+any other tensor input (the padded ids, a buffer, an attention output) is cloned at capture; before each replay
+an input other than a parameter that a call passes elsewhere is copied in (the same shape, else PlanError; a
+graph's outputs live as long as it does, so copying into another graph's output is safe). A piece with a CPU
+tensor input is not captured. A piece's graphs are keyed by n and by the sizes
 it takes as arguments. A piece that writes into one of its inputs (`mutates_inputs`) is never captured: it
 runs as compiled. All graphs of one compiled function share one memory pool and its static inputs and
 outputs: one thread runs it at a time, and a replay's outputs live until that piece replays again (the
@@ -105,6 +107,7 @@ def mutates_inputs(gm: torch.fx.GraphModule) -> bool:
 
 
 def _new_graph():
+    """A new CUDA graph for one piece and key."""
     return torch.cuda.CUDAGraph()
 
 
@@ -138,11 +141,14 @@ class _PieceGraph:
 
 
 def _capturable(args: tuple) -> bool:
-    """Whether a piece called on `args` can be captured: a CUDA tensor among them."""
-    return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    """Whether a piece called on `args` can be captured: CUDA tensors only (a CPU tensor, a 0-dim scalar
+    among them, would have its value baked into the graph's launches at capture)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(a.is_cuda for a in tensors)
 
 
 def _new_pool():
+    """The memory pool a compiled function's piece graphs share."""
     return torch.cuda.graph_pool_handle()
 
 

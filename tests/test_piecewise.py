@@ -107,7 +107,10 @@ def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
 
 class FakeGraph:
     """A CUDA graph's semantics on the CPU: capture runs the function once and leaves its outputs holding garbage
-    (NaN) until a replay; a replay runs it again on the same (static) inputs and writes into the same outputs."""
+    (NaN) until a replay; a replay runs it again on the same (static) inputs and writes into the same outputs.
+    Not modelled: the shared memory pool (a replay computes into fresh memory, then copies), calls a capture
+    forbids (a host sync), values baked into launches (scalars: the pieces capture CUDA inputs only). A piece
+    whose output aliases an input would be corrupted by the NaN fill: the toy model has none."""
 
     fn, out = None, None
 

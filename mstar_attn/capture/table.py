@@ -256,12 +256,11 @@ class PageTable:
     def slots_of(self, plan: AttentionPlan) -> np.ndarray:
         """slot_mapping [T] int64 of a StepRows plan's new tokens as this table holds its rows' pages now: the
         slots its commit wrote (what accepted_moves takes after a StepRows tree step; read before the table
-        changes). PlanError for a plan over no table rows."""
+        changes). PlanError for a plan over no table rows, or one whose rows no longer hold the pages its
+        tokens were written to (check_step)."""
         if plan.rows is None:
             raise PlanError("slots_of: the plan lists its pages (a StepBatch plan): its slot_mapping holds its slots")
-        pos = plan.cache_positions
-        page, _ = self.written(np.repeat(plan.rows, plan.q_lens), pos)
-        return self.slots(page, pos)
+        return self.check_step(plan)  # (PlanError, naming the request, where a row no longer holds the page)
 
     def slots(self, page: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """slot_mapping [n] int64 of tokens at positions pos on pages `page`."""

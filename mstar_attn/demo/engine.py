@@ -18,7 +18,6 @@ from mstar_attn import Attention, AttentionPlan, step_context
 from mstar_attn.demo.attention import StepAttention
 from mstar_attn.demo.config import DemoConfig, DemoError
 from mstar_attn import piecewise
-from mstar_attn.piecewise import compile_piecewise
 
 # ----------------------------------------------------------------------------------------------------
 # Pages and requests.
@@ -197,7 +196,7 @@ def compiled_forward(forward: Callable[..., torch.Tensor], mode: str) -> Callabl
     reading the step of step_context)."""
     if mode == "off":
         return None
-    return torch.compile(forward, fullgraph=True) if mode == "full" else compile_piecewise(forward)
+    return torch.compile(forward, fullgraph=True) if mode == "full" else piecewise.compile_piecewise(forward)
 
 
 PIECE_BUCKETS = tuple(1 << i for i in range(3, 11))  # token-count buckets of piecewise graphs: 8 .. 1,024 rows

@@ -6,7 +6,9 @@ Capabilities: the dtypes, head dims, modes and features it serves, as data). The
     write_kv(step, k, v, cache, group=None)      store the step's new K/V in the paged cache
     run(step, q, cache, group=None, k=None, v=None, sinks=None) -> out   attention for one layer of `group`
                                                  (sinks: the layer's, where its group has them; a backend
-                                                 without Capabilities.sinks checks there are none)
+                                                 without Capabilities.sinks checks there are none); out is a
+                                                 new tensor, never q or a buffer the backend keeps (the
+                                                 mstar_attn.forward op returns it as its output)
     PoolState(pool)  (backends that keep device state per pool; host-only backends have none)
 
 and its PoolState is a `PoolStateBase`: `GraphBufferPool.commit` calls

@@ -113,12 +113,12 @@ def _batch_of(plan):
     return StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, PS)
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["commit", "deferred"])
-def test_tree_steps_over_the_page_table(defer):
+def test_tree_steps_over_the_page_table():
     """StepRows tree steps (the pool's page table): bucketed (one size, the pool derives the step's arrays on the
-    device after FlashInfer schedules: the mask is built from the backend's own staged lengths; with defer, at
-    the step's first use) and unbucketed; every request against the reference on the StepBatch plan of the same
-    pages."""
+    device after FlashInfer schedules: the mask is built from the backend's own staged lengths) and unbucketed;
+    the slots the device derived are the StepBatch plan's of the same pages (tree order) and the table's
+    (slots_of); every request against the reference on that StepBatch plan. (A tree step's commit is never
+    deferred: FlashInfer plans it from host arrays, which makes its device work run at commit.)"""
     from mstar_attn import StepBatch, StepRows
 
     seed = fresh_seed()
@@ -141,9 +141,13 @@ def test_tree_steps_over_the_page_table(defer):
                                        for n in sizes])
         plan = build_tree_plan(StepRows(rows=rows, q_lens=sizes, kv_lens=kv), spec, tree)
         by_pages = build_tree_plan(StepBatch.from_pages(sizes, kv, lists, PS), spec, tree)
-        step = pool.commit(plan, defer=defer)
+        step = pool.commit(plan, defer=True)
+        step.prepare()  # (the commit's device work, had it been deferred, before the slots are read)
+        T = plan.num_tokens
+        assert np.array_equal(step.slot_mapping[:T].cpu().numpy(), by_pages.slot_mapping), (seed, i)
+        assert np.array_equal(pool.table.slots_of(plan), by_pages.slot_mapping), (seed, i)
         gen = torch.Generator(device="cuda").manual_seed(seed + i)
-        q, k, v = (torch.randn(plan.num_tokens, h, D, device="cuda", generator=gen).bfloat16() for h in (QH, KVH, KVH))
+        q, k, v = (torch.randn(T, h, D, device="cuda", generator=gen).bfloat16() for h in (QH, KVH, KVH))
         fi.write_kv(step, k, v, cache)
         assert_close_per_request(fi.run(step, q, cache), reference.run(by_pages, q.float(), cache), plan, spec.dtype,
                                  (f"seed {seed}", i, sizes, "bucketed" if step.bucket is not None else "unbucketed"))

@@ -166,7 +166,15 @@ def test_a_tree_step_over_the_page_table_equals_the_same_step_over_page_lists(bu
     for i in range(B):
         a, b = int(by_pages.qo_indptr[i]), int(by_pages.qo_indptr[i + 1])
         assert torch.allclose(out[a:b], want[a:b], rtol=1e-6, atol=1e-6), (f"seed {seed}", f"request {i}")
-    paths = [[0] + ([j for j in range(1, n) if p[j] == 0][:1]) for p, n in zip(parents, sizes)]
+    paths = []
+    for p in parents:  # a random walk down from the root, stopping at random
+        path = [0]
+        while True:
+            kids = [j for j in range(len(p)) if p[j] == path[-1]]
+            if not kids or rng.random() < 0.15:
+                break
+            path.append(int(rng.choice(kids)))
+        paths.append(path)
     mine = accepted_moves(by_rows, paths, slots=pool.table.slots_of(by_rows))
     theirs = accepted_moves(by_pages, paths)
     assert all(np.array_equal(getattr(mine, f), getattr(theirs, f)) for f in ("src", "dst", "kept")), seed
