@@ -106,7 +106,7 @@ def mutates_inputs(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _new_graph():
+def new_graph():
     """A new CUDA graph for one piece and key."""
     return torch.cuda.CUDAGraph()
 
@@ -121,9 +121,9 @@ class _PieceGraph:
         # (every input but a parameter: copied in when a call passes it elsewhere, another graph's output too)
         self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)]
         fn(*self.inputs)  # (warm-up, outside the capture: lazy allocations, autotuning)
-        self.graph = _new_graph()
+        self.graph = new_graph()
         self.out = capture_into(self.graph, memory, lambda: fn(*self.inputs))
-        outputs.update(t.data_ptr() for t in _tensors(self.out))
+        outputs.update(t.data_ptr() for t in output_tensors(self.out))
 
     def __call__(self, args: tuple):
         """Replay on `args`: an input other than a parameter copied in first when the call passes it elsewhere
@@ -140,19 +140,20 @@ class _PieceGraph:
         return self.out
 
 
-def _capturable(args: tuple) -> bool:
+def capturable(args: tuple) -> bool:
     """Whether a piece called on `args` can be captured: CUDA tensors only (a CPU tensor, a 0-dim scalar
     among them, would have its value baked into the graph's launches at capture)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     return bool(tensors) and all(a.is_cuda for a in tensors)
 
 
-def _new_pool():
+def new_pool():
     """The memory pool a compiled function's piece graphs share."""
     return torch.cuda.graph_pool_handle()
 
 
-def _tensors(out) -> list[torch.Tensor]:
+def output_tensors(out) -> list[torch.Tensor]:
+    """The tensors of a piece's output (one tensor, or a tuple of them and other values)."""
     return [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
 
 
@@ -172,10 +173,10 @@ class _Compiled(torch.nn.Module):
         n = (n, *(a for a in args if isinstance(a, int)))  # (and any size the piece takes as an argument)
         graph = self.graphs.get(n)
         if graph is None:
-            if not _capturable(args):
+            if not capturable(args):
                 return self.fn(*args)
             if self.shared["memory"] is None:
-                self.shared["memory"] = _new_pool()
+                self.shared["memory"] = new_pool()
             graph = self.graphs[n] = _PieceGraph(self.fn, args, self.shared["memory"], self.shared["outputs"])
             STATS["captured"] += 1
         STATS["replayed"] += 1

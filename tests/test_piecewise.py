@@ -115,17 +115,17 @@ class FakeGraph:
     fn, out = None, None
 
     def replay(self):
-        from mstar_attn.piecewise import _tensors
+        from mstar_attn.piecewise import output_tensors
 
-        for o, n in zip(_tensors(self.out), _tensors(self.fn())):
+        for o, n in zip(output_tensors(self.out), output_tensors(self.fn())):
             o.copy_(n)
 
 
 def fake_capture(graph, memory, fn):
-    from mstar_attn.piecewise import _tensors
+    from mstar_attn.piecewise import output_tensors
 
     graph.fn, graph.out = fn, fn()
-    for t in _tensors(graph.out):
+    for t in output_tensors(graph.out):
         t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
     return graph.out
 
@@ -135,9 +135,9 @@ def fake_graphs(monkeypatch):
     """mstar_attn.piecewise capturing FakeGraphs on the CPU (its CUDA-graph logic, checked without a GPU)."""
     import mstar_attn.piecewise as pw
 
-    monkeypatch.setattr(pw, "_capturable", lambda args: True)
-    monkeypatch.setattr(pw, "_new_pool", lambda: object())
-    monkeypatch.setattr(pw, "_new_graph", FakeGraph)
+    monkeypatch.setattr(pw, "capturable", lambda args: True)
+    monkeypatch.setattr(pw, "new_pool", lambda: object())
+    monkeypatch.setattr(pw, "new_graph", FakeGraph)
     monkeypatch.setattr(pw, "capture_into", fake_capture)
 
 
