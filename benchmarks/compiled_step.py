@@ -1,4 +1,4 @@
-"""H100: a 1B-class Llama step, uncompiled eager vs torch.compile full graph vs piecewise, ms per step.
+"""H100: a 1B-class Llama step, uncompiled eager vs torch.compile full graph vs piecewise, µs per step.
 
 A random transformers Llama (16 layers, hidden 2048, 32 / 8 heads, d 64, vocab 8192, bf16) served through
 mstar_attn.Attention on FlashInfer, one pool (page 16). Two steps, committed once and run again and again
@@ -104,7 +104,7 @@ def main(out_dir: str) -> None:
         errs = {arm: _errors(fn()[:T], want, plan) for arm, fn in arms.items()}  # (also compiles, captures)
         before = dict(STATS)
         t = interleaved_rounds(arms, rounds=5, n=20)
-        out["steps"][name] = dict(tokens=T, padded_rows=n, arms={arm: dict(ms=[x / 1e3 for x in r], max_err=errs[arm])
+        out["steps"][name] = dict(tokens=T, padded_rows=n, arms={arm: dict(us=r, max_err=errs[arm])
                                                                  for arm, r in t.items()},
                                   piece_replays=STATS["replayed"] - before["replayed"])
     json.dump(out, open(f"{out_dir}/compiled_step_h100.json", "w"), indent=1)
@@ -117,13 +117,13 @@ def markdown(r: dict) -> str:
     lines = ["# A 1B-class Llama step: eager vs compiled (full, piecewise), H100", "",
              f"`python -m benchmarks.compiled_step OUT`; {r['device']}, FlashInfer {r['flashinfer']}, torch {r['torch']}; "
              f"{s['layers']} layers, hidden {s['hidden']}, {s['heads']}/{s['kv_heads']} heads, d {s['head_dim']}, vocab "
-             f"{s['vocab']}, bf16, page {PS}. ms per forward (the step committed once), medians of 5 interleaved rounds "
+             f"{s['vocab']}, bf16, page {PS}. µs per forward (the step committed once), medians of 5 interleaved rounds "
              "x 20 (spread: min-max of the round medians); max err: the largest per-request norm-relative difference "
              "from eager.", "",
-             "| step | tokens (padded) | arm | ms per step | max err |", "|---|---:|---|---:|---:|"]
+             "| step | tokens (padded) | arm | µs per step | max err |", "|---|---:|---|---:|---:|"]
     for name, x in r["steps"].items():
         for arm, a in x["arms"].items():
-            lines.append(f"| {name} | {x['tokens']} ({x['padded_rows']}) | {arm} | {median_spread(a['ms'])} | "
+            lines.append(f"| {name} | {x['tokens']} ({x['padded_rows']}) | {arm} | {median_spread(a['us'])} | "
                          f"{a['max_err']:.4f} |")
     return "\n".join(lines) + "\n"
 
