@@ -29,7 +29,7 @@ def test_self_draft_accepts_every_proposal_and_saves_target_steps():
     assert res.accepted == res.proposed > 0  # the target proposes exactly its own greedy tokens
     assert res.catch_up_steps > 0  # a fully accepted round leaves its last proposal's draft K/V to write
     assert res.verify_steps < res.plain_steps  # K + 1 tokens per target step
-    assert "matches plain greedy decoding: yes" in summary(res)
+    assert "matches plain greedy decoding: yes" in summary(res) and "matches transformers: yes" in summary(res)
 
 
 def test_the_check_sees_an_off_by_one_acceptance(monkeypatch):
