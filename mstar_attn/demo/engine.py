@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
-from mstar_attn import Attention, AttentionPlan, step_context
+from mstar_attn import Attention, AttentionPlan, Mode, step_context
 from mstar_attn.demo.attention import StepAttention
 from mstar_attn.demo.config import DemoConfig, DemoError
 from mstar_attn import piecewise
@@ -252,8 +252,10 @@ class Engine:
         graphs = counters["stats"]["unique_graphs"] + piecewise.STATS["captured"]
         t0 = time.perf_counter_ns()
         rows = inputs["ids"].shape[0]
-        pad = self.piece_graphs and not torch.cuda.is_current_stream_capturing() and not self.attn.replays(ctx)
-        n = piece_bucket(rows) if pad else None  # (a step decode graphs replay whole is not padded)
+        # (a bucketed decode step, which decode graphs replay whole, captured or being captured, is not padded)
+        whole = getattr(ctx, "bucket", None) is not None and ctx.mode is Mode.DECODE
+        pad = self.piece_graphs and not whole and not torch.cuda.is_current_stream_capturing()
+        n = piece_bucket(rows) if pad else None
         ids, positions = (pad_rows(inputs[name], n) for name in ("ids", "positions"))
         with step_context(ctx, padded_rows=n):
             out = self.compiled(self.model, None, self.layers, ids, positions)[:rows]
