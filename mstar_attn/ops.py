@@ -136,8 +136,14 @@ def _forward(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, ke
     a new [rows, qo_heads, head_dim] tensor of q's dtype on q's device (rows past a padded forward's step rows:
     zeros)."""
     layer, step = _layer(key, "mstar_attn.forward"), current_step("mstar_attn.forward")
+    return _run(layer, step, q, k, v, attend_only, "mstar_attn.forward")
+
+
+def _run(layer, step, q: torch.Tensor, k, v, attend_only: bool, where: str) -> torch.Tensor:
+    """layer.forward(q, k, v, step) (or attend(q, step)); a padded forward's q, k, v cut to the step's rows and
+    the result padded back with zeros (what both attention ops return or write)."""
     rows = q.shape[0]
-    n = _real_rows(rows, step, "mstar_attn.forward")
+    n = _real_rows(rows, step, where)
     if n == rows:
         return layer.attend(q, step) if attend_only else layer.forward(q, k, v, step)
     q, k, v = q[:n], _rows(k, n, layer), _rows(v, n, layer)  # (padded rows: the step's rows only, zeros past them)
@@ -158,12 +164,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, 
     if tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:  # (before any work)
         raise PlanError(f"mstar_attn.attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; layer "
                         f"{layer.layer} writes {want} {q.dtype} on {q.device}")
-    n = _real_rows(q.shape[0], step, "mstar_attn.attention")
-    if n < q.shape[0]:  # (padded rows: the step's rows only, zeros past them)
-        q, k, v = q[:n], _rows(k, n, layer), _rows(v, n, layer)
-        out[n:].zero_()
-        out = out[:n]
-    out.copy_(layer.attend(q, step) if attend_only else layer.forward(q, k, v, step))
+    out.copy_(_run(layer, step, q, k, v, attend_only, "mstar_attn.attention"))
 
 
 def _store(k: torch.Tensor, v: torch.Tensor, key: int) -> None:
