@@ -67,26 +67,20 @@ def _kernel():
         prefix = kv - q
         k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = k < n
-        if PACKED:
-            acc = tl.zeros([BLOCK], dtype=tl.int32)
-            for i in tl.static_range(8):
-                b = k * 8 + i
-                row = b // kv
-                col = b - row * kv
-                ok = live & (row < q)
-                anc = tl.load(bits_ptr + q0 + row, mask=ok, other=0)
-                shift = tl.maximum(col - prefix, 0).to(tl.int64)
-                bit = ok & ((col < prefix) | (((anc >> shift) & 1) != 0))
-                acc = acc | (bit.to(tl.int32) << i)
-            tl.store(out_ptr + s0 + k, acc.to(tl.uint8), mask=live)
-        else:
-            row = k // kv
-            col = k - row * kv
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in tl.static_range(8 if PACKED else 1):  # (a byte's 8 bits, or one bit per element)
+            b = k * (8 if PACKED else 1) + i
+            row = b // kv
+            col = b - row * kv
             ok = live & (row < q)
             anc = tl.load(bits_ptr + q0 + row, mask=ok, other=0)
             shift = tl.maximum(col - prefix, 0).to(tl.int64)
             bit = ok & ((col < prefix) | (((anc >> shift) & 1) != 0))
-            tl.store(out_ptr + s0 + k, bit, mask=live)
+            acc = acc | (bit.to(tl.int32) << i)
+        if PACKED:
+            tl.store(out_ptr + s0 + k, acc.to(tl.uint8), mask=live)
+        else:
+            tl.store(out_ptr + s0 + k, acc != 0, mask=live)
 
     return triton, tree_mask
 
