@@ -61,7 +61,6 @@ class TreeState:
 
     def __init__(self, state):
         self.state, pool = state, state.pool
-        self.max_kv = pool.max_pages_per_request * pool.spec.page_size
         n, B, G = pool.layout.max_tokens, pool.layout.max_rows, len(pool.spec.groups)
         self.bits_host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(pool.num_slots)]
         self.bits_dev = [torch.zeros(n, dtype=torch.int64, device=pool.device) for _ in range(pool.num_slots)]

@@ -72,7 +72,7 @@ def test_accepted_paths_move_to_where_their_requests_continue():
     over the prefix and the path, per request."""
     from mstar_attn import DraftTree, build_tree_plan
     from mstar_attn.metadata.tree import accepted_moves
-    from tests.support.trees import random_parents
+    from tests.support.trees import random_parents, random_path
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -83,15 +83,7 @@ def test_accepted_paths_move_to_where_their_requests_continue():
     tree = DraftTree.from_parents(parents)
     spec, plan, cache, q, k_seqs, v_seqs, k_new, v_new = make_step(seed, sizes, [p + n for p, n in zip(prefix, sizes)], 16)
     plan = build_tree_plan(StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, 16), spec, tree)
-    paths = []
-    for p in parents:  # a random walk down from the root, stopping at random
-        path = [0]
-        while True:
-            kids = [j for j in range(len(p)) if p[j] == path[-1]]
-            if not kids or rng.random() < 0.2:
-                break
-            path.append(int(rng.choice(kids)))
-        paths.append(path)
+    paths = [random_path(rng, p, 0.2) for p in parents]
     moves = accepted_moves(plan, paths)
     assert moves.kept.tolist() == [len(p) for p in paths], seed
     before = [x.clone() for x in cache.flat()]
@@ -128,7 +120,7 @@ def test_a_tree_step_over_the_page_table_equals_the_same_step_over_page_lists(bu
     from mstar_attn import DraftTree, PagedKVCache, StepRows, build_tree_plan
     from mstar_attn.metadata.tree import accepted_moves
     from tests.helpers import pool_of, spec_for
-    from tests.support.trees import random_parents
+    from tests.support.trees import random_parents, random_path
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -166,15 +158,7 @@ def test_a_tree_step_over_the_page_table_equals_the_same_step_over_page_lists(bu
     for i in range(B):
         a, b = int(by_pages.qo_indptr[i]), int(by_pages.qo_indptr[i + 1])
         assert torch.allclose(out[a:b], want[a:b], rtol=1e-6, atol=1e-6), (f"seed {seed}", f"request {i}")
-    paths = []
-    for p in parents:  # a random walk down from the root, stopping at random
-        path = [0]
-        while True:
-            kids = [j for j in range(len(p)) if p[j] == path[-1]]
-            if not kids or rng.random() < 0.15:
-                break
-            path.append(int(rng.choice(kids)))
-        paths.append(path)
+    paths = [random_path(rng, p, 0.15) for p in parents]
     mine = accepted_moves(by_rows, paths, slots=pool.table.slots_of(by_rows))
     theirs = accepted_moves(by_pages, paths)
     assert all(np.array_equal(getattr(mine, f), getattr(theirs, f)) for f in ("src", "dst", "kept")), seed
