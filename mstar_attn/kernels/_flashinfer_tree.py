@@ -55,22 +55,22 @@ class StepMask:
 
 class TreeState:
     """The tree-step wrappers' mask buffers and staging of one pool's FlashInfer PoolState (`state`): per slot the
-    ancestor sets, pinned [max tokens] int64 and on the device; per (slot, group) the pinned segment offsets
-    [max batch + 1] int32; per (slot, group), made at its first bucketed tree step, the packed mask buffer
-    uint8 [mask_bytes] and its byte offsets int32 [max batch + 1] on the device."""
+    ancestor sets, pinned [max tokens] int64 and on the device; per (slot, group) the mask kernel's lengths and
+    segment offsets, int32 [3 x max batch + 2] pinned and on the device; per (slot, group), made at its first
+    bucketed tree step, the packed mask buffer uint8 [mask_bytes] and its byte offsets int32 [max batch + 1] on
+    the device."""
 
     def __init__(self, state):
         self.state, pool = state, state.pool
         n, B, G = pool.layout.max_tokens, pool.layout.max_rows, len(pool.spec.groups)
         self.bits_host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(pool.num_slots)]
         self.bits_dev = [torch.zeros(n, dtype=torch.int64, device=pool.device) for _ in range(pool.num_slots)]
-        self.seg_host = [[torch.zeros(B + 1, dtype=torch.int32, pin_memory=True) for _ in range(G)]
-                         for _ in range(pool.num_slots)]
-        # the mask kernel's own lengths, qo_indptr [R+1] then kv_lens [R] (a StepRows step's device arrays are
-        # derived after the backend state schedules: the kernel reads these instead)
-        self.lens_host = [[torch.zeros(2 * B + 1, dtype=torch.int32, pin_memory=True) for _ in range(G)]
+        # the mask kernel's arrays, one copy to the device: qo_indptr [R+1], kv_lens [R], the segments' offsets
+        # [R+1] (a StepRows step's device arrays are derived after the backend state schedules: the kernel reads
+        # these instead; the offsets also become the wrapper's mask_indptr after plan())
+        self.lens_host = [[torch.zeros(3 * B + 2, dtype=torch.int32, pin_memory=True) for _ in range(G)]
                           for _ in range(pool.num_slots)]
-        self.lens_dev = [[torch.zeros(2 * B + 1, dtype=torch.int32, device=pool.device) for _ in range(G)]
+        self.lens_dev = [[torch.zeros(3 * B + 2, dtype=torch.int32, device=pool.device) for _ in range(G)]
                          for _ in range(pool.num_slots)]
         self.masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, group) -> (mask, mask_indptr)
 
@@ -102,7 +102,7 @@ class TreeState:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer this state owns (the wrappers hold the masks: counted here, not as theirs)."""
-        return [*self.bits_host, *self.bits_dev, *(t for per in (*self.seg_host, *self.lens_host, *self.lens_dev) for t in per),
+        return [*self.bits_host, *self.bits_dev, *(t for per in (*self.lens_host, *self.lens_dev) for t in per),
                 *(t for pair in self.masks.values() for t in pair)]
 
     def memory(self) -> dict[str, tuple[int, int]]:
@@ -178,20 +178,19 @@ class TreeState:
         else:
             seg = np.zeros(R + 1, np.int64)
             np.cumsum(q.astype(np.int64) * kv, out=seg[1:])
-        host = self.seg_host[step.slot][g][: R + 1]
-        host.numpy()[:] = seg
+        lens_host = self.lens_host[step.slot][g][: 3 * R + 2]
+        lens = lens_host.numpy()
+        lens[: R + 1], lens[R + 1 : 2 * R + 1], lens[2 * R + 1 :] = step.host_qo_indptr[: R + 1].numpy(), kv, seg
         n = int(seg[-1])
         data = torch.empty(n, dtype=torch.uint8 if packed else torch.bool, device=dev)
         if not _tree_mask.available():  # (the host builder: O(total bits) on the host, then one copy)
             data.copy_(torch.from_numpy(_tree_mask.host_mask(q, kv, bits[0], packed)))
         else:
-            lens = self.lens_host[step.slot][g].numpy()
-            lens[: R + 1], lens[R + 1 : 2 * R + 1] = step.host_qo_indptr[: R + 1].numpy(), kv
-            lens_dev = self.lens_dev[step.slot][g][: 2 * R + 1]
-            lens_dev.copy_(self.lens_host[step.slot][g][: 2 * R + 1], non_blocking=True)
-            seg_dev = torch.empty(R + 1, dtype=torch.int32, device=dev).copy_(host, non_blocking=True)
-            _tree_mask.pack(lens_dev[: R + 1], lens_dev[R + 1 :], seg_dev, bits[1], data, int(np.diff(seg).max()), packed)
-        return StepMask(data=data, seg=host, kv=kv.copy())
+            lens_dev = self.lens_dev[step.slot][g][: 3 * R + 2]
+            lens_dev.copy_(lens_host, non_blocking=True)
+            _tree_mask.pack(lens_dev[: R + 1], lens_dev[R + 1 : 2 * R + 1], lens_dev[2 * R + 1 :], bits[1], data,
+                            int(np.diff(seg).max()), packed)
+        return StepMask(data=data, seg=lens_host[2 * R + 1 :], kv=kv.copy())
 
     def _buffers(self, s: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         found = self.masks.get((s, g))
