@@ -133,7 +133,7 @@ def main(out_dir: str, heldout: bool = False, only: tuple[int, ...] = ()) -> Non
             rounds = {c: [] for c in specs}
             for _ in range(3):
                 for c in specs:
-                    g = graphs[c].graphs[(steps[c].slot, steps[c].bucket, 1, "flashinfer", c == "always")][0]
+                    g = graphs[c].graph_for(steps[c])
                     rounds[c].append(event_median_us(g.replay, 15, before=flush.sum))  # (a read: no dirty lines)
             for c, name in (("always", "cascade"), ("off", "flat")):
                 med = statistics.median(rounds[c])

@@ -197,7 +197,7 @@ def part_c() -> list[dict]:
                 pages = np.split(rng.permutation(spec.num_pages)[: need.sum()].astype(np.int32), np.cumsum(need)[:-1])
                 step = pool.commit(build_plan(StepBatch.from_pages(np.full(B, q_len, np.int32), kv, pages, PS), spec))
                 graphs(step, q=static["q"][: B * q_len])
-                g = graphs.graphs[(step.slot, B, q_len, name, False)][0]
+                g = graphs.graph_for(step)
                 t[q_len] = [event_median_us(g.replay, 50) for _ in range(5)]
             med = {q: statistics.median(v) for q, v in t.items()}
             out.append(dict(backend=name, batch=B, context=2048, decode_us=med[1], verify_us=med[K + 1],

@@ -67,7 +67,7 @@ def run_case(B: int, context: int) -> dict:
         graphs.capture()
         step = pool.commit(build_plan(batch, spec))
         graphs(step, q=q)
-        replays[name] = graphs.graphs[(step.slot, B, 1, "flashinfer", False)][0]
+        replays[name] = graphs.graph_for(step)
         out[name] = (graphs, pool, cache)
     t = interleaved_rounds({name: g.replay for name, g in replays.items()})
     med = {k: statistics.median(v) for k, v in t.items()}

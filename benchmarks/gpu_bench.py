@@ -133,7 +133,7 @@ def main(out_dir: str) -> None:
         graphs.capture((B,), q_lens=(q_len,))
         step = pool.commit(plan)
         graphs(step, q=q)  # the live q now sits in the static input: time the replay alone, as for raw
-        graph_us = gpu_median(graphs.graphs[(step.slot, B, q_len, "flashinfer", False)][0].replay)
+        graph_us = gpu_median(graphs.graph_for(step).replay)
         wg, _ = raw_decode_wrapper(ws, plan, spec, q_len=q_len, graph=True)
         raw_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(raw_graph):

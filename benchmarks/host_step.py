@@ -213,7 +213,7 @@ def part_b(spec_for) -> list[dict]:
                     times[name] = []
                 for _ in range(5):
                     for name, (graphs, step) in steps.items():
-                        g = graphs.graphs[(step.slot, B, 1, "flashinfer", False)][0]
+                        g = graphs.graph_for(step)
                         times[name].append(event_median_us(g.replay, 30))
                 med = {k: statistics.median(v) for k, v in times.items()}
                 out.append(dict(heads=f"{heads[0]}/{heads[1]}", batch=B, context=ctx, ctas=B * heads[1], split_us=med["split"],

@@ -54,7 +54,7 @@ def run_case(heads: int, B: int, context: int, ps: int = 64) -> dict:
     graphs.capture()
     step = pool.commit(build_plan(batch, spec))
     ours = graphs(step, q=q).clone()
-    ours_graph = graphs.graphs[(step.slot, B, 1, "flashinfer_mla", False)][0]
+    ours_graph = graphs.graph_for(step)
 
     # the raw library call over the same cache and pages
     dev = {k: torch.as_tensor(v, device="cuda") for k, v in

@@ -45,7 +45,7 @@ def _arm(backend: str, sinks: bool, B: int, context: int, kv: tuple, q: torch.Te
                                np.arange(B + 1, dtype=np.int32) * (context // PS), ids, PS)
     step = pool.commit(build_plan(batch, spec))
     out = graphs(step, q=q).clone()
-    return graphs.graphs[(step.slot, B, 1, backend, False)][0], out, (graphs, pool, cache)
+    return graphs.graph_for(step), out, (graphs, pool, cache)
 
 
 def run_case(B: int, context: int) -> dict:

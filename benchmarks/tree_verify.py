@@ -78,8 +78,7 @@ def run_case(B: int, n: int, rng: np.random.Generator) -> dict:
         if graphs is not None:
             assert graphs.serves(step), (arm, B, n)
             outs[arm] = graphs(step, q=q).clone()
-            key = (step.slot, step.bucket, n, "flashinfer", False, arm == "tree")
-            calls[arm] = graphs.graphs[key][0].replay
+            calls[arm] = graphs.graph_for(step).replay
         else:
             outs[arm] = run(step, q, cache).clone()
             calls[arm] = (lambda s: lambda: run(s, q, cache))(step)

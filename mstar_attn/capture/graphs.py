@@ -133,6 +133,12 @@ class DecodeGraphs:
         return (step.pool is self.pool and step.bucket is not None and step.plan.draft_step is None
                 and _key(step) in self.graphs)
 
+    def graph_for(self, step: DeviceStep) -> torch.cuda.CUDAGraph:
+        """The captured graph that serves `step` (benchmarks time its replay alone); PlanError if none does."""
+        if not self.serves(step):
+            raise PlanError(f"DecodeGraphs.graph_for: no captured graph serves this step (key {_key(step)})")
+        return self.graphs[_key(step)][0]
+
     def __call__(self, step: DeviceStep, **inputs: torch.Tensor) -> torch.Tensor:
         """fn(step, inputs), replayed when a graph serves the step; returns [plan.num_tokens, ...] rows."""
         if not isinstance(step, DeviceStep):

@@ -19,8 +19,10 @@ plan() outside any graph. Verify replays as a CUDA graph per (slot, group, bucke
 
 The mask is built once per step and shared by the layer groups (tree steps serve full causal groups only:
 every group reads the same lengths; a group whose lengths differ gets its own). Its buffers and pinned
-staging are made at the pool's first tree step: capture tree graphs (DecodeGraphs.capture(trees=True)) or
-warm up (warmup(spec, trees=True)) before serving, so that no allocation falls inside it. `check` refuses,
+staging are made at the pool's first tree step: capture tree graphs on the serving pool
+(DecodeGraphs.capture(trees=True)) before serving, so that no allocation falls inside it (warmup(spec, trees=True)
+compiles the kernels on a pool of its own). Bucketed steps of many requests plan with split-KV off (as decode
+buckets do), which keeps their partial outputs within the shared float workspace. `check` refuses,
 before the commit changes anything, a step whose mask would not fit. Where Triton does not run, the mask
 is built on the host (`_tree_mask.host_mask`) and copied.
 """
@@ -41,6 +43,9 @@ if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
 TAIL = 16  # bytes of slack past a packed mask
+FIXED_MIN_CTAS_FALLBACK = 264  # requests x KV heads past which bucketed tree steps never split KV (2 CTAs per SM
+# of an H100) when the backend's own fixed schedule is off
+MAX_UNPACKED_BITS = 1 << 28  # an unbucketed tree step's unpacked mask (one byte per bit on the device): 256 MiB
 
 
 @attrs.frozen
@@ -53,10 +58,15 @@ class StepMask:
     kv: np.ndarray
 
 
+def _aligned(n: int) -> int:
+    """n int32 entries rounded up to 16 bytes."""
+    return -(-n // 4) * 4
+
+
 class TreeState:
     """The tree-step wrappers' mask buffers and staging of one pool's FlashInfer PoolState (`state`): per slot the
     ancestor sets, pinned [max tokens] int64 and on the device; per (slot, group) the mask kernel's lengths and
-    segment offsets, int32 [3 x max batch + 2] pinned and on the device; per (slot, group), made at its first
+    segment offsets, int32 [3 x max batch + 12] (each on 16 bytes) pinned and on the device; per (slot, group), made at its first
     bucketed tree step, the packed mask buffer uint8 [mask_bytes] and its byte offsets int32 [max batch + 1] on
     the device."""
 
@@ -68,9 +78,9 @@ class TreeState:
         # the mask kernel's arrays, one copy to the device: qo_indptr [R+1], kv_lens [R], the segments' offsets
         # [R+1] (a StepRows step's device arrays are derived after the backend state schedules: the kernel reads
         # these instead; the offsets also become the wrapper's mask_indptr after plan())
-        self.lens_host = [[torch.zeros(3 * B + 2, dtype=torch.int32, pin_memory=True) for _ in range(G)]
+        self.lens_host = [[torch.zeros(3 * B + 12, dtype=torch.int32, pin_memory=True) for _ in range(G)]
                           for _ in range(pool.num_slots)]
-        self.lens_dev = [[torch.zeros(3 * B + 2, dtype=torch.int32, device=pool.device) for _ in range(G)]
+        self.lens_dev = [[torch.zeros(3 * B + 12, dtype=torch.int32, device=pool.device) for _ in range(G)]
                          for _ in range(pool.num_slots)]
         self.masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, group) -> (mask, mask_indptr)
 
@@ -88,13 +98,13 @@ class TreeState:
         q, kv = plan.q_lens.astype(np.int64), plan.kv_lens.astype(np.int64)
         if bucket is None:
             bits = int((q * kv).sum())
-            if bits >= 2**31:
-                raise PlanError(f"tree: the step's mask has {bits} bits (sum of q_len x kv_len), more than int32 offsets "
-                                "hold: split the step")
+            if bits > MAX_UNPACKED_BITS:
+                raise PlanError(f"tree: the step's mask has {bits} bits (sum of q_len x kv_len), more than the "
+                                f"{MAX_UNPACKED_BITS} an unbucketed tree step builds unpacked (a byte each): split the step")
             return
         pad = (bucket - plan.batch_size) * -(-plan.max_q_len**2 // 8)  # (padding requests: q_len over q_len tokens)
         need = int(((q * kv + 7) // 8).sum()) + pad + TAIL
-        have = TreeState.mask_bytes(pool)
+        have = min(TreeState.mask_bytes(pool), 2**31 - 1)  # (FlashInfer's mask offsets are int32)
         if need > have:
             i = int(np.argmax(q * kv))
             raise PlanError(f"tree: the step's packed mask needs {need} bytes, more than the pool's {have} (request {i}: "
@@ -145,8 +155,12 @@ class TreeState:
                 paged_kv_indptr_buf=dg.kv_indptr, paged_kv_indices_buf=state.pool.index_buffer(step, g),
                 paged_kv_last_page_len_buf=dg.kv_last_page_len, custom_mask_buf=mask,
                 mask_indptr_buf=mask_indptr[: R + 1]), s, g)
+        # a graph-mode wrapper splits KV whenever it may, and its partial outputs grow with the bucket: past
+        # the decode wrappers' threshold (requests x KV heads enough to fill the GPU) the split is off, which
+        # also keeps them inside the shared float workspace (a constant per key: every replay plans alike)
+        fix = R * spec.num_kv_heads >= min(state.fixed_min_ctas, FIXED_MIN_CTAS_FALLBACK)
         w.plan(*arrays, *heads, spec.page_size, packed_custom_mask=built.data, seq_lens=dg.host_kv_lens,
-               **state.plan_kwargs)
+               **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)
         # plan() wrote bit offsets into the wrapper's mask_indptr (ours): the kernel reads byte offsets
         mask_indptr[: R + 1].copy_(built.seg, non_blocking=True)
         state.planned_into(s, g, w)
@@ -178,19 +192,20 @@ class TreeState:
         else:
             seg = np.zeros(R + 1, np.int64)
             np.cumsum(q.astype(np.int64) * kv, out=seg[1:])
-        lens_host = self.lens_host[step.slot][g][: 3 * R + 2]
+        a, b = _aligned(R + 1), _aligned(R + 1) + _aligned(R)  # (each array on 16 bytes: one Triton variant for every R)
+        lens_host = self.lens_host[step.slot][g][: b + R + 1]
         lens = lens_host.numpy()
-        lens[: R + 1], lens[R + 1 : 2 * R + 1], lens[2 * R + 1 :] = step.host_qo_indptr[: R + 1].numpy(), kv, seg
+        lens[: R + 1], lens[a : a + R], lens[b:] = step.host_qo_indptr[: R + 1].numpy(), kv, seg
         n = int(seg[-1])
         data = torch.empty(n, dtype=torch.uint8 if packed else torch.bool, device=dev)
         if not _tree_mask.available():  # (the host builder: O(total bits) on the host, then one copy)
             data.copy_(torch.from_numpy(_tree_mask.host_mask(q, kv, bits[0], packed)))
         else:
-            lens_dev = self.lens_dev[step.slot][g][: 3 * R + 2]
+            lens_dev = self.lens_dev[step.slot][g][: b + R + 1]
             lens_dev.copy_(lens_host, non_blocking=True)
-            _tree_mask.pack(lens_dev[: R + 1], lens_dev[R + 1 : 2 * R + 1], lens_dev[2 * R + 1 :], bits[1], data,
+            _tree_mask.pack(lens_dev[: R + 1], lens_dev[a : a + R], lens_dev[b:], bits[1], data,
                             int(np.diff(seg).max()), packed)
-        return StepMask(data=data, seg=lens_host[2 * R + 1 :], kv=kv.copy())
+        return StepMask(data=data, seg=lens_host[b:], kv=kv.copy())
 
     def _buffers(self, s: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         found = self.masks.get((s, g))

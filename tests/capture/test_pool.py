@@ -239,8 +239,10 @@ def test_replay_refuses_another_pools_step_and_inputs_unlike_the_captured_ones()
             replays.append(1)
 
     step = pool.commit(plan)
-    graphs.graphs[(step.slot, step.bucket, 1, "reference", False, False)] = (Graph(), torch.zeros(16, 4, 16))
-    assert graphs.serves(step)
+    with pytest.raises(PlanError, match="graph_for: no captured graph serves this step"):
+        graphs.graph_for(step)
+    graphs.graphs[(step.slot, step.bucket, 1, "reference", False, False)] = (graph := Graph(), torch.zeros(16, 4, 16))
+    assert graphs.serves(step) and graphs.graph_for(step) is graph
     for bad, match in [(torch.randn(3, 4, 16, dtype=torch.float64), "float32"), (torch.randn(3, 1, 16), r"\[rows, 4, 16\]"),
                        (torch.randn(3, 4, 16, device="meta"), "on cpu"), (torch.randn(5, 4, 16), "has 5 rows")]:
         with pytest.raises(PlanError, match=match):

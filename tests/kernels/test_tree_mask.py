@@ -126,7 +126,7 @@ def test_a_tree_step_whose_mask_would_not_fit_is_refused_before_the_commit():
     """TreeState.check (what FlashInfer's PoolState.check runs for a tree step, before the commit changes anything):
     a bucketed step's packed mask against the pool's mask buffer (sized for the largest bucketed verify step over
     max_pages_per_request pages), padding requests counted; a pool without buckets serves unbucketed steps only;
-    an unbucketed step's bits within int32. The numbers are named."""
+    an unbucketed step's unpacked mask within MAX_UNPACKED_BITS. The numbers are named."""
     from mstar_attn import AttentionSpec, GraphBufferPool, PlanError, PoolLimits, StepBatch, build_tree_plan
     from mstar_attn.kernels._flashinfer_tree import TreeState
 
@@ -148,3 +148,13 @@ def test_a_tree_step_whose_mask_would_not_fit_is_refused_before_the_commit():
                                             max_pages_per_request=8), device="cpu")
     assert none.buckets == () and TreeState.mask_bytes(none) == none.layout.max_rows + 16 and none.bucket_for(step) is None
     TreeState.check(none, step, None)
+    from mstar_attn.kernels._flashinfer_tree import MAX_UNPACKED_BITS
+
+    big = AttentionSpec(4, 2, 16, 1024, 5000, dtype=torch.float32, backend="reference")  # (long requests, few pages)
+    kv = MAX_UNPACKED_BITS // 64 + 1  # 64 tokens over kv: one bit more than an unpacked mask may hold
+    long = build_tree_plan(StepBatch.from_pages([64], [kv], [list(range(-(-kv // 1024)))], 1024), big,
+                           DraftTree.from_parents([[-1] + [0] * 63]))
+    with pytest.raises(PlanError, match=f"tree: the step's mask has {64 * kv} bits .* more than the {MAX_UNPACKED_BITS}"):
+        TreeState.check(none, long, None)
+    TreeState.check(none, build_tree_plan(StepBatch.from_pages([64], [kv - 1], [list(range(-(-kv // 1024)))], 1024),
+                                          big, DraftTree.from_parents([[-1] + [0] * 63])), None)  # (one bit less: fits)
