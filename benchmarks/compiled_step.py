@@ -129,4 +129,5 @@ def markdown(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".")
+    with torch.inference_mode():  # (serving: no autograd graphs in the eager arm, inference graphs compiled)
+        main(sys.argv[1] if len(sys.argv) > 1 else ".")

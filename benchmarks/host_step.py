@@ -131,9 +131,9 @@ def part_a(spec, ws) -> list[dict]:
         eager_pool = table_pool(spec, buckets=(bucket_of(B),))
         eager = Engine(eager_pool, B, 2048, seed=B, room=1500, defer=False)  # the commit launches its device work
         q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
-        run = {id(p): one_layer(p, cache) for p in (pool, lean_pool, eager_pool)}
+        run = {id(p.slots): one_layer(p, cache) for p in (pool, lean_pool, eager_pool)}
         def after(step):  # each step runs, untimed, and the GPU drains: a timed commit never waits for a slot
-            run[id(step.pool)](step, q=q)
+            run[id(step.slots)](step, q=q)
             torch.cuda.synchronize()
 
         for _ in range(3):  # each slot's first commit of the bucket captures its device graph, the first run its folded graph

@@ -125,7 +125,7 @@ def main(out_dir: str) -> None:
             "pool.free_slot": lambda: pool.free_slot(None),
             "stage_derived": lambda: stage_derived(h, plan, views.offsets, step.padded_batch_size, 1, no_updates, table, StagedHead()),
             "stage_derived, rows held": lambda: stage_derived(h, plan, views.offsets, step.padded_batch_size, 1, no_updates, table, pool.held[0]),
-            "DeviceStep": lambda: DeviceStep(plan=plan, shape=step.shape, generation=step.generation, pool=pool),
+            "DeviceStep": lambda: DeviceStep(plan=plan, shape=step.shape, generation=step.generation, slots=pool.slots),
             # numpy and torch primitives the step is made of, on this host's versions
             "np: kv.copy()": kv.copy,
             "np: copy + read-only flag": lambda: read_only_copy(kv),

@@ -23,19 +23,21 @@ where the capture found them: model parameters and the outputs of other piece gr
 any other tensor input (the padded ids, a buffer, an attention output) is cloned at capture; before each replay
 an input other than a parameter that a call passes elsewhere is copied in (the same shape, else PlanError; a
 graph's outputs live as long as it does, so copying into another graph's output is safe). A piece with a CPU
-tensor input is not captured. A piece's graphs are keyed by n and by the sizes
-it takes as arguments. A piece that writes into one of its inputs (`mutates_inputs`) is never captured: it
-runs as compiled. All graphs of one compiled function share one memory pool and its static inputs and
-outputs: one thread runs it at a time, and a replay's outputs live until that piece replays again (the
-forward's logits: read them before the next forward). Pieces capture at their first call for an n, during
+tensor input other than a 0-dim scalar is not captured. A piece's graphs are keyed by n, by the sizes it takes as
+arguments, by the addresses of the parameters it reads in place (another model's weights, or reloaded ones, get
+graphs of their own) and by the values of its CPU scalars. A piece that writes into one of its inputs
+(`mutates_inputs`, or the fake inputs' version counters at compile time) is never captured: it runs as compiled.
+All graphs of one compiled function share one memory pool and its static inputs and outputs: one thread runs it
+at a time, and a padded forward's outputs are valid until the next padded forward (a later capture may reuse
+their memory: read the logits before the next forward). Pieces capture at their first call for an n, during
 serving: run each bucket once before serving. Without padded_rows (or on the CPU, or inside a capture of
 the whole forward) the pieces run as compiled. `STATS` counts the piece graphs captured and replayed.
 
 How the pieces get compiled: the split graph is run once under Dynamo's fake tensor mode (a
 torch.fx.Interpreter), which hands each non-attention piece its fake inputs, symbolic shapes included;
 `torch._inductor.compile_fx.compile_fx` compiles it from them. Those two torch entry points (and
-torch._guards.detect_fake_mode) are the torch internals this module relies on; tests/test_piecewise.py
-fails when they move.
+torch._guards.detect_fake_mode, and tensors' `_version` counters) are the torch internals this module relies on;
+tests/test_piecewise.py fails when they move.
 """
 
 from __future__ import annotations
@@ -141,10 +143,23 @@ class _PieceGraph:
 
 
 def capturable(args: tuple) -> bool:
-    """Whether a piece called on `args` can be captured: CUDA tensors only (a CPU tensor, a 0-dim scalar
-    among them, would have its value baked into the graph's launches at capture)."""
+    """Whether a piece called on `args` can be captured: CUDA tensors, and CPU 0-dim scalars (a module's float
+    attribute Dynamo lifted: its value is baked into the graph's launches, so it is part of the graph's key)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return bool(tensors) and all(a.is_cuda for a in tensors)
+    return bool(tensors) and any(a.is_cuda for a in tensors) and all(a.is_cuda or a.dim() == 0 for a in tensors)
+
+
+def versions(args) -> list[int]:
+    """The version counters of the tensors among `args` (torch bumps one at every in-place write to the tensor
+    or a view of it, in any form: a method, an operator, an out= argument, inplace=True)."""
+    return [a._version for a in args if isinstance(a, torch.Tensor)]
+
+
+def writes_inputs(fn: Callable, args: tuple) -> bool:
+    """Runs fn(*args); whether it wrote into one of the tensors in args (their version counters moved)."""
+    before = versions(args)
+    fn(*args)
+    return versions(args) != before
 
 
 def new_pool():
@@ -165,12 +180,23 @@ class _Compiled(torch.nn.Module):
     def __init__(self, fn: Callable, shared: dict, graphs: bool = True):
         super().__init__()
         self.fn, self.shared, self.graphs, self.graphable = fn, shared, {}, graphs
+        self.keyed = None  # (positions of the int arguments, the parameters, the CPU scalars: fixed per piece)
+
+    def key(self, n: int, args: tuple) -> tuple:
+        """A graph's key: n, the sizes the piece takes as arguments, the addresses of the parameters it reads in
+        place (another model's, or reloaded weights: another graph, never this one's), the CPU scalars' values."""
+        if self.keyed is None:
+            self.keyed = ([i for i, a in enumerate(args) if isinstance(a, int)],
+                          [i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)],
+                          [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not a.is_cuda and a.dim() == 0])
+        ints, params, scalars = self.keyed
+        return (n, *(args[i] for i in ints), *(args[i].data_ptr() for i in params), *(args[i].item() for i in scalars))
 
     def forward(self, *args):
         n = ops.padded_rows()
         if n is None or not self.graphable or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             return self.fn(*args)  # (inside a capture of the whole forward: captured with it)
-        n = (n, *(a for a in args if isinstance(a, int)))  # (and any size the piece takes as an argument)
+        n = self.key(n, args)
         graph = self.graphs.get(n)
         if graph is None:
             if not capturable(args):
@@ -197,10 +223,11 @@ def piecewise_backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.f
 
     class Compile(torch.fx.Interpreter):
         def call_module(self, target, args, kwargs):
+            before = versions(args)
             out = super().call_module(target, args, kwargs)
-            if target not in attention:
+            if target not in attention:  # (a piece that wrote into an input, in any form: never captured)
+                graphable[target] = not mutates_inputs(self.fetch_attr(target)) and versions(args) == before
                 compiled[target] = compile_fx(self.fetch_attr(target), list(args))
-                graphable[target] = not mutates_inputs(self.fetch_attr(target))
             return out
 
     from torch._dispatch.python import enable_python_dispatcher

@@ -224,3 +224,38 @@ def test_pieces_that_write_into_their_inputs_are_found():
         a += b
         return a
     assert pieces(iadd, x.clone(), y) == [True]
+
+
+def test_a_write_in_any_form_moves_the_version_counters():
+    """writes_inputs (what piecewise_backend reads on the fake inputs at compile time, beside mutates_inputs): a
+    method, an out= argument, inplace=True, torch.relu_, a write through a view all count; an out-of-place piece
+    does not."""
+    import torch.nn.functional as F
+
+    from mstar_attn.piecewise import writes_inputs
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    assert not writes_inputs(lambda a, b: torch.tanh(a) + b, (x.clone(), y))
+    for i, fn in enumerate([lambda a, b: F.relu(a, inplace=True), lambda a, b: torch.add(a, b, out=a),
+                            lambda a, b: torch.relu_(a), lambda a, b: a[:2].mul_(b[:2]), lambda a, b: a.add_(b)]):
+        assert writes_inputs(fn, (x.clone(), y)), i
+
+
+def test_another_models_parameters_get_a_graph_of_their_own(fake_graphs):
+    """A compiled piece called with other parameters of the same shapes (another model, reloaded weights) does
+    not replay the graph captured over the first ones (which reads its parameters in place): the key holds their
+    addresses. FakeGraphs on the CPU; each output equals the piece run directly on its own parameters."""
+    from mstar_attn.piecewise import _Compiled
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    fn = lambda x, w: x @ w  # noqa: E731
+    piece = _Compiled(fn, {"memory": None, "outputs": set()})
+    x = torch.randn(8, 4, generator=gen)
+    w1, w2 = (torch.nn.Parameter(torch.randn(4, 4, generator=gen), requires_grad=False) for _ in range(2))
+    _, _, spec = _model(seed, layers=1)
+    step = _step(np.random.default_rng(seed), spec, 2)
+    with step_context(step, padded_rows=max(8, step.num_tokens)):
+        for w in (w1, w2, w1, w2):
+            assert torch.equal(piece(x, w), x @ w), seed
+    assert len(piece.graphs) == 2, (seed, list(piece.graphs))

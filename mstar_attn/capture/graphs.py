@@ -130,7 +130,7 @@ class DecodeGraphs:
         """Whether `step` replays a graph: this pool's, bucketed, and captured for its q_len, its backend and its
         kind (cascade, token tree: capture(trees=True)); never a step of a draft round: its arrays are not where
         a decode graph reads (RoundGraphs serves those)."""
-        return (step.pool is self.pool and step.bucket is not None and step.plan.draft_step is None
+        return (step.slots is self.pool.slots and step.bucket is not None and step.plan.draft_step is None
                 and _key(step) in self.graphs)
 
     def graph_for(self, step: DeviceStep) -> torch.cuda.CUDAGraph:
@@ -143,7 +143,7 @@ class DecodeGraphs:
         """fn(step, inputs), replayed when a graph serves the step; returns [plan.num_tokens, ...] rows."""
         if not isinstance(step, DeviceStep):
             raise PlanError(f"DecodeGraphs: step must be a DeviceStep, got {type(step).__name__}")
-        if step.pool is not self.pool:
+        if step.slots is not self.pool.slots:
             raise PlanError("DecodeGraphs: the step was committed to another pool than the one these graphs read")
         step.check("DecodeGraphs", launch=False)  # (a deferred commit's work: run below, in the graph if it can be)
         if step.plan.draft_step is not None:
@@ -232,13 +232,13 @@ class RoundGraphs:
 
     def serves(self, steps: tuple[DeviceStep, ...]) -> bool:
         s = steps[0]
-        return s.pool is self.pool and s.bucket is not None and (s.slot, s.bucket, len(steps), s.plan.backend) in self.graphs
+        return s.slots is self.pool.slots and s.bucket is not None and (s.slot, s.bucket, len(steps), s.plan.backend) in self.graphs
 
     def __call__(self, steps: tuple[DeviceStep, ...], **inputs: torch.Tensor) -> torch.Tensor:
         """fn(steps, inputs), replayed when a graph serves the round; returns the output's first B rows."""
         if not isinstance(steps, tuple) or not steps or not all(isinstance(s, DeviceStep) for s in steps):
             raise PlanError("RoundGraphs: steps must be the tuple of DeviceSteps pool.commit_round returned")
-        if steps[0].pool is not self.pool:
+        if steps[0].slots is not self.pool.slots:
             raise PlanError("RoundGraphs: the round was committed to another pool than the one these graphs read")
         for s in steps:
             s.check("RoundGraphs")

@@ -11,9 +11,8 @@ copies out of it (and the backend's own pinned planning buffers) have run, which
 recorded at commit proves, or for a derived StepRows commit that planned nothing on the host, the
 fence its graph writes back (capture/lease.py).
 
-Everything the pool keeps is bounded by its constructor's arguments: views are cached only for
-bucketed shapes (slots x buckets x q_lens), backend states keep one state per slot, group, bucket
-and q_len. `memory_report()` lists the bytes.
+Everything the pool keeps is bounded by its constructor's arguments: views are cached only for bucketed shapes
+(slots x buckets x q_lens), backend states keep one state per slot, group, bucket and q_len (memory_report()).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits,
 from mstar_attn.capture.lease import CurrentStream, SlotLeases
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
-from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport, StepShape
+from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport, Slots, StepShape
 from mstar_attn.capture.table import PageTable
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import BACKENDS, pool_state_class
@@ -101,6 +100,7 @@ class GraphBufferPool:
         self.cross_table = None if max_requests is None or not spec.has_cross else PageTable(
             spec, max_requests, self.max_pages_per_request, self.device, "cross table")
         self.device_work = CommitGraphs(self.device, slots)  # the commits' device work, one graph per bucketed key
+        self.slots = Slots(leases=self.leases, work=self.device_work, device=self.device)  # (what a DeviceStep reads)
         self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
             self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
             derive.triton_kernels() if cuda and derive.USE_TRITON else None)
@@ -218,7 +218,7 @@ class GraphBufferPool:
             on = side or here  # the stream this commit's copies and host scheduling run on
             try:
                 lease.after_consumer(s, on)
-                step = DeviceStep(plan=plan, shape=shape, generation=self.generations[s], pool=self, stream=side)
+                step = DeviceStep(plan=plan, shape=shape, generation=self.generations[s], slots=self.slots, stream=side)
                 if plan.rows is None:
                     for a, b in copy_ranges(offsets, ranges, plan):
                         self.upload(dev[a:b], host[a:b])
@@ -283,7 +283,7 @@ class GraphBufferPool:
         try:
             if here is not None:
                 lease.after_consumer(s, on)
-            step = DeviceStep(plan=plan, shape=shape, generation=generation, pool=self, stream=side)
+            step = DeviceStep(plan=plan, shape=shape, generation=generation, slots=self.slots, stream=side)
             self.last_commit_bytes = sent = table.send(updates) if left else 0  # (admissions past the head: sent first)
             if not lazy:
                 self._rows_device_work(step, state, offsets, True, False, on)

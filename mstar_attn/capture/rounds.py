@@ -95,7 +95,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
             shape = StepShape(slot=s, padded_batch_size=rows, padded_num_tokens=num_rows, bucket=bucket, q_len=1, qo_indptr=views.qo_indptr,
                               host_qo_indptr=views.host_qo_indptr, slot_mapping=slots, table_rows=views.table_rows,
                               groups=groups)
-            steps.append(DeviceStep(plan=plan, shape=shape, generation=pool.generations[s], pool=pool))
+            steps.append(DeviceStep(plan=plan, shape=shape, generation=pool.generations[s], slots=pool.slots))
         if state is not None:
             scheduled = state.schedule_round(steps)
             for st, sch in zip(steps, scheduled):  # (fresh objects no caller has seen yet: set, not rebuilt)

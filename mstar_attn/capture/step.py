@@ -14,8 +14,9 @@ from mstar_attn.metadata.errors import PlanError, StaleStepError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
 if TYPE_CHECKING:
+    from mstar_attn.capture.graph_cache import CommitGraphs
     from mstar_attn.capture.layout import GroupViews
-    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.lease import SlotLeases
 
 
 def deprecated_alias(old: str, new: str):
@@ -83,6 +84,17 @@ class StepShape:
     num_rows = deprecated_alias("StepShape.num_rows", "padded_num_tokens")
 
 
+@attrs.frozen(eq=False)
+class Slots:
+    """What a committed step reads of its pool, made once by the pool: the slots' leases (their commit counts,
+    events and consumer streams), the commits' deferred device work, and the device. A DeviceStep holds this,
+    not the pool: the pool makes steps; a step never reaches back into it."""
+
+    leases: SlotLeases
+    work: CommitGraphs
+    device: torch.device
+
+
 def _shape_field(name: str, doc: str):
     return property(lambda self: getattr(self.shape, name), doc=doc)
 
@@ -102,7 +114,7 @@ class DeviceStep:
     plan: AttentionPlan
     shape: StepShape
     generation: int
-    pool: GraphBufferPool = attrs.field(eq=False, repr=False)
+    slots: Slots = attrs.field(eq=False, repr=False)
     stream: torch.cuda.Stream | None = attrs.field(default=None, eq=False, repr=False)
     scheduled: tuple = attrs.field(default=(), eq=False, repr=False)  # backend state, one per group
     # [waited (on the stream that runs it), the caches a write_kv stored into (their K data pointers)]: host facts
@@ -146,18 +158,18 @@ class DeviceStep:
     @property
     def live(self) -> bool:
         """False once the slot has been committed again (this step's buffers hold another step)."""
-        return self.pool.generations[self.slot] == self.generation
+        return self.slots.leases.generations[self.slot] == self.generation
 
     def check(self, where: str, launch: bool = True) -> None:
         """StaleStepError if stale; PlanError if committed on a side stream and not waited for. O(1).
         With `launch`, the step's deferred device work (commit(defer=True)) is launched first if it
         has not been (every backend's run and write_kv check their step so)."""
-        pool = self.pool
-        if launch and pool.device_work.pending[self.slot] is not None and pool.generations[self.slot] == self.generation:
-            pool.device_work.launch(self.slot, where)
-        if pool.generations[self.slot] != self.generation:
+        work, generations = self.slots.work, self.slots.leases.generations
+        if launch and work.pending[self.slot] is not None and generations[self.slot] == self.generation:
+            work.launch(self.slot, where)
+        if generations[self.slot] != self.generation:
             raise StaleStepError(f"{where}: this step is stale: pool slot {self.slot} has been committed again since "
-                                 f"(commit {self.generation} of that slot, now {self.pool.generations[self.slot]}); "
+                                 f"(commit {self.generation} of that slot, now {generations[self.slot]}); "
                                  "use the step the latest commit returned")
         if self.stream is not None and not self._flags[0]:
             raise PlanError(f"{where}: this step was committed on a side stream; call step.wait() on the stream that "
@@ -171,25 +183,25 @@ class DeviceStep:
         that committed it, and needs no wait.) All of a pool's live steps run on one stream: a
         step of the other slot running elsewhere raises PlanError (see SlotLeases.claim_consumer)."""
         self.check_live("wait")
-        pool = self.pool
-        stream = checks.check_stream(pool.device, stream, "wait")
-        if pool.device_work.pending_key(self.slot, self.generation) is not None:  # (on the commit's stream: the
-            pool.device_work.launch(self.slot, "wait")  # event below follows it)
-        if pool.device.type == "cuda":
+        slots = self.slots
+        stream = checks.check_stream(slots.device, stream, "wait")
+        if slots.work.pending_key(self.slot, self.generation) is not None:  # (on the commit's stream: the
+            slots.work.launch(self.slot, "wait")  # event below follows it)
+        if slots.device.type == "cuda":
             if stream is None:
-                stream = torch.cuda.current_stream(pool.device.index)
-            if self._flags[0] and pool.leases.consumers[self.slot] not in (None, stream):
+                stream = torch.cuda.current_stream(slots.device.index)
+            if self._flags[0] and slots.leases.consumers[self.slot] not in (None, stream):
                 raise PlanError("wait: this step was already waited for on another stream; a step runs on one stream")
-            pool.leases.claim_consumer(self.slot, stream, "wait")
-            stream.wait_event(pool.leases.event_of(self.slot))
+            slots.leases.claim_consumer(self.slot, stream, "wait")
+            stream.wait_event(slots.leases.event_of(self.slot))
         self._flags[0] = True
 
     def prepare(self) -> None:
         """Launch this step's deferred device work (commit(defer=True)) now, on its commit's stream, if it
         has not been: before capturing or replaying a CUDA graph of your own over the step. A no-op otherwise."""
         self.check_live("prepare")
-        if self.pool.device_work.pending_key(self.slot, self.generation) is not None:
-            self.pool.device_work.launch(self.slot, "prepare")
+        if self.slots.work.pending_key(self.slot, self.generation) is not None:
+            self.slots.work.launch(self.slot, "prepare")
 
     def check_live(self, where: str) -> None:
         if not self.live:

@@ -99,8 +99,8 @@ def cache_fits(cache, plan: AttentionPlan, where: str, finite: bool = False, ste
     if not hasattr(cache, "k") or not hasattr(cache, "check"):
         raise PlanError(f"{where}: cache must be a PagedKVCache, got {type(cache).__name__}")
     cache.check(plan.spec, f"{where}: cache", group)
-    if isinstance(step, DeviceStep) and cache.k.device != step.pool.device:
-        raise PlanError(f"{where}: the cache is on {cache.k.device}, the step's pool on {step.pool.device}")
+    if isinstance(step, DeviceStep) and cache.k.device != step.slots.device:
+        raise PlanError(f"{where}: the cache is on {cache.k.device}, the step's pool on {step.slots.device}")
     if finite and not cache.finite:
         raise PlanError(f"{where}: backend {plan.backend!r} reads whole pages (rows past each sequence too), so the "
                         "cache must be known finite: make it with PagedKVCache.allocate or PagedKVCache.from_tensors")
