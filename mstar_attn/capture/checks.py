@@ -1,23 +1,23 @@
-"""What a pool checks before a commit changes anything: the plan (validate), a stream, a slot. Host only.
+"""What a pool checks before a commit changes anything: the plan (validate; a stream and a slot: lease.py). Host only.
 
-Each raises PlanError naming the field and the numbers; none changes state. `pool` is a GraphBufferPool,
-read through its public attributes (spec, table, layout, bucket_at, verify_buckets and its limits).
+Each raises PlanError naming the field and the numbers; none changes state. `pool` is the pool's PoolView
+(its spec, table, layout, bucket_at, verify_buckets and limits).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 
+from mstar_attn.capture.lease import check_slot, check_stream  # noqa: F401  (the pool's stream and slot checks)
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
 if TYPE_CHECKING:
-    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.view import PoolView
 
 
-def bucket_for(pool: GraphBufferPool, plan: AttentionPlan) -> int | None:
+def bucket_for(pool: PoolView, plan: AttentionPlan) -> int | None:
     """The captured batch size serving `plan`, or None when it runs unpadded (see DeviceStep)."""
     mode = plan.mode
     if mode is Mode.DECODE or (mode is Mode.VERIFY and pool.verify_buckets):
@@ -25,7 +25,7 @@ def bucket_for(pool: GraphBufferPool, plan: AttentionPlan) -> int | None:
         return pool.bucket_at[B] if B < len(pool.bucket_at) else None
     return None
 
-def validate(pool: GraphBufferPool, plan: AttentionPlan, draft_ok: bool = False) -> int | None:
+def validate(pool: PoolView, plan: AttentionPlan, draft_ok: bool = False) -> int | None:
     """PlanError unless `plan` fits this pool: made by build_plan (hand-edited plans are not
     trusted), for this spec, its batch, tokens and pages within the pool's limits (bucketed
     steps: with their padding, which the layout makes room for)."""
@@ -57,20 +57,3 @@ def validate(pool: GraphBufferPool, plan: AttentionPlan, draft_ok: bool = False)
             raise PlanError(f"commit: group {g} reads {gp.kv_indptr[-1]} pages, more than the pool holds "
                             f"(max_num_pages {pool.max_num_pages}, plus room for bucket padding: {L.index_capacity})")
     return bucket
-
-
-def check_stream(device: torch.device, stream, where: str):
-    """`stream` if it is None (the current one) or a torch.cuda.Stream on the pool's `device`, else PlanError."""
-    if stream is None:
-        return None
-    if device.type != "cuda":
-        raise PlanError(f"{where}: stream= needs a CUDA pool (this one is on {device})")
-    if not isinstance(stream, torch.cuda.Stream) or stream.device != device:
-        raise PlanError(f"{where}: stream must be a torch.cuda.Stream on {device}, got {stream!r}")
-    return stream
-
-
-def check_slot(num_slots: int, slot, where: str) -> None:
-    """PlanError unless `slot` is None (the next slot) or one of a pool's num_slots slots."""
-    if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < num_slots):
-        raise PlanError(f"{where}: slot {slot!r} is not one of the pool's {num_slots} slots")

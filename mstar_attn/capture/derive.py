@@ -34,7 +34,6 @@ from mstar_attn.capture.gather import gather_csr
 from mstar_attn.capture.layout import Offsets
 
 if TYPE_CHECKING:
-    from mstar_attn.capture.pool import GraphBufferPool
     from mstar_attn.capture.step import DeviceStep
 
 USE_TRITON = True  # the two-launch Triton path on CUDA (False: the torch ops, as on the CPU)
@@ -120,27 +119,26 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) 
     gather_csr(d.table, d.width, rows, buf, offsets.groups, d.capacity)
 
 
-def rows_work(pool: GraphBufferPool, step: DeviceStep, state, offsets: Offsets,
-              derived: bool) -> Callable[[], None]:
-    """A StepRows commit's device work on the step's slot: copy the staged head, apply the table
-    updates, derive the step's arrays (derived: a bucketed step; else they were staged) or gather
-    the CSR page lists, then each backend's own arrays (PoolState.gather); a derived step on CUDA
-    ends with the fence node (the commit's generation back to pinned memory: capture/lease.py).
-    Returns the work: device ops of fixed sizes (its copy moves the head up to offsets.draft, derived, or
-    offsets.head_end int32 elements)."""
-    dev, host, table, U = pool.dev[step.slot], pool.host[step.slot], pool.table, offsets.update_capacity
+def rows_work(d: Derivation, dev: torch.Tensor, host: torch.Tensor, fence: torch.Tensor | None, step: DeviceStep,
+              state, offsets: Offsets, derived: bool) -> Callable[[], None]:
+    """A StepRows commit's device work on the step's slot (dev: its int32 device buffer, host: its pinned staging,
+    d: the pool's Derivation, over its page table): copy the staged head, apply the table updates, derive the
+    step's arrays (derived: a bucketed step; else they were staged) or gather the CSR page lists, then each
+    backend's own arrays (PoolState.gather); with `fence` (a derived step on CUDA: the slot's pinned fence cell)
+    the last node copies the commit's generation there (capture/lease.py). Returns the work: device ops of fixed
+    sizes (its copy moves the head up to offsets.draft, derived, or offsets.head_end int32 elements)."""
+    U = offsets.update_capacity
     end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)
-    fence = pool.leases.fence[step.slot : step.slot + 1] if derived and pool.cuda else None
 
     def work():
         dev[:end].copy_(host[:end], non_blocking=True)
         if derived:
-            apply_updates(table.dev, dev, offsets, pool.derivation.kernels)
-            derive_rows(dev, offsets, step.q_len, pool.derivation)
+            apply_updates(d.table, dev, offsets, d.kernels)
+            derive_rows(dev, offsets, step.q_len, d)
         else:
             at = offsets.updates
-            table.dev.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
-            gather_csr(table.dev, table.width, step.table_rows, dev, offsets.groups, pool.layout.index_capacity)
+            d.table.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
+            gather_csr(d.table, d.width, step.table_rows, dev, offsets.groups, d.capacity)
         if state is not None:  # a backend's own arrays (dense page tables)
             state.gather(step)
         if fence is not None:  # the last node

@@ -133,3 +133,19 @@ class SlotLeases:
     def memory(self) -> dict[str, tuple[int, int]]:
         return {"slot fences (pinned)": (0, self.fence.numel() * 4 if self.cuda else 0)}
 
+
+def check_stream(device: torch.device, stream, where: str):
+    """`stream` if it is None (the current one) or a torch.cuda.Stream on the pool's `device`, else PlanError."""
+    if stream is None:
+        return None
+    if device.type != "cuda":
+        raise PlanError(f"{where}: stream= needs a CUDA pool (this one is on {device})")
+    if not isinstance(stream, torch.cuda.Stream) or stream.device != device:
+        raise PlanError(f"{where}: stream must be a torch.cuda.Stream on {device}, got {stream!r}")
+    return stream
+
+
+def check_slot(num_slots: int, slot, where: str) -> None:
+    """PlanError unless `slot` is None (the next slot) or one of a pool's num_slots slots."""
+    if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < num_slots):
+        raise PlanError(f"{where}: slot {slot!r} is not one of the pool's {num_slots} slots")

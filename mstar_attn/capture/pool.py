@@ -32,6 +32,7 @@ from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
 from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport, Slots, StepShape
 from mstar_attn.capture.table import PageTable
+from mstar_attn.capture.view import PoolView
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import BACKENDS, pool_state_class
 from mstar_attn.metadata.errors import PlanError
@@ -104,6 +105,9 @@ class GraphBufferPool:
         self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
             self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
             derive.triton_kernels() if cuda and derive.USE_TRITON else None)
+        self.view = PoolView(spec=spec, sizing=size, device=self.device, host=self.host, dev=self.dev, table=self.table,
+                             cross_table=self.cross_table, float_workspace_bytes=self.float_workspace_bytes,
+                             upload=self.upload, stage_host=self.stage_host)  # what backends and checks read
         self.backend_states: dict[str, object] = {}  # backend module path -> its PoolState (or None)
         self._by_backend: dict[str, object] = {}  # backend name -> its module's PoolState (or None), once resolved
         self._offsets: dict[tuple[int, int], object] = {}  # (bucket, q_len) -> the layout's Offsets of derived steps
@@ -132,7 +136,7 @@ class GraphBufferPool:
             raise PlanError(f"backend: unknown backend {backend!r} (known: {sorted(BACKENDS)})")
         if caps.module not in self.backend_states:
             cls = pool_state_class(backend)
-            self.backend_states[caps.module] = cls(self) if cls is not None else None
+            self.backend_states[caps.module] = cls(self.view) if cls is not None else None
         state = self._by_backend[backend] = self.backend_states[caps.module]
         return state
 
@@ -148,11 +152,11 @@ class GraphBufferPool:
 
     def bucket_for(self, plan: AttentionPlan) -> int | None:
         """The captured batch size serving `plan`, or None when it runs unpadded (see DeviceStep)."""
-        return checks.bucket_for(self, plan)
+        return checks.bucket_for(self.view, plan)
 
     def validate(self, plan: AttentionPlan, draft_ok: bool = False) -> int | None:
         """checks.validate: PlanError unless `plan` fits this pool; returns its bucket (None: unpadded)."""
-        return checks.validate(self, plan, draft_ok)
+        return checks.validate(self.view, plan, draft_ok)
 
     def commit(self, plan: AttentionPlan, *, stream: torch.cuda.Stream | None = None, slot: int | None = None,
                defer: bool = False) -> DeviceStep:
@@ -170,7 +174,7 @@ class GraphBufferPool:
         A graph of the caller's own never launches it: call step.prepare() before capturing or
         replaying one over the step.
         """
-        bucket = checks.validate(self, plan)  # the plan's bucket (None: unpadded)
+        bucket = checks.validate(self.view, plan)  # the plan's bucket (None: unpadded)
         if stream is not None:
             stream = checks.check_stream(self.device, stream, "commit")
         if slot is not None:
@@ -295,7 +299,7 @@ class GraphBufferPool:
                 fenced = side is None and self.unstaged[s] == generation and self.last_commit_bytes == sent
                 if defer and fenced:  # (_rows_device_work's deferred case, inline: the per-step path)
                     key = ("derived", s, bucket, bucket * q_len, plan.backend)
-                    self.device_work.defer(s, generation, key, lambda: derive.rows_work(self, step, state, offsets, True), on)
+                    self.device_work.defer(s, generation, key, lambda: self._work(step, state, offsets, True), on)
                     self.last_commit_bytes += offsets.draft * 4
                 else:
                     self._rows_device_work(step, state, offsets, True, False, on)
@@ -328,17 +332,20 @@ class GraphBufferPool:
         return shape
 
     def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:
-        """Commit all K steps of a DraftRound (build_round) into one slot: one host-to-device copy
-        per layer group, each backend's scheduling for every step; the K steps stay live together
-        until the slot is committed again. See capture/rounds.py."""
+        """Commit all K steps of a DraftRound (build_round) into one slot: one host-to-device copy per layer group,
+        each backend's scheduling for every step; live together until the slot is committed again (rounds.py)."""
         return rounds.commit(self, draft, slot)
+
+    def _work(self, step: DeviceStep, state, offsets, derived: bool):
+        s, fence = step.slot, self.leases.fence[step.slot : step.slot + 1] if derived and self.cuda else None  # (last node)
+        return derive.rows_work(self.derivation, self.dev[s], self.host[s], fence, step, state, offsets, derived)
 
     def _rows_device_work(self, step: DeviceStep, state, offsets, derived: bool, defer: bool, on) -> None:
         """A StepRows commit's device work (derive.rows_work): replayed as one graph for a bucketed CUDA step
         (captured at the first commit of its key), so its host cost is one launch; with `defer`, not even
         that: the step's first use launches it, on the commit's stream `on` (None: the CPU)."""
         key = ("derived" if derived else "staged", step.slot, step.padded_batch_size, step.padded_num_tokens, step.plan.backend)
-        make = lambda: derive.rows_work(self, step, state, offsets, derived)  # noqa: E731
+        make = lambda: self._work(step, state, offsets, derived)  # noqa: E731
         if defer:
             self.device_work.defer(step.slot, step.generation, key, make, on)
         else:
@@ -369,9 +376,7 @@ class GraphBufferPool:
 
     def views_of(self, s: int, rows: int, num_rows: int, keep: bool) -> SlotViews:
         """Slot s's fixed views for `rows` requests and `num_rows` token rows (kept for bucketed shapes)."""
-        views = self._views.get((s, rows, num_rows))
-        return views if views is not None else self.kept(
-            (s, rows, num_rows), keep, lambda: slot_views(self.layout, self.dev[s], self.host[s], rows, num_rows))
+        return self.kept((s, rows, num_rows), keep, lambda: slot_views(self.layout, self.dev[s], self.host[s], rows, num_rows))
 
     def kept(self, key: tuple, keep: bool, make):
         """make()'s views of a slot, made once per key when `keep` (bucketed shapes: bounded), else each time."""
@@ -381,12 +386,6 @@ class GraphBufferPool:
             if keep:
                 self._views[key] = views
         return views
-
-    def index_buffer(self, step: DeviceStep, group: int) -> torch.Tensor:
-        """The whole index region [index_capacity] of `group` for the step's slot and shape: what a
-        FlashInfer graph-mode wrapper is built over (its buffers must outlive every plan)."""
-        o_idx = self.layout.at(step.padded_batch_size, step.padded_num_tokens).groups[group].indices
-        return self.dev[step.slot][o_idx : o_idx + self.layout.index_capacity]
 
     def memory_report(self) -> MemoryReport:
         """Device and pinned bytes this pool and its backend states hold, by component (what torch's

@@ -54,7 +54,7 @@ def commit(pool: GraphBufferPool, draft: DraftRound, slot: int | None) -> tuple[
     if pool.spec.own_page_groups:  # (build_round refuses them; scratch rounds too: this is the pool's own check)
         raise PlanError("commit_round: the pool's spec has layer groups with their own page lists or cross attention; "
                         "draft rounds serve specs whose groups share one page list")
-    bucket = checks.validate(pool, plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
+    bucket = checks.validate(pool.view, plans[-1], draft_ok=True)  # (the last step reads the most: every step shares its pages)
     checks.check_slot(pool.num_slots, slot, "commit_round")
     state = pool.backend_state(draft.backend)
     if state is not None:

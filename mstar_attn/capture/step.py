@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from mstar_attn.capture import checks
-from mstar_attn.capture.lease import HostEvent  # noqa: F401  (kept name: a CPU pool's event lives in lease.py)
+from mstar_attn.capture.lease import HostEvent, check_stream  # noqa: F401  (HostEvent: a kept name)
 from mstar_attn.metadata.errors import PlanError, StaleStepError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
@@ -184,7 +183,7 @@ class DeviceStep:
         step of the other slot running elsewhere raises PlanError (see SlotLeases.claim_consumer)."""
         self.check_live("wait")
         slots = self.slots
-        stream = checks.check_stream(slots.device, stream, "wait")
+        stream = check_stream(slots.device, stream, "wait")
         if slots.work.pending_key(self.slot, self.generation) is not None:  # (on the commit's stream: the
             slots.work.launch(self.slot, "wait")  # event below follows it)
         if slots.device.type == "cuda":

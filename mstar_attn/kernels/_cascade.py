@@ -18,7 +18,7 @@ both levels, which is all the merge needs. Imports no GPU package at import time
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import numpy as np
@@ -30,7 +30,7 @@ from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
 
 if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
-    from mstar_attn.kernels.flashinfer import PoolState
+    from mstar_attn.capture.view import PoolView
 
 INT_WORKSPACE_BYTES = 8 << 20
 
@@ -73,6 +73,20 @@ class Levels:
     state: CascadeState = attrs.field(repr=False)
 
 
+class WorkspaceOwner(Protocol):
+    """What CascadeState reads of FlashInfer's PoolState, which makes it (kernels/flashinfer.py): the pool's view,
+    the float workspace and planning keywords its wrappers share, whether decode runs on tensor cores, and the
+    slot and group int workspaces (share a wrapper into one; record who planned into it last)."""
+
+    pool: PoolView
+    float_ws: torch.Tensor
+    plan_kwargs: dict
+    tensor_cores: bool
+
+    def share(self, w, slot: int, g: int, draft: int | None = None): ...
+    def planned_into(self, slot: int, g: int, wrapper) -> None: ...
+
+
 class CascadeState:
     """FlashInfer's pool state (its PoolState) for cascade steps, made when the spec has cascade on.
 
@@ -87,7 +101,7 @@ class CascadeState:
     + the float workspace (the pool's float_workspace_bytes, or shared_workspace_bytes if larger).
     """
 
-    def __init__(self, owner: PoolState):
+    def __init__(self, owner: WorkspaceOwner):
         pool = self.pool = owner.pool
         self.owner, L = owner, pool.layout
         self.max_groups = L.max_rows // 2 + 1

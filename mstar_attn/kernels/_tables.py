@@ -13,7 +13,7 @@ from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.spec import Kind
 
 if TYPE_CHECKING:
-    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.view import PoolView
     from mstar_attn.capture.step import DeviceStep
 
 
@@ -36,7 +36,7 @@ class BlockTables:
     the pool's max_pages_per_request to the longest context / page_size, not the whole pool.
     """
 
-    def __init__(self, pool: GraphBufferPool, groups: list[int] | None = None):
+    def __init__(self, pool: PoolView, groups: list[int] | None = None):
         """groups: the layer groups that read tables (default all); the others get None from schedule."""
         self.pool = pool
         served = range(len(pool.spec.groups)) if groups is None else groups

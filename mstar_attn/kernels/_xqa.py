@@ -13,7 +13,7 @@ from mstar_attn.kernels._tables import BlockTables
 from mstar_attn.metadata.errors import PlanError
 
 if TYPE_CHECKING:
-    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.view import PoolView
     from mstar_attn.capture.step import DeviceStep
 
 
@@ -31,7 +31,7 @@ class Xqa:
     chunks of gqa * (8 + 2 * head_dim) bytes, doubled for alignment, plus the page tables.
     """
 
-    def __init__(self, pool: GraphBufferPool):
+    def __init__(self, pool: PoolView):
         from flashinfer.xqa import get_xqa_module
 
         if torch.cuda.get_device_capability(pool.device)[0] != 9:

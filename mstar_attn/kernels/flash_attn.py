@@ -39,7 +39,7 @@ from mstar_attn.metadata.plan import AttentionPlan
 from mstar_attn.metadata.spec import LayerGroup
 
 if TYPE_CHECKING:
-    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.view import PoolView
     from mstar_attn.capture.step import DeviceStep
 
 VARLEN = "flash_attn_varlen"
@@ -60,7 +60,7 @@ class PoolState(PoolStateBase):
 
     lazy_host_arrays = True  # reads no pinned host array of a derived StepRows step (its tables and lengths are on the device)
 
-    def __init__(self, pool: GraphBufferPool):
+    def __init__(self, pool: PoolView):
         _varlen_func()  # fail at pool construction, not at the first step
         self.tables = BlockTables(pool)
 

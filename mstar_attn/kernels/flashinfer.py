@@ -27,7 +27,7 @@ from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
 if TYPE_CHECKING:
-    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.view import PoolView
     from mstar_attn.capture.step import DeviceStep
 
 INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its plan
@@ -87,7 +87,7 @@ class PoolState(PoolStateBase):
 
     lazy_host_arrays = True  # a derived StepRows step's pinned arrays are staged only when a planner reads them
 
-    def __init__(self, pool: GraphBufferPool):
+    def __init__(self, pool: PoolView):
         if pool.device.type != "cuda":
             raise PlanError(f"GraphBufferPool(device={pool.device}): the FlashInfer backend runs on CUDA")
         self.pool = pool

@@ -35,7 +35,7 @@ from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
 
 if TYPE_CHECKING:
-    from mstar_attn.capture.pool import GraphBufferPool
+    from mstar_attn.capture.view import PoolView
     from mstar_attn.capture.step import DeviceStep
 
 MAX_QUERY_TILES = 8192  # FlashInfer MLA plans at most 16384 work items (query tiles of 64 rows plus KV splits)
@@ -48,7 +48,7 @@ class PoolState(PoolStateBase):
     8 MiB pinned int workspace. Host cost not yet measured: FlashInfer builds a backend object per
     plan() and, in graph mode, clones its int workspace and metadata buffers for rollback."""
 
-    def __init__(self, pool: GraphBufferPool):
+    def __init__(self, pool: PoolView):
         spec = pool.spec
         if pool.device.type != "cuda":
             raise PlanError(f"GraphBufferPool(device={pool.device}): the FlashInfer MLA backend runs on CUDA")
