@@ -30,7 +30,7 @@ from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits,
 from mstar_attn.capture.lease import CurrentStream, SlotLeases
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
-from mstar_attn.capture.step import DeviceGroup, DeviceStep, MemoryReport, Slots, StepShape
+from mstar_attn.capture.step import DeviceStep, MemoryReport, Slots, StepShape, shapes_of
 from mstar_attn.capture.table import PageTable
 from mstar_attn.capture.view import PoolView
 from mstar_attn.metadata._arrays import positive_int
@@ -120,14 +120,8 @@ class GraphBufferPool:
     def num_slots(self) -> int:
         return len(self.host)
 
-    @property
-    def stalls(self) -> int:
-        """Commits that had to wait for the GPU before reusing a slot."""
-        return self.leases.stalls
-
-    @stalls.setter
-    def stalls(self, n: int) -> None:
-        self.leases.stalls = n
+    stalls = property(lambda self: self.leases.stalls, lambda self, n: setattr(self.leases, "stalls", n),
+                      doc="Commits that had to wait for the GPU before reusing a slot.")
 
     def backend_state(self, backend: str):
         """The PoolState of `backend`'s module for this pool (made once; None for host-only backends)."""
@@ -189,8 +183,25 @@ class GraphBufferPool:
         side = stream if stream is not None and self.cuda and stream != here else None
         if plan.rows is not None and bucket is not None:  # the device derives the step's arrays (derive.py)
             return self._commit_derived(plan, bucket, state, slot, here, side, defer)
-        # the last check, O(B + T)
-        slots = None if plan.rows is None else self.table.check_step(plan)
+        return self._commit_staged((plan,), bucket, state, slot, here, side)[0]
+
+    def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:
+        """Commit all K steps of a DraftRound (build_round) into one slot, as one staged commit: one host-to-device
+        copy per layer group, each backend's scheduling for every step; the K steps stay live together until the
+        slot is committed again (capture/rounds.py). Every check first, as for commit."""
+        bucket = rounds.check(self.view, draft)
+        checks.check_slot(self.num_slots, slot, "commit_round")
+        if (state := self.backend_state(draft.backend)) is not None:
+            state.check(draft.steps[-1], bucket)
+        return self._commit_staged(draft.steps, bucket, state, slot, self.current_stream() if self.cuda else None, None)
+
+    def _commit_staged(self, plans: tuple, bucket: int | None, state, slot: int | None, here, side) -> tuple:
+        """The commit of steps whose arrays the host stages (after the checks): a StepBatch step (its page lists, a
+        cross group's rows), an unbucketed StepRows step, or the K steps of a draft round (plans: one plan, or the
+        round's K, which share the first's page arrays: rounds.py). Lease the slot, stage, one copy per range,
+        the device work (table updates, gathers), the backend's schedule, the event; returns the DeviceSteps."""
+        plan, K = plans[0], len(plans)
+        slots = None if plan.rows is None else self.table.check_step(plan)  # the last check, O(B + T)
         xg = None if plan.rows is not None else cross.rows_group(plan)  # (CrossRows: StepBatch plans only)
         x_slots = None if xg is None else cross.check(self.cross_table, plan, xg)
         s = self.free_slot(slot)
@@ -202,29 +213,32 @@ class GraphBufferPool:
         self.last_commit_bytes = 0
         table = self.table if xg is None else self.cross_table
         updates = None if plan.rows is None and xg is None else table.take_updates()  # (put back if the commit fails)
-        h, offsets = self.host_np[s], views.offsets
+        h, offsets, host, dev = self.host_np[s], views.offsets, self.host[s], self.dev[s]
         self.held[s] = StagedHead()  # (these steps write the head in their own layouts: a derived step stages it whole next)
         if plan.rows is None:
             ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self.scratch_slots)
             left = 0 if xg is None else cross.stage(h, plan, xg, offsets, rows, x_slots, updates, table)
+            rounds.stage(h, plans, offsets, self.scratch_slots)  # (a round's later steps: their own arrays)
         else:
             left = stage_rows(h, plan, offsets, slots, updates, self.table, self.scratch_slots)
             ps, pad = self.spec.page_size, rows - B
             ranges = [(o.indices, o.indices + gp.kv_indptr[-1] + -(-q_len // ps) * pad) for gp, o in zip(plan.groups, offsets.groups)]
-        self.generations[s] += 1  # from here on the slot's previous step is stale
+        self.generations[s] += 1  # from here on the slot's previous steps are stale
         self.unstaged[s] = -1
         self.next_slot = (s + 1) % self.num_slots
-        host, dev = self.host[s], self.dev[s]
-        shape = StepShape(slot=s, padded_batch_size=rows, padded_num_tokens=num_rows, bucket=bucket, q_len=q_len, qo_indptr=views.qo_indptr,
-                          host_qo_indptr=views.host_qo_indptr, slot_mapping=views.slot_mapping,
-                          table_rows=views.table_rows, groups=self._groups_of(s, views, ranges))
+        more = () if K == 1 else self.kept(("draft", s, rows, num_rows), bucket is not None,
+                                           lambda: rounds.step_views(self.layout, dev, host, rows, num_rows))
+        shapes = shapes_of(s, views, dev, ranges, bucket, q_len, more[: K - 1])
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             on = side or here  # the stream this commit's copies and host scheduling run on
             try:
                 lease.after_consumer(s, on)
-                step = DeviceStep(plan=plan, shape=shape, generation=self.generations[s], slots=self.slots, stream=side)
+                steps = tuple(DeviceStep(plan=p, shape=sh, generation=self.generations[s], slots=self.slots, stream=side)
+                              for p, sh in zip(plans, shapes))
                 if plan.rows is None:
-                    for a, b in copy_ranges(offsets, ranges, plan):
+                    copies = copy_ranges(offsets, ranges, plan)
+                    copies[0] = (min(copies[0][0], rounds.first_copy(offsets, K)), copies[0][1])
+                    for a, b in copies:
                         self.upload(dev[a:b], host[a:b])
                     if xg is not None:  # the table updates past the step's region, then one graph per bucket
                         self.last_commit_bytes += table.send(updates) if left else 0
@@ -234,13 +248,15 @@ class GraphBufferPool:
                 else:
                     if left:  # more table updates than the step's region holds (admissions): sent first
                         self.last_commit_bytes += table.send(updates)
-                    self._rows_device_work(step, state, offsets, False, False, on)
-                if state is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
-                    object.__setattr__(step, "scheduled", state.schedule(step))
+                    self._rows_device_work(steps[0], state, offsets, False, False, on)
+                if state is not None:  # (fresh objects no caller has seen yet: set, not rebuilt)
+                    scheduled = state.schedule_round(list(steps)) if K > 1 else (state.schedule(steps[0]),)
+                    for st, sch in zip(steps, scheduled):
+                        object.__setattr__(st, "scheduled", sch)
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
                 if side is None and here is not None:
-                    lease.claim_consumer(s, here, "commit")
+                    lease.claim_consumer(s, here, "commit" if K == 1 else "commit_round")
             except BaseException:
                 if updates is not None:  # they may not have reached the device: send them again next time
                     table.restore_updates(updates)
@@ -248,7 +264,7 @@ class GraphBufferPool:
             finally:
                 lease.record(s, on, False)
                 self.bytes_to_device += self.last_commit_bytes
-        return step
+        return steps
 
     def _commit_derived(self, plan: AttentionPlan, bucket: int, state, slot: int | None, here, side,
                         defer: bool) -> DeviceStep:
@@ -325,16 +341,10 @@ class GraphBufferPool:
         whole index region (kept: bounded by slots x buckets x q_lens)."""
         views = self.views_of(s, bucket, bucket * q_len, True)
         self._offsets[(bucket, q_len)] = views.offsets
-        shape = StepShape(slot=s, padded_batch_size=bucket, padded_num_tokens=bucket * q_len, bucket=bucket, q_len=q_len,
-                          qo_indptr=views.qo_indptr, host_qo_indptr=views.host_qo_indptr, slot_mapping=views.slot_mapping,
-                          table_rows=views.table_rows, groups=self._groups_of(s, views, None))
+        cap = self.layout.index_capacity
+        shape, = shapes_of(s, views, self.dev[s], [(o.indices, o.indices + cap) for o in views.offsets.groups], bucket, q_len)
         self._views[("shape", s, bucket, q_len)] = shape
         return shape
-
-    def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:
-        """Commit all K steps of a DraftRound (build_round) into one slot: one host-to-device copy per layer group,
-        each backend's scheduling for every step; live together until the slot is committed again (rounds.py)."""
-        return rounds.commit(self, draft, slot)
 
     def _work(self, step: DeviceStep, state, offsets, derived: bool):
         s, fence = step.slot, self.leases.fence[step.slot : step.slot + 1] if derived and self.cuda else None  # (last node)
@@ -359,13 +369,6 @@ class GraphBufferPool:
             stage_requests(self.host_np[step.slot], step.plan, self.layout.at(step.padded_batch_size, step.padded_num_tokens), step.padded_batch_size, step.q_len)
             self.unstaged[step.slot] = -1
 
-    def _groups_of(self, s: int, views: SlotViews, ranges) -> tuple[DeviceGroup, ...]:
-        """The step's DeviceGroups over each group's used index range, or its whole index region (ranges None)."""
-        if ranges is None:
-            cap = self.layout.index_capacity
-            ranges = [(o.indices, o.indices + cap) for o in views.offsets.groups]
-        return tuple(DeviceGroup.over(g, self.dev[s][a:b]) for g, (a, b) in zip(views.groups, ranges))
-
     def free_slot(self, slot: int | None, where: str = "commit") -> int:
         """The slot a commit fills, once every deferred device work is launched and its last copies have run."""
         s = self.next_slot if slot is None else slot
@@ -381,11 +384,9 @@ class GraphBufferPool:
     def kept(self, key: tuple, keep: bool, make):
         """make()'s views of a slot, made once per key when `keep` (bucketed shapes: bounded), else each time."""
         views = self._views.get(key)
-        if views is None:
-            views = make()
-            if keep:
-                self._views[key] = views
-        return views
+        if views is None and keep:
+            views = self._views[key] = make()
+        return views if views is not None else make()
 
     def memory_report(self) -> MemoryReport:
         """Device and pinned bytes this pool and its backend states hold, by component (what torch's

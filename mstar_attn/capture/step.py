@@ -14,7 +14,7 @@ from mstar_attn.metadata.plan import AttentionPlan, Mode
 
 if TYPE_CHECKING:
     from mstar_attn.capture.graph_cache import CommitGraphs
-    from mstar_attn.capture.layout import GroupViews
+    from mstar_attn.capture.layout import GroupViews, SlotViews
     from mstar_attn.capture.lease import SlotLeases
 
 
@@ -81,6 +81,24 @@ class StepShape:
 
     rows = deprecated_alias("StepShape.rows", "padded_batch_size")
     num_rows = deprecated_alias("StepShape.num_rows", "padded_num_tokens")
+
+
+def shapes_of(slot: int, views: SlotViews, buf: torch.Tensor, ranges, bucket: int | None, q_len: int,
+              changes: tuple = ()) -> tuple[StepShape, ...]:
+    """The StepShapes of a commit into `slot` at views' shape (views: layout.SlotViews; buf: the slot's int32 device
+    buffer): each layer group over its index range ranges[g] = (start, end) in buf. changes: for the steps of a draft
+    round after its first, per step and group the DeviceGroup fields that step holds apart (rounds.step_views);
+    returns one shape per step (one without changes)."""
+    o, idx = views.offsets, [buf[a:b] for a, b in ranges]
+
+    def shape(groups, slot_mapping) -> StepShape:
+        return StepShape(slot=slot, padded_batch_size=o.batch_size, padded_num_tokens=o.num_tokens, bucket=bucket,
+                         q_len=q_len, qo_indptr=views.qo_indptr, host_qo_indptr=views.host_qo_indptr,
+                         slot_mapping=slot_mapping, table_rows=views.table_rows, groups=groups)
+
+    first = shape(tuple(DeviceGroup.over(g, i) for g, i in zip(views.groups, idx)), views.slot_mapping)
+    return (first, *(shape(tuple(DeviceGroup.over(g, i, **c) for g, i, c in zip(views.groups, idx, own)),
+                           own[0]["slot_mapping"]) for own in changes))
 
 
 @attrs.frozen(eq=False)
