@@ -43,6 +43,7 @@ tests/test_piecewise.py fails when they move.
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Callable
 
 import torch
@@ -52,6 +53,7 @@ from mstar_attn.capture.graph_cache import capture_into
 from mstar_attn.metadata.errors import PlanError
 
 ATTENTION_OPS = (torch.ops.mstar_attn.forward, torch.ops.mstar_attn.attention, torch.ops.mstar_attn.store)
+_MISSING = object()
 STATS = {"captured": 0, "replayed": 0}  # piece graphs captured and replayed in this process (all compiled functions)
 _TARGETS = frozenset([*ATTENTION_OPS, *(op.default for op in ATTENTION_OPS)])
 
@@ -113,6 +115,10 @@ def new_graph():
     return torch.cuda.CUDAGraph()
 
 
+class CaptureFailed(RuntimeError):
+    """A piece's CUDA graph capture raised (after its warm-up ran: the piece itself works)."""
+
+
 class _PieceGraph:
     """One compiled piece captured as a CUDA graph for one padded token count: its static inputs (a model
     parameter, or another piece graph's output, as given; any other tensor cloned) and outputs."""
@@ -124,7 +130,10 @@ class _PieceGraph:
         self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)]
         fn(*self.inputs)  # (warm-up, outside the capture: lazy allocations, autotuning)
         self.graph = new_graph()
-        self.out = capture_into(self.graph, memory, lambda: fn(*self.inputs))
+        try:  # (capture errors of this thread only: other threads may serve other pools meanwhile)
+            self.out = capture_into(self.graph, memory, lambda: fn(*self.inputs), "thread_local")
+        except RuntimeError as e:
+            raise CaptureFailed(str(e)) from e
         outputs.update(t.data_ptr() for t in output_tensors(self.out))
 
     def __call__(self, args: tuple):
@@ -197,13 +206,21 @@ class _Compiled(torch.nn.Module):
         if n is None or not self.graphable or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             return self.fn(*args)  # (inside a capture of the whole forward: captured with it)
         n = self.key(n, args)
-        graph = self.graphs.get(n)
-        if graph is None:
+        graph = self.graphs.get(n, _MISSING)
+        if graph is None:  # (its capture failed: runs as compiled)
+            return self.fn(*args)
+        if graph is _MISSING:
             if not capturable(args):
                 return self.fn(*args)
             if self.shared["memory"] is None:
                 self.shared["memory"] = new_pool()
-            graph = self.graphs[n] = _PieceGraph(self.fn, args, self.shared["memory"], self.shared["outputs"])
+            try:
+                graph = self.graphs[n] = _PieceGraph(self.fn, args, self.shared["memory"], self.shared["outputs"])
+            except CaptureFailed as e:  # (never tried again for this key: a warning, then the compiled piece)
+                self.graphs[n] = None
+                warnings.warn(f"piecewise: a piece's CUDA graph for padded_rows {n[0]} did not capture ({e}); "
+                              "it runs as compiled", RuntimeWarning, 2)
+                return self.fn(*args)
             STATS["captured"] += 1
         STATS["replayed"] += 1
         return graph(args)

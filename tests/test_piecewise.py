@@ -121,7 +121,7 @@ class FakeGraph:
             o.copy_(n)
 
 
-def fake_capture(graph, memory, fn):
+def fake_capture(graph, memory, fn, mode="global"):
     from mstar_attn.piecewise import output_tensors
 
     graph.fn, graph.out = fn, fn()
@@ -259,3 +259,28 @@ def test_another_models_parameters_get_a_graph_of_their_own(fake_graphs):
         for w in (w1, w2, w1, w2):
             assert torch.equal(piece(x, w), x @ w), seed
     assert len(piece.graphs) == 2, (seed, list(piece.graphs))
+
+
+def test_a_capture_that_fails_warns_once_and_the_piece_runs_as_compiled(fake_graphs, monkeypatch):
+    """A piece whose capture raises (another thread invalidated it, say) after its warm-up ran: a RuntimeWarning,
+    the compiled piece's own output, and the key is never captured again (no retry at every call)."""
+    import mstar_attn.piecewise as pw
+
+    tries = []
+
+    def failing(graph, memory, fn, mode="global"):
+        tries.append(mode)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(pw, "capture_into", failing)
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    piece = pw._Compiled(lambda x, w: x @ w, {"memory": None, "outputs": set()})
+    x, w = torch.randn(8, 4, generator=gen), torch.nn.Parameter(torch.randn(4, 4, generator=gen), requires_grad=False)
+    _, _, spec = _model(seed, layers=1)
+    step = _step(np.random.default_rng(seed), spec, 2)
+    with step_context(step, padded_rows=max(8, step.num_tokens)):
+        with pytest.warns(RuntimeWarning, match="did not capture .*runs as compiled"):
+            assert torch.equal(piece(x, w), x @ w), seed
+        assert torch.equal(piece(x, w), x @ w), seed
+    assert tries == ["thread_local"], tries

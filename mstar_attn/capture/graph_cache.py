@@ -17,15 +17,16 @@ from mstar_attn.metadata.errors import PlanError
 _T = TypeVar("_T")
 
 
-def capture_into(graph: torch.cuda.CUDAGraph, memory, fn: Callable[[], _T]) -> _T:
+def capture_into(graph: torch.cuda.CUDAGraph, memory, fn: Callable[[], _T], mode: str = "global") -> _T:
     """fn() captured into `graph` (of the memory pool `memory`); returns what fn returned. No garbage is
     collected during the capture (the collector is off, and back on after, also when fn raises): a library
     object finalized inside a capture (a kernel module unloaded, a buffer freed on another stream) is an
-    illegal call there and aborts the process."""
+    illegal call there and aborts the process. mode: torch's capture_error_mode ("thread_local": CUDA calls
+    of other threads, serving other pools, do not invalidate the capture)."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=memory):
+        with torch.cuda.graph(graph, pool=memory, capture_error_mode=mode):
             return fn()
     finally:
         if collecting:

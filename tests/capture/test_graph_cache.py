@@ -127,7 +127,7 @@ def test_no_garbage_is_collected_during_a_capture(monkeypatch):
     seen = []
 
     @contextlib.contextmanager
-    def fake_graph(graph, pool=None):
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
         seen.append(gc.isenabled())
         yield
 
