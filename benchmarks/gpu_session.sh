@@ -5,7 +5,7 @@
 #   verify   the smoke tier (one process), then the full GPU suite (6 processes), then the kernels this run
 #            compiled as $OUT/jit.part.* (cat them back into jit.tar.xz: the shared cache's refresh)
 #   demos    token-tree speculation, piecewise-compiled demos (Llama, Gemma-2, BART on FlashInfer and FA4),
-#            gpt-oss on both backends, each with graphs: $OUT/demos.log (those past 480 s skipped, and named)
+#            gpt-oss on both backends, each with graphs: $OUT/demos.log (those past 440 s skipped, and named)
 #   bench    tree verify vs chain verify, the compiled 1B-class step, op dispatch on CUDA, host work per step
 set -uo pipefail
 out=${OUT:?set OUT}
@@ -22,8 +22,8 @@ case "${1:-}" in
   demos)
     log="$out/demos.log"; : > "$log"
     start=$(date +%s)
-    run() {  # (one demo; past 480 s of the call's 600 the rest are skipped, and the log says so)
-      if (( $(date +%s) - start > 480 )); then echo "\$ python -m mstar_attn demo $*: skipped (time)" >> "$log"; return; fi
+    run() {  # (one demo; past 440 s of the call's 600 the rest are skipped, and the log says so)
+      if (( $(date +%s) - start > 440 )); then echo "\$ python -m mstar_attn demo $*: skipped (time)" >> "$log"; return; fi
       echo "\$ python -m mstar_attn demo $*" >> "$log"
       timeout 150 python3 -m mstar_attn demo "$@" >> "$log" 2>&1 || echo "(exit $?)" >> "$log"; }
     run --speculate 4 --tree 2 --backend flashinfer

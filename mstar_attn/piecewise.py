@@ -25,7 +25,8 @@ an input other than a parameter that a call passes elsewhere is copied in (the s
 graph's outputs live as long as it does, so copying into another graph's output is safe). A piece with a CPU
 tensor input other than a 0-dim scalar is not captured. A piece's graphs are keyed by n, by the sizes it takes as
 arguments, by the addresses of the parameters it reads in place (another model's weights, or reloaded ones, get
-graphs of their own) and by the values of its CPU scalars. A piece that writes into one of its inputs
+graphs of their own) and by the values of its CPU scalars; at most MAX_VARIANTS per n and sizes (past them, and
+for a scalar that changes every call, the piece runs as compiled). A piece that writes into one of its inputs
 (`mutates_inputs`, or the fake inputs' version counters at compile time) is never captured: it runs as compiled.
 All graphs of one compiled function share one memory pool and its static inputs and outputs: one thread runs it
 at a time, and a padded forward's outputs are valid until the next padded forward (a later capture may reuse
@@ -54,6 +55,7 @@ from mstar_attn.metadata.errors import PlanError
 
 ATTENTION_OPS = (torch.ops.mstar_attn.forward, torch.ops.mstar_attn.attention, torch.ops.mstar_attn.store)
 _MISSING = object()
+MAX_VARIANTS = 4  # graphs per piece and (padded_rows, sizes) that differ in parameters or CPU scalars; past them: compiled
 STATS = {"captured": 0, "replayed": 0}  # piece graphs captured and replayed in this process (all compiled functions)
 _TARGETS = frozenset([*ATTENTION_OPS, *(op.default for op in ATTENTION_OPS)])
 
@@ -132,6 +134,8 @@ class _PieceGraph:
         self.graph = new_graph()
         try:  # (capture errors of this thread only: other threads may serve other pools meanwhile)
             self.out = capture_into(self.graph, memory, lambda: fn(*self.inputs), "thread_local")
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:
             raise CaptureFailed(str(e)) from e
         outputs.update(t.data_ptr() for t in output_tensors(self.out))
@@ -164,13 +168,6 @@ def versions(args) -> list[int]:
     return [a._version for a in args if isinstance(a, torch.Tensor)]
 
 
-def writes_inputs(fn: Callable, args: tuple) -> bool:
-    """Runs fn(*args); whether it wrote into one of the tensors in args (their version counters moved)."""
-    before = versions(args)
-    fn(*args)
-    return versions(args) != before
-
-
 def new_pool():
     """The memory pool a compiled function's piece graphs share."""
     return torch.cuda.graph_pool_handle()
@@ -190,6 +187,7 @@ class _Compiled(torch.nn.Module):
         super().__init__()
         self.fn, self.shared, self.graphs, self.graphable = fn, shared, {}, graphs
         self.keyed = None  # (positions of the int arguments, the parameters, the CPU scalars: fixed per piece)
+        self.variants: dict[tuple, int] = {}  # (padded_rows, sizes) -> graphs captured for it (at most MAX_VARIANTS)
 
     def key(self, n: int, args: tuple) -> tuple:
         """A graph's key: n, the sizes the piece takes as arguments, the addresses of the parameters it reads in
@@ -210,8 +208,10 @@ class _Compiled(torch.nn.Module):
         if graph is None:  # (its capture failed: runs as compiled)
             return self.fn(*args)
         if graph is _MISSING:
-            if not capturable(args):
-                return self.fn(*args)
+            shape = n[: 1 + len(self.keyed[0])]  # (padded_rows and the sizes: other weights or scalars are variants)
+            if not capturable(args) or self.variants.get(shape, 0) >= MAX_VARIANTS:
+                return self.fn(*args)  # (a scalar that changes every call, models past MAX_VARIANTS: compiled)
+            self.variants[shape] = self.variants.get(shape, 0) + 1
             if self.shared["memory"] is None:
                 self.shared["memory"] = new_pool()
             try:

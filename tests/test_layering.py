@@ -180,6 +180,12 @@ def test_no_cycle_through_objects_passed_in():
              for name, path in known.items() if path.name != "__init__.py"}
     graph["mstar_attn.capture.pool"] |= {caps.module for caps in BACKENDS.values() if caps.module in graph}
     assert len(graph["mstar_attn.capture.pool"]) > 5  # (the edges are read: the scan is not vacuous)
+    cycle = _first_cycle(graph)
+    assert cycle is None, "cycle through objects passed in: " + " -> ".join(cycle or [])
+
+
+def _first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """The first cycle a depth-first walk of `graph` (module -> the modules it names) meets, or None."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -188,12 +194,26 @@ def test_no_cycle_through_objects_passed_in():
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                raise AssertionError("cycle through objects passed in: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
-            if nxt in graph and not state.get(nxt):
-                dfs(nxt)
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt in graph and not state.get(nxt) and (found := dfs(nxt)):
+                return found
         stack.pop()
         state[node] = 2
+        return None
 
     for node in sorted(graph):
-        if not state.get(node):
-            dfs(node)
+        if not state.get(node) and (found := dfs(node)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_sees_a_cycle_through_an_annotation(tmp_path):
+    """The rule itself: a TYPE_CHECKING import back to a module that imports this one closes a cycle."""
+    known = {"mstar_attn.capture.pool": tmp_path / "pool.py", "mstar_attn.capture.step": tmp_path / "step.py"}
+    known["mstar_attn.capture.pool"].write_text("from mstar_attn.capture.step import DeviceStep\n")
+    known["mstar_attn.capture.step"].write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                "    from mstar_attn.capture.pool import GraphBufferPool\n")
+    graph = {name: _every_import(path, known) - {name} for name, path in known.items()}
+    assert _first_cycle(graph) == ["mstar_attn.capture.pool", "mstar_attn.capture.step", "mstar_attn.capture.pool"]
+    graph["mstar_attn.capture.step"] = set()
+    assert _first_cycle(graph) is None

@@ -109,7 +109,7 @@ class FakeGraph:
     """A CUDA graph's semantics on the CPU: capture runs the function once and leaves its outputs holding garbage
     (NaN) until a replay; a replay runs it again on the same (static) inputs and writes into the same outputs.
     Not modelled: the shared memory pool (a replay computes into fresh memory, then copies), calls a capture
-    forbids (a host sync), values baked into launches (scalars: the pieces capture CUDA inputs only). A piece
+    forbids (a host sync), values baked into launches (a CPU scalar: the graph's key holds its value). A piece
     whose output aliases an input would be corrupted by the NaN fill: the toy model has none."""
 
     fn, out = None, None
@@ -226,19 +226,30 @@ def test_pieces_that_write_into_their_inputs_are_found():
     assert pieces(iadd, x.clone(), y) == [True]
 
 
-def test_a_write_in_any_form_moves_the_version_counters():
-    """writes_inputs (what piecewise_backend reads on the fake inputs at compile time, beside mutates_inputs): a
-    method, an out= argument, inplace=True, torch.relu_, a write through a view all count; an out-of-place piece
-    does not."""
+def test_the_backend_never_captures_a_piece_that_writes_an_input_in_any_form():
+    """piecewise_backend reads the fake inputs' version counters around each piece at compile time: a write through
+    out=, inplace=True or torch.relu_ (forms mutates_inputs does not see) leaves that piece uncaptured (graphable
+    False), as an in-place method does; an out-of-place piece stays capturable."""
     import torch.nn.functional as F
 
-    from mstar_attn.piecewise import writes_inputs
+    from mstar_attn.piecewise import _Compiled, piecewise_backend
+
+    got = []
+
+    def backend(gm, example_inputs):
+        got.append(piecewise_backend(gm, example_inputs))
+        return got[-1]
 
     x, y = torch.randn(4, 3), torch.randn(4, 3)
-    assert not writes_inputs(lambda a, b: torch.tanh(a) + b, (x.clone(), y))
-    for i, fn in enumerate([lambda a, b: F.relu(a, inplace=True), lambda a, b: torch.add(a, b, out=a),
-                            lambda a, b: torch.relu_(a), lambda a, b: a[:2].mul_(b[:2]), lambda a, b: a.add_(b)]):
-        assert writes_inputs(fn, (x.clone(), y)), i
+    cases = [(lambda a, b: torch.add(a, b, out=a) * 2, False), (lambda a, b: F.relu(a, inplace=True) + b, False),
+             (lambda a, b: torch.relu_(a) + b, False), (lambda a, b: torch.tanh(a) + b, True)]
+    for i, (fn, graphable) in enumerate(cases):
+        torch._dynamo.reset()
+        got.clear()
+        a = x.clone()
+        assert torch.allclose(torch.compile(fn, backend=backend, fullgraph=True)(a, y), fn(x.clone(), y)), i
+        pieces = [m for m in got[0].modules() if isinstance(m, _Compiled)]
+        assert [p.graphable for p in pieces] == [graphable], (i, [p.graphable for p in pieces])
 
 
 def test_another_models_parameters_get_a_graph_of_their_own(fake_graphs):
@@ -259,6 +270,15 @@ def test_another_models_parameters_get_a_graph_of_their_own(fake_graphs):
         for w in (w1, w2, w1, w2):
             assert torch.equal(piece(x, w), x @ w), seed
     assert len(piece.graphs) == 2, (seed, list(piece.graphs))
+    # a CPU scalar (a module float Dynamo lifts) is baked into a graph: its value is part of the key, and past
+    # MAX_VARIANTS values (a scalar that changes every call) the piece runs as compiled
+    from mstar_attn.piecewise import MAX_VARIANTS
+
+    scaled = _Compiled(lambda x, w, c: (x @ w) * c, {"memory": None, "outputs": set()})
+    with step_context(step, padded_rows=max(8, step.num_tokens)):
+        for c in (2.0, 3.0, 2.0, 3.0, *range(10, 10 + MAX_VARIANTS)):
+            assert torch.equal(scaled(x, w1, torch.tensor(c, dtype=torch.float64)), (x @ w1) * c), (seed, c)
+    assert len(scaled.graphs) == MAX_VARIANTS, (seed, list(scaled.graphs))
 
 
 def test_a_capture_that_fails_warns_once_and_the_piece_runs_as_compiled(fake_graphs, monkeypatch):

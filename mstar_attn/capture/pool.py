@@ -183,7 +183,7 @@ class GraphBufferPool:
         side = stream if stream is not None and self.cuda and stream != here else None
         if plan.rows is not None and bucket is not None:  # the device derives the step's arrays (derive.py)
             return self._commit_derived(plan, bucket, state, slot, here, side, defer)
-        return self._commit_staged((plan,), bucket, state, slot, here, side)[0]
+        return self._commit_staged((plan,), bucket, state, slot, here, side, False)[0]
 
     def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:
         """Commit all K steps of a DraftRound (build_round) into one slot, as one staged commit: one host-to-device
@@ -193,12 +193,12 @@ class GraphBufferPool:
         checks.check_slot(self.num_slots, slot, "commit_round")
         if (state := self.backend_state(draft.backend)) is not None:
             state.check(draft.steps[-1], bucket)
-        return self._commit_staged(draft.steps, bucket, state, slot, self.current_stream() if self.cuda else None, None)
+        return self._commit_staged(draft.steps, bucket, state, slot, self.current_stream() if self.cuda else None, None, True)
 
-    def _commit_staged(self, plans: tuple, bucket: int | None, state, slot: int | None, here, side) -> tuple:
+    def _commit_staged(self, plans: tuple, bucket: int | None, state, slot: int | None, here, side, round_: bool) -> tuple:
         """The commit of steps whose arrays the host stages (after the checks): a StepBatch step (its page lists, a
         cross group's rows), an unbucketed StepRows step, or the K steps of a draft round (plans: one plan, or the
-        round's K, which share the first's page arrays: rounds.py). Lease the slot, stage, one copy per range,
+        round's K, which share the first's page arrays: rounds.py; round_: a round, of any K). Lease the slot, stage, one copy per range,
         the device work (table updates, gathers), the backend's schedule, the event; returns the DeviceSteps."""
         plan, K = plans[0], len(plans)
         slots = None if plan.rows is None else self.table.check_step(plan)  # the last check, O(B + T)
@@ -250,13 +250,13 @@ class GraphBufferPool:
                         self.last_commit_bytes += table.send(updates)
                     self._rows_device_work(steps[0], state, offsets, False, False, on)
                 if state is not None:  # (fresh objects no caller has seen yet: set, not rebuilt)
-                    scheduled = state.schedule_round(list(steps)) if K > 1 else (state.schedule(steps[0]),)
+                    scheduled = state.schedule_round(list(steps)) if round_ else (state.schedule(steps[0]),)
                     for st, sch in zip(steps, scheduled):
                         object.__setattr__(st, "scheduled", sch)
                 # a step committed on the current stream runs there (until step.wait() names another):
                 # a later commit into this slot from another stream must wait for it
                 if side is None and here is not None:
-                    lease.claim_consumer(s, here, "commit" if K == 1 else "commit_round")
+                    lease.claim_consumer(s, here, "commit_round" if round_ else "commit")
             except BaseException:
                 if updates is not None:  # they may not have reached the device: send them again next time
                     table.restore_updates(updates)

@@ -211,6 +211,7 @@ class TreeState:
         found = self.masks.get((s, g))
         if found is None:
             pool = self.state.pool
-            found = self.masks[(s, g)] = (torch.zeros(self.mask_bytes(pool), dtype=torch.uint8, device=pool.device),
+            found = self.masks[(s, g)] = (torch.zeros(min(self.mask_bytes(pool), 2**31 - 1), dtype=torch.uint8,
+                                                      device=pool.device),
                                           torch.zeros(pool.layout.max_rows + 1, dtype=torch.int32, device=pool.device))
         return found

@@ -29,7 +29,7 @@ def test_every_pool_attribute_a_backend_or_check_reads_is_in_the_view():
     exists there (read from the source, so a GPU-only path that reads one the view lacks fails here, on the CPU),
     and none of them imports the pool."""
     have = set(attrs.fields_dict(PoolView)) | {n for n in dir(PoolView) if not n.startswith("_")}
-    files = sorted((PACKAGE / "kernels").glob("*.py")) + [PACKAGE / "capture" / "checks.py"]
+    files = sorted((PACKAGE / "kernels").glob("*.py")) + [PACKAGE / "capture" / n for n in ("checks.py", "rounds.py")]
     missing = [f"{p.relative_to(PACKAGE.parent)}:{line} reads pool.{a}" for p in files for line, a in _pool_reads(p)
                if a not in have]
     assert not missing, missing

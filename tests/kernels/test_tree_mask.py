@@ -157,4 +157,4 @@ def test_a_tree_step_whose_mask_would_not_fit_is_refused_before_the_commit():
     with pytest.raises(PlanError, match=f"tree: the step's mask has {64 * kv} bits .* more than the {MAX_UNPACKED_BITS}"):
         TreeState.check(none, long, None)
     TreeState.check(none, build_tree_plan(StepBatch.from_pages([64], [kv - 1], [list(range(-(-kv // 1024)))], 1024),
-                                          big, DraftTree.from_parents([[-1] + [0] * 63])), None)  # (one bit less: fits)
+                                          big, DraftTree.from_parents([[-1] + [0] * 63])), None)  # (64 bits less, at the bound: fits)
