@@ -14,11 +14,15 @@ import attrs
 import torch
 
 if TYPE_CHECKING:
-    from mstar_attn.capture.layout import Layout
     from mstar_attn.capture.limits import Sizing
     from mstar_attn.capture.step import DeviceStep
     from mstar_attn.capture.table import PageTable
     from mstar_attn.metadata.spec import AttentionSpec
+
+
+def _sized(name: str, doc: str):
+    """A read-only property reading the view's Sizing field `name`."""
+    return property(lambda self: getattr(self.sizing, name), doc=f"{doc} (Sizing.{name})")
 
 
 @attrs.frozen(eq=False)
@@ -50,41 +54,15 @@ class PoolView:
     def num_slots(self) -> int:
         return len(self.host)
 
-    @property
-    def layout(self) -> Layout:
-        return self.sizing.layout
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        return self.sizing.buckets
-
-    @property
-    def bucket_at(self) -> tuple:
-        return self.sizing.bucket_at
-
-    @property
-    def verify_buckets(self) -> bool:
-        return self.sizing.verify_buckets
-
-    @property
-    def max_num_tokens(self) -> int:
-        return self.sizing.max_num_tokens
-
-    @property
-    def max_num_pages(self) -> int:
-        return self.sizing.max_num_pages
-
-    @property
-    def max_encoder_tokens(self) -> int:
-        return self.sizing.max_encoder_tokens
-
-    @property
-    def max_pages_per_request(self) -> int:
-        return self.sizing.max_pages_per_request
-
-    @property
-    def max_draft_steps(self) -> int:
-        return self.sizing.max_draft_steps
+    layout = _sized("layout", "Layout: where each array of a step sits in a slot")
+    buckets = _sized("buckets", "tuple[int, ...]: the captured batch sizes, ascending")
+    bucket_at = _sized("bucket_at", "tuple: batch size -> the bucket serving it")
+    verify_buckets = _sized("verify_buckets", "bool: whether verify steps are bucketed")
+    max_num_tokens = _sized("max_num_tokens", "int")
+    max_num_pages = _sized("max_num_pages", "int")
+    max_encoder_tokens = _sized("max_encoder_tokens", "int")
+    max_pages_per_request = _sized("max_pages_per_request", "int")
+    max_draft_steps = _sized("max_draft_steps", "int")
 
     def index_buffer(self, step: DeviceStep, group: int) -> torch.Tensor:
         """The whole index region [index_capacity] of `group` for the step's slot and shape (int32, on the device):
