@@ -32,9 +32,9 @@ from mstar_attn.dense import DenseAttention, DenseHeads, DensePlan, build_dense_
 from mstar_attn.kernels import run
 from mstar_attn.metadata.backends import BACKENDS
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, Mode, scratch_plan
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, Mode, scratch_plan, serves_trees
 from mstar_attn.metadata.select import spec_backends
-from mstar_attn.metadata.spec import AttentionSpec, Kind
+from mstar_attn.metadata.spec import AttentionSpec
 
 WARMUP_PAGES = 8  # the warm-up pool's cache: a few pages (kernels are compiled per shape class, not per size)
 BATCH = 2  # requests per warm-up step (a cascade step needs two)
@@ -109,7 +109,7 @@ def kinds(spec: AttentionSpec, backends: tuple[str, ...] | None = None, trees: b
             out += [WarmupKind(name, Mode.PREFILL, VERIFY_Q_LEN), WarmupKind(name, Mode.PREFILL, LONG_Q_LEN)]
         if spec.cascade_groups and caps.cascade:
             out.append(WarmupKind(name, Mode.DECODE, 1, cascade=True))
-        if trees and caps.tree and not spec.cascade_groups and all(g.kind is Kind.CAUSAL for g in spec.groups):
+        if trees and caps.tree and serves_trees(spec):
             # a bucketed tree step and one past the warm-up pool's bucket (FlashInfer: its graph-mode and eager paths)
             out += [WarmupKind(name, Mode.VERIFY, VERIFY_Q_LEN, tree=True),
                     WarmupKind(name, Mode.VERIFY, VERIFY_Q_LEN, tree=True, batch=BATCH + 1)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import TYPE_CHECKING
 
@@ -112,8 +113,14 @@ class Slots:
     device: torch.device
 
 
-def _shape_field(name: str, doc: str):
-    return property(lambda self: getattr(self.shape, name), doc=doc)
+def forwarded(owner: str, name: str, doc: str) -> property:
+    """A read-only property reading field `name` of the record the object holds as `owner` (one C attribute
+    getter: these are read on the per-step path)."""
+    return property(operator.attrgetter(f"{owner}.{name}"), doc=doc)
+
+
+def _shape_field(name: str, doc: str) -> property:
+    return forwarded("shape", name, doc)
 
 
 @attrs.frozen

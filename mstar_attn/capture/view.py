@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Callable
 import attrs
 import torch
 
+from mstar_attn.capture.step import forwarded
+
 if TYPE_CHECKING:
     from mstar_attn.capture.limits import Sizing
     from mstar_attn.capture.step import DeviceStep
@@ -20,9 +22,8 @@ if TYPE_CHECKING:
     from mstar_attn.metadata.spec import AttentionSpec
 
 
-def _sized(name: str, doc: str):
-    """A read-only property reading the view's Sizing field `name`."""
-    return property(lambda self: getattr(self.sizing, name), doc=f"{doc} (Sizing.{name})")
+def _sized(name: str, doc: str) -> property:
+    return forwarded("sizing", name, f"{doc} (Sizing.{name})")
 
 
 @attrs.frozen(eq=False)

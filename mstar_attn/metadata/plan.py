@@ -18,7 +18,8 @@ from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan
 from mstar_attn.metadata.pages import gather_ranges, read_pages, scan_ownership
 from mstar_attn.metadata.select import resolve_backend
-from mstar_attn.metadata.record import ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, decode_qo_indptr, groups_of
+from mstar_attn.metadata.record import (ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, decode_qo_indptr, groups_of,
+                                         new_token_positions)
 from mstar_attn.metadata.spec import AttentionSpec, Kind
 from mstar_attn.metadata.tree import DraftTree
 
@@ -67,6 +68,15 @@ def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: Draf
         raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
     check_tree_spec(spec)
     return _with_tree(spec, build_plan(batch, spec), tree)
+
+
+def serves_trees(spec: AttentionSpec) -> bool:
+    """Whether token-tree verify steps serve this spec (check_tree_spec passes)."""
+    try:
+        check_tree_spec(spec)
+    except PlanError:
+        return False
+    return True
 
 
 def check_tree_spec(spec: AttentionSpec) -> None:
@@ -173,8 +183,7 @@ def _new_tokens(q: np.ndarray, kv: np.ndarray, q_max: int) -> tuple[Mode, int, n
     qo_indptr = np.zeros(B + 1, np.int32)
     np.cumsum(q, out=qo_indptr[1:])
     prefix = kv - q
-    positions = np.repeat(prefix - qo_indptr[:-1], q).astype(np.int64)
-    positions += np.arange(T)
+    positions = new_token_positions(q, kv, qo_indptr)
     if not prefix.any():
         mode = Mode.PREFILL
     elif q.min() == q_max <= MAX_VERIFY_Q_LEN and prefix.all():

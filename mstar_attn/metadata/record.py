@@ -176,10 +176,8 @@ class AttentionPlan:
             return self.positions
         got = self._cache.get("cache_positions")
         if got is None:
-            q, qo = self.q_lens, self.qo_indptr
-            got = np.repeat((self.kv_lens - q - qo[:-1]).astype(np.int64), q) + np.arange(self.num_tokens)
+            got = self._cache["cache_positions"] = new_token_positions(self.q_lens, self.kv_lens, self.qo_indptr)
             got.flags.writeable = False
-            self._cache["cache_positions"] = got
         return got
 
     @property
@@ -224,6 +222,14 @@ def _same(a, b) -> bool:
 
 ARANGE = np.arange(1 << 16, dtype=np.int32)  # qo_indptr of decode steps up to 65535 requests: read-only views
 read_only(ARANGE)
+
+def new_token_positions(q: np.ndarray, kv: np.ndarray, qo_indptr: np.ndarray) -> np.ndarray:
+    """[T] int64: each new token's position in its request's sequence, kv_len - q_len plus its index among the
+    request's new tokens (q, kv [B] int32; qo_indptr [B+1] int32, T = qo_indptr[-1]). A new, writable array."""
+    out = np.repeat((kv - q - qo_indptr[:-1]).astype(np.int64), q)
+    out += np.arange(out.shape[0])
+    return out
+
 
 def decode_qo_indptr(B: int) -> np.ndarray:
     """qo_indptr [B+1] int32 of a decode step (0, 1, ..., B), read-only."""

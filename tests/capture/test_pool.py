@@ -292,6 +292,24 @@ def test_cascade_capture_plans_fit_a_pool_of_few_pages():
             assert step.plan.cascade.member_queries == bucket * q_len and step.padded_batch_size == bucket
 
 
+def _keyed_apart(graphs, step, q, eager: list, wrong: tuple[bool, bool], right: tuple[bool, bool]) -> None:
+    """DecodeGraphs keys its graphs by the step's kind ((cascade, token tree): the key's last two fields): a stand-in
+    graph under the `wrong` kind never serves `step`, which runs eagerly (eager: the steps fn saw); one under the
+    `right` kind serves it."""
+    class Graph:
+        def replay(self):
+            raise AssertionError(f"a graph of kind {wrong} replayed a step of kind {right}")
+
+    base = (step.slot, step.bucket, step.q_len, "reference")
+    out = torch.zeros(graphs.inputs["q"].shape)
+    graphs.graphs[base + wrong] = (Graph(), out)
+    assert not graphs.serves(step)
+    graphs(step, q=q)
+    assert eager == [step]
+    graphs.graphs[base + right] = (Graph(), out)
+    assert graphs.serves(step)
+
+
 def test_a_flat_graph_never_replays_a_cascade_step():
     """Graphs are keyed by whether the step is a cascade (plan.cascade): a graph captured for a flat
     step of the same slot, bucket, q_len and backend does not serve a cascade step (its kernels read
@@ -307,16 +325,7 @@ def test_a_flat_graph_never_replays_a_cascade_step():
     step = pool.commit(build_plan(batch, spec))
     assert step.plan.cascade is not None and step.bucket is not None
 
-    class Graph:
-        def replay(self):
-            raise AssertionError("a flat graph replayed a cascade step")
-
-    graphs.graphs[(step.slot, step.bucket, 1, "reference", False, False)] = (Graph(), torch.zeros(16, 4, 16))
-    assert not graphs.serves(step)
-    graphs(step, q=torch.randn(3, 4, 16))
-    assert eager == [step]
-    graphs.graphs[(step.slot, step.bucket, 1, "reference", True, False)] = (Graph(), torch.zeros(16, 4, 16))
-    assert graphs.serves(step)
+    _keyed_apart(graphs, step, torch.randn(3, 4, 16), eager, wrong=(False, False), right=(True, False))
 
 
 
@@ -335,16 +344,7 @@ def test_a_chain_graph_never_replays_a_tree_step():
     step = pool.commit(build_tree_plan(batch, spec, DraftTree.from_parents([[-1, 0, 0], [-1, 0, 1]])))
     assert step.plan.tree is not None and step.bucket is not None and step.q_len == 3
 
-    class Graph:
-        def replay(self):
-            raise AssertionError("a chain graph replayed a tree step")
-
-    graphs.graphs[(step.slot, step.bucket, 3, "reference", False, False)] = (Graph(), torch.zeros(64, 4, 16))
-    assert not graphs.serves(step)
-    graphs(step, q=torch.randn(6, 4, 16))
-    assert eager == [step]
-    graphs.graphs[(step.slot, step.bucket, 3, "reference", False, True)] = (Graph(), torch.zeros(64, 4, 16))
-    assert graphs.serves(step)
+    _keyed_apart(graphs, step, torch.randn(6, 4, 16), eager, wrong=(False, False), right=(False, True))
     chain = scratch_plan(spec, 2, 3, tree=True)
     assert chain.tree.parents.tolist() == [-1, 0, 1] * 2 and chain.positions.tolist() == [1, 2, 3] * 2
     with pytest.raises(PlanError, match="a tree step is a verify step of 2\\+ tokens"):
