@@ -2,11 +2,12 @@
 
 Llama-3-8B-like attention (32 / 8 heads, d 128, bf16, page 16); B = 1, 8, 64 requests of `context` (4,096)
 tokens after the step, the same pages, cache contents and queries in both arms:
-- 64 tokens per request: a random tree (kernels/_flashinfer_tree.py's eager path: FlashInfer's FA2 prefill
-  with the packed custom mask) against a chain of 64 (a causal extend step: FlashInfer's paged prefill as
+- 64 tokens per request: a random tree (kernels/_flashinfer_tree.py's eager path: the prefix through
+  FlashInfer's paged prefill as `auto` picks it, the tree part through its FA2 ragged prefill with the mask,
+  merged) against a chain of 64 (a causal extend step: FlashInfer's paged prefill as
   `auto` picks it), one layer's `run` timed eagerly;
-- 16 tokens per request: a random tree (bucketed: the graph-mode wrapper over the mask buffers, replayed from
-  its captured graph) against a chain of 16 (a verify step: FlashInfer's multi-token decode, replayed).
+- 16 tokens per request: a random tree (bucketed: the graph-mode wrappers, the prefix on FA2 as the chain's
+  verify, replayed from its captured graph) against a chain of 16 (a verify step: FlashInfer's multi-token decode, replayed).
 CUDA-event medians of 50 calls, 5 interleaved rounds per arm; each arm's commit (host µs, the mask built on the
 device included; median of 20, the device drained between) beside it.
 Run on the GPU: python -m benchmarks.tree_verify OUT_DIR   (writes tree_verify_h100.json / .md)
@@ -95,8 +96,9 @@ def markdown(r: dict) -> str:
     lines = ["# Token-tree verify vs chain verify of the same token count, FlashInfer, H100", "",
              f"`python -m benchmarks.tree_verify OUT`; {r['device']}, FlashInfer {r['flashinfer']}; one layer, {H}/{KVH} "
              f"heads, d {D}, bf16, page {PS}, every request {CONTEXT} tokens after the step. 64 tokens: eager `run` "
-             "(tree: FA2 prefill with the packed custom mask; chain: a causal extend step, FlashInfer's pick); 16 "
-             "tokens: replayed graphs (tree: the graph-mode custom-mask wrapper; chain: the multi-token decode). "
+             "(tree: the prefix, FlashInfer's pick, and the masked tree part, FA2 ragged, merged; chain: a causal "
+             "extend step, FlashInfer's pick); 16 tokens: replayed graphs (tree: the graph-mode prefix, FA2, and "
+             "tree part, merged; chain: the multi-token decode). "
              "Medians of 5 interleaved rounds x 50 calls (spread: min-max of the round medians); commit: host µs "
              "per commit, the device mask build included. Output change: ||tree - chain|| / ||chain|| (the masks "
              "differ).", "",

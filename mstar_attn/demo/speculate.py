@@ -33,7 +33,7 @@ from mstar_attn import AttentionSpec, DraftTree, PagedKVCache, StepBatch, accept
 from mstar_attn import step_context
 from mstar_attn.demo import llama
 from mstar_attn.demo.attention import make_attention
-from mstar_attn.demo.check import Check, check_request
+from mstar_attn.demo.check import ABS, REL, Check, check_request
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError, seeded_model, transformers_classes
 from mstar_attn.demo.engine import PageAllocator, compiled_forward, make_trace, step_inputs
 from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, build_round
@@ -62,6 +62,10 @@ class SpecResult:
     greedy_checked: int = 0
     tokens: dict[int, list[int]] = attrs.Factory(dict)
     round_sizes: list[int] = attrs.Factory(list)  # requests drafting in each round
+    # where the draft's first choice was not the target's pick (the first such node of a request's round): the
+    # target's margin there (logit of its pick - logit of the draft's choice) and the oracle's bound on a logit
+    # (check.py): a margin within twice the bound is a near-tie, either token right within the dtype
+    misses: list[tuple[float, float]] = attrs.Factory(list)
 
     @property
     def rounds(self) -> int:
@@ -285,6 +289,18 @@ def _take(res: SpecResult, r, picks: list[int], rows: torch.Tensor, drafted_kept
     r.logits.append(rows[:take])
 
 
+def _first_miss(res: SpecResult, rows: torch.Tensor, chain: list[int], tokens: list[int], picks: list[int]) -> None:
+    """Record (res.misses) the first node of `chain` (the nodes along the draft's first choices, root first;
+    tokens: the token of each node) whose next first choice is not the target's pick, with its margin."""
+    for node, child in zip(chain, chain[1:]):
+        if tokens[child] != picks[node]:
+            row = rows[node].float()
+            dtype = DTYPES[res.config.dtype]
+            res.misses.append((float(row[picks[node]] - row[tokens[child]]),
+                               REL[dtype] * float(rows.float().abs().max()) + ABS[dtype]))
+            return
+
+
 def _verify_chain(res: SpecResult, t: _Model, live: list, proposals: list, drafted: dict, ps: int) -> None:
     """The target's verify step of one round of chains (proposals [n][k]): keep each request's proposals equal to
     the target's greedy picks, and its next token."""
@@ -295,6 +311,7 @@ def _verify_chain(res: SpecResult, t: _Model, live: list, proposals: list, draft
         rows_i = logits[i * (k + 1) : (i + 1) * (k + 1)]
         picks = rows_i.argmax(-1).tolist()
         kept = accepted_prefix(p, picks)
+        _first_miss(res, rows_i, list(range(k + 1)), [r.tokens[-1], *p], picks)
         _take(res, r, picks[: kept + 1], rows_i[: kept + 1], kept, drafted)
 
 
@@ -312,6 +329,7 @@ def _verify_tree(res: SpecResult, t: _Model, live: list, proposals: list, drafte
         rows_i = logits[i * n : (i + 1) * n]
         picks = rows_i.argmax(-1).tolist()
         path = accept_path(k, width, x, picks)
+        _first_miss(res, rows_i, [0] + [1 + level * width for level in range(k)], x, picks)
         paths.append(path)
         chain = next((i for i, node in enumerate(path[1:]) if (node - 1) % width), len(path) - 1)  # drafted tokens kept
         # (the accepted children's tokens are the target's picks at their parents)

@@ -1,30 +1,36 @@
-"""FlashInfer's token-tree verify steps (plan.tree): paged prefill with a custom mask.
+"""FlashInfer's token-tree verify steps (plan.tree): the cached prefix and the tree, merged.
 
-Each token attends to its request's cached prefix and to its ancestors and itself among the new tokens
-(metadata/tree.py). FlashInfer takes that as a packed bit mask over each request's [q, kv] (layout:
-kernels/_tree_mask.py), built at commit on the device by one Triton launch from the step's device
-arrays and the ancestor sets staged with the step (8 bytes per token), then handed to the wrapper's
-plan() outside any graph. Verify replays as a CUDA graph per (slot, group, bucket, tree size):
+Token j of request r attends to the request's cached prefix (its first p_r = kv_r - q_r keys) and to its
+ancestors and itself among the step's q_r new tokens (metadata/tree.py). Each layer runs that as two
+attentions merged by their log-sum-exp (FlashInfer's, base 2), as a shared-prefix step merges its levels:
 
-- a bucketed step (every tree the same size, at most MAX_VERIFY_Q_LEN tokens, the batch padded to a
-  bucket; a padding request's tokens form a chain over the scratch page) plans a graph-mode prefill wrapper
-  over the slot's buffers and two of this module's: the packed mask (`mask`, sized for the pool's largest
-  bucketed verify step over the longest KV a request holds) and its per-request byte offsets
-  (`mask_indptr`). FlashInfer's plan() computes those offsets in bits where the kernel reads bytes (it
-  packs each request's segment from a byte boundary), so they are written after plan(), into the buffer
-  this module owns and the wrapper reads;
-- any other tree step plans an eager prefill wrapper of its own (a wrapper that has run a custom mask
-  keeps FlashInfer's FA2 kernels), with the unpacked mask: FlashInfer packs it, reading its size back
-  from the device (one synchronization per such step).
+    o1, lse1 = prefix.run(q)             paged prefill over each request's prefix, no mask
+    o2, lse2 = tree.run(q, k_t, v_t)     ragged prefill over the request's own new tokens, the ancestor mask
+    o1, lse1 = merge(o1, lse1, o2, lse2)
 
-The mask is built once per step and shared by the layer groups (tree steps serve full causal groups only:
-every group reads the same lengths; a group whose lengths differ gets its own). Its buffers and pinned
-staging are made at the pool's first tree step: capture tree graphs on the serving pool
-(DecodeGraphs.capture(trees=True)) before serving, so that no allocation falls inside it (warmup(spec, trees=True)
-compiles the kernels on a pool of its own). Bucketed steps of many requests plan with split-KV off (as decode
-buckets do), which keeps their partial outputs within the shared float workspace. `check` refuses,
-before the commit changes anything, a step whose mask would not fit. Where Triton does not run, the mask
-is built on the host (`_tree_mask.host_mask`) and copied.
+so the long part reads no mask, at the speed of the chain's verify, and the mask covers q_r x q_r bits per
+request, not q_r x kv_r. k_t, v_t [padded tokens, kv_heads, head_dim]: the new tokens' K/V read back from the
+cache by the step's slots, as stored (an FP8 cache's bytes, scaled by the kernel as the prefix's are). The tree part (gather, ragged prefill) runs on a side
+stream beside the prefix, with float and int workspaces of its own; the merge joins them.
+
+- The prefix reads the step's page lists with last-page lengths of (the step's) - q_r: zero or negative where
+  the tree starts a page. FlashInfer's FA2 kernels read a length as (pages - 1) x page_size + last (int32
+  arithmetic: the prefix's length), its FA3 kernels the planned lengths (seq_lens: the prefixes); a request of
+  no prefix gets output 0 and lse -inf, which the merge weighs 0.
+- The mask: request r's q_r x q_r bit matrix (row-major, little-endian) packed from byte offset sum_{i<r}
+  q_i^2, its bit count so far. FlashInfer's planner computes mask offsets as those bit counts and its kernel
+  reads them as byte offsets: in this layout (q_r^2 bytes a request, 8x what packing needs, at most 4 KiB)
+  both agree with no fix-up. Built at commit on the device by one Triton launch (kernels/_tree_mask.py,
+  the prefix taken as empty) from the ancestor sets staged with the step (8 bytes a token); where Triton does
+  not run, on the host. One mask per step: it depends on the trees alone, so every layer group shares it.
+- A bucketed step (one tree size, at most MAX_VERIFY_Q_LEN, the batch padded: a padding request's tokens a
+  chain over the scratch page, with no prefix) plans graph-mode wrappers per (slot, group, bucket, size)
+  over the slot's buffers and this module's: the prefix's last-page lengths, the mask and its offsets; many
+  requests plan the prefix with split-KV off, as decode buckets do (its partial outputs then stay within the
+  shared float workspace). Any other tree step plans eager wrappers per slot (and group).
+
+Buffers and staging are made at the pool's first tree step: capture tree graphs on the serving pool
+(DecodeGraphs.capture(trees=True)) before serving, so that no allocation falls inside it.
 """
 
 from __future__ import annotations
@@ -36,26 +42,42 @@ import numpy as np
 import torch
 
 from mstar_attn.kernels import _tree_mask
-from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, AttentionPlan
+from mstar_attn.kernels._common import with_sinks
+from mstar_attn.kernels._flashinfer_fast import share_workspace
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
 
 if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
-TAIL = 16  # bytes of slack past a packed mask
-FIXED_MIN_CTAS_FALLBACK = 264  # requests x KV heads past which bucketed tree steps never split KV (2 CTAs per SM
+TAIL = 16  # bytes of slack past a mask
+FIXED_MIN_CTAS_FALLBACK = 264  # requests x KV heads past which bucketed prefixes never split KV (2 CTAs per SM
 # of an H100) when the backend's own fixed schedule is off
-MAX_UNPACKED_BITS = 1 << 28  # an unbucketed tree step's unpacked mask (one byte per bit on the device): 256 MiB
+TREE_FLOAT_BYTES = 1 << 20  # the tree part's float workspace (planned without split-KV: FlashInfer keeps no
+# partial outputs there)
+
+
+def tree_int_bytes(rows: int, gqa: int) -> int:
+    """The tree part's int workspace (and its pinned mirror): FlashInfer's planner writes a few int32 work
+    lists of at most rows x (64 tokens x gqa / 16 + 1) CTAs without split-KV; 16x that, at least 1 MiB."""
+    return max(1 << 20, -(-16 * 16 * rows * (64 * gqa // 16 + 1) // 4096) * 4096)
+
+
+def mask_offsets(q_lens: np.ndarray) -> np.ndarray:
+    """[R+1] int64: where request r's mask starts (bytes), sum_{i<r} q_i^2 (see the module's docstring)."""
+    out = np.zeros(q_lens.shape[0] + 1, np.int64)
+    np.cumsum(q_lens.astype(np.int64) ** 2, out=out[1:])
+    return out
 
 
 @attrs.frozen
-class StepMask:
-    """One step's mask on the device: uint8 packed [bytes] or bool unpacked [bits]; seg [R+1] int32 (pinned):
-    each request's segment offset (bytes packed, bits unpacked); kv [R] the lengths it was built for."""
+class TreeRun:
+    """What `run` needs of one layer group's tree step: the planned prefix and tree wrappers, the step's slots
+    (the group's slot_mapping, int64 device) and the side stream the tree part runs on."""
 
-    data: torch.Tensor
-    seg: torch.Tensor
-    kv: np.ndarray
+    prefix: object
+    tree: object
+    slots: torch.Tensor
+    side: torch.cuda.Stream
 
 
 def _aligned(n: int) -> int:
@@ -64,154 +86,166 @@ def _aligned(n: int) -> int:
 
 
 class TreeState:
-    """The tree-step wrappers' mask buffers and staging of one pool's FlashInfer PoolState (`state`): per slot the
-    ancestor sets, pinned [max tokens] int64 and on the device; per (slot, group) the mask kernel's lengths and
-    segment offsets, int32 [3 x max batch + 12] (each on 16 bytes) pinned and on the device; per (slot, group), made at its first
-    bucketed tree step, the packed mask buffer uint8 [mask_bytes] and its byte offsets int32 [max batch + 1] on
-    the device."""
+    """Tree steps' buffers of one pool's FlashInfer PoolState (`state`). Per slot: the ancestor sets, pinned
+    [max tokens] int64 and on the device; the mask kernel's arrays (qo_indptr, q_lens, mask offsets) int32
+    [3 x max batch + 12] pinned and on the device; the tree part's float workspace, int workspace and its
+    pinned mirror; made at its first bucketed step, the mask buffer uint8 [max batch x MAX_VERIFY_Q_LEN^2 +
+    TAIL] and its offsets int32 [max batch + 1]. Per (slot, group): the prefix's last-page lengths and lengths,
+    int32 [2 x max batch] pinned, and the lengths' device copy [max batch] (graph-mode prefixes read it)."""
 
     def __init__(self, state):
         self.state, pool = state, state.pool
-        n, B, G = pool.layout.max_tokens, pool.layout.max_rows, len(pool.spec.groups)
-        self.bits_host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(pool.num_slots)]
-        self.bits_dev = [torch.zeros(n, dtype=torch.int64, device=pool.device) for _ in range(pool.num_slots)]
-        # the mask kernel's arrays, one copy to the device: qo_indptr [R+1], kv_lens [R], the segments' offsets
-        # [R+1] (a StepRows step's device arrays are derived after the backend state schedules: the kernel reads
-        # these instead; the offsets also become the wrapper's mask_indptr after plan())
-        self.lens_host = [[torch.zeros(3 * B + 12, dtype=torch.int32, pin_memory=True) for _ in range(G)]
-                          for _ in range(pool.num_slots)]
-        self.lens_dev = [[torch.zeros(3 * B + 12, dtype=torch.int32, device=pool.device) for _ in range(G)]
-                         for _ in range(pool.num_slots)]
-        self.masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, group) -> (mask, mask_indptr)
-
-    @staticmethod
-    def mask_bytes(pool) -> int:
-        """A (slot, group)'s packed mask buffer: the largest bucketed verify step's tokens over the longest KV a
-        request holds (bits), a byte of rounding per request, and TAIL bytes."""
-        tokens = min(pool.layout.max_tokens, max(pool.buckets, default=0) * MAX_VERIFY_Q_LEN)
-        return tokens * pool.max_pages_per_request * pool.spec.page_size // 8 + pool.layout.max_rows + TAIL
-
-    @staticmethod
-    def check(pool, plan: AttentionPlan, bucket: int | None) -> None:
-        """PlanError unless tree step `plan` (bucket: its padded batch, None: unbucketed) fits: its packed mask
-        within the mask buffer (bucketed), its unpacked mask's bit offsets within int32 (unbucketed)."""
-        q, kv = plan.q_lens.astype(np.int64), plan.kv_lens.astype(np.int64)
-        if bucket is None:
-            bits = int((q * kv).sum())
-            if bits > MAX_UNPACKED_BITS:
-                raise PlanError(f"tree: the step's mask has {bits} bits (sum of q_len x kv_len), more than the "
-                                f"{MAX_UNPACKED_BITS} an unbucketed tree step builds unpacked (a byte each): split the step")
-            return
-        pad = (bucket - plan.batch_size) * -(-plan.max_q_len**2 // 8)  # (padding requests: q_len over q_len tokens)
-        need = int(((q * kv + 7) // 8).sum()) + pad + TAIL
-        have = min(TreeState.mask_bytes(pool), 2**31 - 1)  # (FlashInfer's mask offsets are int32)
-        if need > have:
-            i = int(np.argmax(q * kv))
-            raise PlanError(f"tree: the step's packed mask needs {need} bytes, more than the pool's {have} (request {i}: "
-                            f"{int(q[i])} tokens over {int(kv[i])}); raise max_pages_per_request or lower the batch")
+        n, B, G, S, dev = pool.layout.max_tokens, pool.layout.max_rows, len(pool.spec.groups), pool.num_slots, pool.device
+        self.side = torch.cuda.Stream(dev)
+        self.bits_host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(S)]
+        self.bits_dev = [torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(S)]
+        self.lens_host = [torch.zeros(3 * B + 12, dtype=torch.int32, pin_memory=True) for _ in range(S)]
+        self.lens_dev = [torch.zeros(3 * B + 12, dtype=torch.int32, device=dev) for _ in range(S)]
+        self.prefix_host = [[torch.zeros(2 * _aligned(B), dtype=torch.int32, pin_memory=True) for _ in range(G)]
+                            for _ in range(S)]
+        self.prefix_last = [[torch.zeros(B, dtype=torch.int32, device=dev) for _ in range(G)] for _ in range(S)]
+        m = tree_int_bytes(B, pool.spec.gqa_group)
+        self.float_ws = [torch.zeros(TREE_FLOAT_BYTES, dtype=torch.uint8, device=dev) for _ in range(S)]
+        self.int_ws = [torch.zeros(m, dtype=torch.uint8, device=dev) for _ in range(S)]
+        self.pinned_ws = [torch.zeros(m, dtype=torch.uint8, pin_memory=True) for _ in range(S)]
+        self.masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (mask buffer, its offsets)
+        self.wrappers: dict[tuple, object] = {}  # the tree part's: ("eager", slot) or ("graph", slot, R, q_len)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every buffer this state owns (the wrappers hold the masks: counted here, not as theirs)."""
-        return [*self.bits_host, *self.bits_dev, *(t for per in (*self.lens_host, *self.lens_dev) for t in per),
+        """Every buffer this state owns."""
+        return [*self.bits_host, *self.bits_dev, *self.lens_host, *self.lens_dev, *self.float_ws, *self.int_ws,
+                *self.pinned_ws, *(t for per in (*self.prefix_host, *self.prefix_last) for t in per),
                 *(t for pair in self.masks.values() for t in pair)]
 
     def memory(self) -> dict[str, tuple[int, int]]:
-        """(device bytes, pinned bytes) of the masks and staging."""
+        """(device bytes, pinned bytes) of the masks, workspaces and staging."""
         ts = self.tensors()
-        return {"flashinfer tree masks and staging": (sum(t.numel() * t.element_size() for t in ts if t.is_cuda),
-                                                      sum(t.numel() * t.element_size() for t in ts if not t.is_cuda))}
+        return {"flashinfer tree masks, workspaces and staging": (
+            sum(t.numel() * t.element_size() for t in ts if t.is_cuda),
+            sum(t.numel() * t.element_size() for t in ts if not t.is_cuda))}
 
     def schedule(self, step: DeviceStep) -> tuple:
-        """One wrapper per layer group for tree step `step`, each planned with the step's mask (built once, and
-        again only for a group whose lengths differ)."""
+        """One TreeRun per layer group for tree step `step`: the tree part planned once (its mask built once),
+        each group's prefix planned over its own page lists."""
         self.state.pool.stage_host(step)  # (a StepRows step's pinned arrays, staged only when a planner reads them)
-        host_bits, bits = self._stage_bits(step)
-        out, built = [], None
-        for g in range(len(step.groups)):
-            kv = step.groups[g].host_kv_lens[: step.padded_batch_size].numpy()
-            if built is None or not np.array_equal(built.kv, kv):
-                built = self._build(step, g, kv, (host_bits, bits))
-            out.append(self._plan(step, g, built))
-        return tuple(out)
+        R = step.padded_batch_size
+        q = np.diff(step.host_qo_indptr[: R + 1].numpy())
+        tree = self._plan_tree(step, q, self._build_mask(step, q))
+        return tuple(TreeRun(prefix=self._plan_prefix(step, g, q), tree=tree, slots=dg.slot_mapping, side=self.side)
+                     for g, dg in enumerate(step.groups))
 
-    def _plan(self, step: DeviceStep, g: int, built: StepMask):
+    def _plan_prefix(self, step: DeviceStep, g: int, q: np.ndarray):
+        """Group g's prefix wrapper, planned over the step's page lists with each request's prefix length."""
+        import flashinfer  # (imported by the backend module already)
+
         state, spec = self.state, self.state.pool.spec
         dg, s, R = step.groups[g], step.slot, step.padded_batch_size
+        host = self.prefix_host[s][g]
+        last, lens = host[:R], host[_aligned(R) : _aligned(R) + R]
+        last.numpy()[:] = dg.host_last_page_len[:R].numpy() - q
+        lens.numpy()[:] = dg.host_kv_lens[:R].numpy() - q
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
-        arrays = (step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len)
-        import flashinfer  # (imported by the backend module already; here so that check and mask_bytes run without it)
-
         if step.bucket is None:
-            w = state.eager(("tree", s, g), flashinfer.BatchPrefillWithPagedKVCacheWrapper)
-            w.plan(*arrays, *heads, spec.page_size, custom_mask=built.data, seq_lens=dg.host_kv_lens, **state.plan_kwargs)
+            w = state.eager(("tree prefix", s, g), flashinfer.BatchPrefillWithPagedKVCacheWrapper)
+            w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, last, *heads, spec.page_size,
+                   causal=False, seq_lens=lens, **state.plan_kwargs)
             state.planned_into(s, g, w)
             return w
-        mask, mask_indptr = self._buffers(s, g)
-        key = ("tree graph", s, g, R, step.q_len)
+        key = ("tree prefix graph", s, g, R, step.q_len)
         w = state.wrappers.get(key)
-        if w is None:
+        if w is None:  # (FA2: the kernels the chain's verify runs, with split-KV; the device reads these buffers)
             w = state.wrappers[key] = state.share(flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 state.float_ws, "NHD", use_cuda_graph=True, qo_indptr_buf=step.qo_indptr,
                 paged_kv_indptr_buf=dg.kv_indptr, paged_kv_indices_buf=state.pool.index_buffer(step, g),
-                paged_kv_last_page_len_buf=dg.kv_last_page_len, custom_mask_buf=mask,
-                mask_indptr_buf=mask_indptr[: R + 1]), s, g)
+                paged_kv_last_page_len_buf=self.prefix_last[s][g][:R], backend="fa2"), s, g)
         # a graph-mode wrapper splits KV whenever it may, and its partial outputs grow with the bucket: past
         # the decode wrappers' threshold (requests x KV heads enough to fill the GPU) the split is off, which
         # also keeps them inside the shared float workspace (a constant per key: every replay plans alike)
         fix = R * spec.num_kv_heads >= min(state.fixed_min_ctas, FIXED_MIN_CTAS_FALLBACK)
-        w.plan(*arrays, *heads, spec.page_size, packed_custom_mask=built.data, seq_lens=dg.host_kv_lens,
-               **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)
-        # plan() wrote bit offsets into the wrapper's mask_indptr (ours): the kernel reads byte offsets
-        mask_indptr[: R + 1].copy_(built.seg, non_blocking=True)
+        w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, last, *heads, spec.page_size, causal=False,
+               seq_lens=lens, **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)
         state.planned_into(s, g, w)
         return w
 
-    def _stage_bits(self, step: DeviceStep) -> tuple[np.ndarray, torch.Tensor]:
-        """The step's ancestor sets [padded_num_tokens] (a padding request's tokens: a chain): the slot's
-        pinned staging (uint64 numpy view; rewritten only once the slot's next commit finds it free) and its
-        int64 device copy."""
-        plan, s = step.plan, step.slot
+    def _plan_tree(self, step: DeviceStep, q: np.ndarray, mask: torch.Tensor):
+        """The tree part's ragged wrapper (the slot's workspaces), planned with the step's mask."""
+        import flashinfer
+
+        state, spec, s, R = self.state, self.state.pool.spec, step.slot, step.padded_batch_size
+        key = ("eager", s) if step.bucket is None else ("graph", s, R, step.q_len)
+        w = self.wrappers.get(key)
+        if w is None:
+            if step.bucket is None:
+                w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.float_ws[s], "NHD", backend="fa2")
+            else:
+                buf, offsets = self._buffers(s)
+                w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                    self.float_ws[s], "NHD", use_cuda_graph=True, qo_indptr_buf=step.qo_indptr,
+                    kv_indptr_buf=step.qo_indptr, custom_mask_buf=buf, mask_indptr_buf=offsets[: R + 1], backend="fa2")
+            share_workspace(w, self.float_ws[s], self.int_ws[s], self.pinned_ws[s])
+            self.wrappers[key] = w
+        heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
+        w.plan(step.host_qo_indptr, step.host_qo_indptr, *heads, packed_custom_mask=mask, disable_split_kv=True,
+               **state.plan_kwargs)  # (K/V read back from the cache: its dtype)
+        return w
+
+    def _build_mask(self, step: DeviceStep, q: np.ndarray) -> torch.Tensor:
+        """The step's mask (uint8 [sum q^2], a new device tensor): the ancestor sets staged (a padding request's
+        tokens: a chain) and copied, then packed on the device (or built on the host and copied)."""
+        plan, s, R = step.plan, step.slot, step.padded_batch_size
         T, N = plan.num_tokens, step.padded_num_tokens
-        host = self.bits_host[s].numpy()
-        host[:T] = plan.tree.masks.view(np.int64)
+        bits = self.bits_host[s].numpy()
+        bits[:T] = plan.tree.masks.view(np.int64)
         if N > T:
             pad = (np.uint64(2) << np.arange(step.q_len, dtype=np.uint64)) - np.uint64(1)  # token j: tokens 0..j
-            host[T:N] = np.tile(pad.view(np.int64), (N - T) // step.q_len)
-        dev = self.bits_dev[s][:N]
-        dev.copy_(self.bits_host[s][:N], non_blocking=True)
-        return host[:N].view(np.uint64), dev
-
-    def _build(self, step: DeviceStep, g: int, kv: np.ndarray, bits: tuple[np.ndarray, torch.Tensor]) -> StepMask:
-        """Group g's mask (kv [R]: its lengths, padding included; bits: the ancestor sets on the host and the
-        device): packed for a bucketed step, else unpacked; a new device tensor."""
-        R, dev = step.padded_batch_size, self.state.pool.device
-        q = np.diff(step.host_qo_indptr[: R + 1].numpy())
-        packed = step.bucket is not None
-        if packed:
-            seg = _tree_mask.byte_indptr(q, kv)
-        else:
-            seg = np.zeros(R + 1, np.int64)
-            np.cumsum(q.astype(np.int64) * kv, out=seg[1:])
+            bits[T:N] = np.tile(pad.view(np.int64), (N - T) // step.q_len)
+        seg = mask_offsets(q)
+        out = torch.empty(int(seg[-1]), dtype=torch.uint8, device=self.state.pool.device)
+        if not _tree_mask.available():  # (the host builder, then one copy)
+            out.copy_(torch.from_numpy(_tree_mask.host_mask(q, q, bits[:N].view(np.uint64), offsets=seg)))
+            return out
         a, b = _aligned(R + 1), _aligned(R + 1) + _aligned(R)  # (each array on 16 bytes: one Triton variant for every R)
-        lens_host = self.lens_host[step.slot][g][: b + R + 1]
-        lens = lens_host.numpy()
-        lens[: R + 1], lens[a : a + R], lens[b:] = step.host_qo_indptr[: R + 1].numpy(), kv, seg
-        n = int(seg[-1])
-        data = torch.empty(n, dtype=torch.uint8 if packed else torch.bool, device=dev)
-        if not _tree_mask.available():  # (the host builder: O(total bits) on the host, then one copy)
-            data.copy_(torch.from_numpy(_tree_mask.host_mask(q, kv, bits[0], packed)))
-        else:
-            lens_dev = self.lens_dev[step.slot][g][: b + R + 1]
-            lens_dev.copy_(lens_host, non_blocking=True)
-            _tree_mask.pack(lens_dev[: R + 1], lens_dev[a : a + R], lens_dev[b:], bits[1], data,
-                            int(np.diff(seg).max()), packed)
-        return StepMask(data=data, seg=lens_host[b:], kv=kv.copy())
+        lens = self.lens_host[s].numpy()
+        lens[: R + 1], lens[a : a + R], lens[b : b + R + 1] = step.host_qo_indptr[: R + 1].numpy(), q, seg
+        dev, bits_dev = self.lens_dev[s][: b + R + 1], self.bits_dev[s][:N]
+        dev.copy_(self.lens_host[s][: b + R + 1], non_blocking=True)
+        bits_dev.copy_(self.bits_host[s][:N], non_blocking=True)
+        return _tree_mask.pack(dev[: R + 1], dev[a : a + R], dev[b:], bits_dev, out, int((q.astype(np.int64) ** 2).max()))
 
-    def _buffers(self, s: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        found = self.masks.get((s, g))
+    def _buffers(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        found = self.masks.get(s)
         if found is None:
             pool = self.state.pool
-            found = self.masks[(s, g)] = (torch.zeros(min(self.mask_bytes(pool), 2**31 - 1), dtype=torch.uint8,
-                                                      device=pool.device),
-                                          torch.zeros(pool.layout.max_rows + 1, dtype=torch.int32, device=pool.device))
+            B = pool.layout.max_rows
+            found = self.masks[s] = (torch.zeros(B * MAX_VERIFY_Q_LEN**2 + TAIL, dtype=torch.uint8, device=pool.device),
+                                     torch.zeros(B + 1, dtype=torch.int32, device=pool.device))
         return found
+
+
+def run(step: DeviceStep, q: torch.Tensor, cache, t: TreeRun, sinks: torch.Tensor | None = None,
+        scales: dict | None = None) -> torch.Tensor:
+    """One layer of a tree step: q [rows, qo_heads, head_dim] (a bucketed step's padding rows included, or
+    not), spec.dtype, on the cache's device; returns the same shape. sinks (float32 [qo_heads]): applied once,
+    by the merged log-sum-exp; scales: an FP8 cache's k_scale / v_scale (host floats)."""
+    import flashinfer
+
+    rows, N = q.shape[0], step.padded_num_tokens
+    if rows < N:  # an eager call on a bucket-padded step: padding requests read the scratch page
+        q = torch.cat([q, q[:1].expand(N - rows, -1, -1)])
+    scales = scales or {}
+    k_t = cache.k.new_empty((N, *cache.k.shape[2:]))  # (made on the caller's stream, which joins the side
+    v_t, o2 = cache.v.new_empty((N, *cache.v.shape[2:])), torch.empty_like(q)  # stream before the merge)
+    lse2 = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    main = torch.cuda.current_stream(q.device)
+    t.side.wait_stream(main)
+    with torch.cuda.stream(t.side):
+        for src, dst in ((cache.k, k_t), (cache.v, v_t)):
+            flat = src.flatten(0, 1)
+            if flat.element_size() == 1:  # (an FP8 cache: its bytes, as stored; the kernel applies the scales)
+                flat, dst = flat.view(torch.uint8), dst.view(torch.uint8)
+            torch.index_select(flat, 0, t.slots[:N], out=dst)
+        t.tree.run(q, k_t, v_t, out=o2, lse=lse2, return_lse=True, **scales)
+    o1, lse1 = t.prefix.run(q, (cache.k, cache.v), return_lse=True, **scales)
+    main.wait_stream(t.side)
+    flashinfer.merge_state_in_place(o1, lse1, o2, lse2)
+    return with_sinks(o1, lse1, sinks, lse_base2=True, fused=True)[:rows]

@@ -5,7 +5,8 @@ kv_r - q_r tokens, then the new tokens), FlashInfer reads a [q_r, kv_r] row-majo
 (j, c) set where token j attends to key c, i.e. c is in the prefix, or c = prefix + i with token i
 an ancestor of token j or j itself (bit i of the token's ancestor set, DraftTree.masks). Packed
 little-endian (bit b of a segment in byte b // 8 at bit b % 8), each request's segment starting on a
-byte: `byte_indptr` [R+1] int32 (request r's bytes: byte_indptr[r] .. byte_indptr[r+1]).
+byte: `byte_indptr` [R+1] int32 (request r's bytes: byte_indptr[r] .. byte_indptr[r+1]), or any offsets
+at least that far apart (the bytes between a segment and the next are zero).
 
 `pack` builds it in one Triton launch from the step's device arrays (O(total bytes), no host
 round-trip); `host_mask` is the same mask from host arrays in numpy (a pure function: the oracle of
@@ -30,10 +31,20 @@ def byte_indptr(q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
     return out.astype(np.int32)  # (TreeState.check keeps a step's mask within the pool's buffer)
 
 
-def host_mask(q_lens: np.ndarray, kv_lens: np.ndarray, tree_bits: np.ndarray, packed: bool = True) -> np.ndarray:
+def host_mask(q_lens: np.ndarray, kv_lens: np.ndarray, tree_bits: np.ndarray, packed: bool = True,
+              offsets: np.ndarray | None = None) -> np.ndarray:
     """The mask from host arrays: q_lens, kv_lens [R] int, tree_bits [sum q] uint64 (token j's ancestor set
     over its request's tokens). packed: uint8 [byte_indptr[-1]] (FlashInfer's packed_custom_mask), else
-    bool [sum q * kv] (its unpacked custom_mask, row-major per request)."""
+    bool [sum q * kv] (its unpacked custom_mask, row-major per request). offsets [R+1] (packed only): each
+    request's packed segment starts at offsets[r] instead, zeros after it up to offsets[r+1]."""
+    if offsets is not None:
+        out = np.zeros(int(offsets[-1]), np.uint8)
+        starts = byte_indptr(q_lens, kv_lens)
+        dense = host_mask(q_lens, kv_lens, tree_bits)
+        for r in range(q_lens.shape[0]):
+            n = int(starts[r + 1] - starts[r])
+            out[int(offsets[r]) : int(offsets[r]) + n] = dense[starts[r] : starts[r + 1]]
+        return out
     segments = []
     t = 0
     for q, kv in zip(q_lens.tolist(), kv_lens.tolist()):

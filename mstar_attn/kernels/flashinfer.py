@@ -18,7 +18,8 @@ import torch
 
 from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _cascade, _check
-from mstar_attn.kernels._flashinfer_tree import TreeState
+from mstar_attn.kernels import _flashinfer_tree
+from mstar_attn.kernels._flashinfer_tree import TreeRun, TreeState
 from mstar_attn.kernels._common import with_sinks, write_kv  # noqa: F401  (write_kv: this backend's)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
 from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
@@ -122,12 +123,10 @@ class PoolState(PoolStateBase):
 
     def check(self, plan: AttentionPlan, bucket: int | None) -> None:
         """XQA decode (fp8_math): PlanError if a request reads more pages than the pool's
-        max_pages_per_request; a token-tree step: if its mask would not fit (TreeState.check). Nothing else to
-        refuse beyond what build_plan and the pool check."""
+        max_pages_per_request. Nothing else to refuse beyond what build_plan and the pool check (a token-tree
+        step's mask, q x q bits a request, always fits its buffers)."""
         if self._on_xqa(plan):
             self.xqa.tables.check(plan)
-        if plan.tree is not None:
-            TreeState.check(self.pool, plan, bucket)
 
     def gather(self, step: DeviceStep) -> None:
         """A StepRows step's XQA page tables, on the device (fp8_math decode), after the pool's CSR page lists."""
@@ -147,7 +146,8 @@ class PoolState(PoolStateBase):
                    *(self.cascade.tensors() if self.cascade is not None else ()),
                    *(self.trees.tensors() if self.trees is not None else ()))}  # (counted by their owners)
         own = [0, 0]
-        for w in (*self.wrappers.values(), *(self.cascade.wrappers.values() if self.cascade is not None else ())):
+        for w in (*self.wrappers.values(), *(self.cascade.wrappers.values() if self.cascade is not None else ()),
+                  *(self.trees.wrappers.values() if self.trees is not None else ())):
             for t in vars(w).values():
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
                     shared.add(t.untyped_storage().data_ptr())
@@ -163,7 +163,7 @@ class PoolState(PoolStateBase):
         """One entry per layer group: its planned wrapper, an XqaDecode (fp8_math decode), or the
         cascade group's Levels (a cascade step: plan.cascade)."""
         plan = step.plan
-        if plan.tree is not None:  # a token-tree verify step: paged prefill with its mask (_flashinfer_tree.py)
+        if plan.tree is not None:  # a token-tree verify step: prefix and tree merged (_flashinfer_tree.py)
             if self.trees is None:
                 self.trees = TreeState(self)
             return self.trees.schedule(step)
@@ -344,6 +344,10 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
         return run_xqa(step, q, cache, group, w)
     if isinstance(w, _cascade.Levels):
         return _cascade.run(step, q, cache, w, sinks)
+    # an FP8 cache: FlashInfer folds k_scale into the softmax scale (the lse too) and scales the output by v_scale
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale) if plan.spec.fp8_kv else {}
+    if isinstance(w, TreeRun):
+        return _flashinfer_tree.run(step, q, cache, w, sinks, scales)
     if plan.backend == "flashinfer_ragged":
         if k is None or v is None:
             raise PlanError("run: this step is planned as ragged attention (flashinfer_ragged); pass its k and v")
@@ -352,8 +356,6 @@ def run(step: DeviceStep, q: torch.Tensor, cache: PagedKVCache, group: int | Non
     rows = q.shape[0]
     if rows < step.padded_num_tokens:  # eager call on a bucket-padded step: padding requests read the scratch page
         q = torch.cat([q, q[:1].expand(step.padded_num_tokens - rows, -1, -1)])
-    # an FP8 cache: FlashInfer folds k_scale into the softmax scale (the lse too) and scales the output by v_scale
-    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale) if plan.spec.fp8_kv else {}
     if lse:
         return with_sinks(*w.run(q, (cache.k, cache.v), return_lse=True, **scales), sinks, lse_base2=True, fused=True)[:rows]
     return w.run(q, (cache.k, cache.v), **scales)[:rows]

@@ -1,7 +1,7 @@
-"""FlashInfer on token-tree verify steps (kernels/_flashinfer_tree.py), eager and replayed, against the
-reference per request (GPU only): bucketed steps (every tree the same size) through the graph-mode wrapper
-and its mask buffers, other steps through the eager wrapper; a negative control with other trees of the
-same sizes."""
+"""FlashInfer on token-tree verify steps (kernels/_flashinfer_tree.py: the prefix and the masked tree part,
+merged), eager and replayed, against the reference per request (GPU only): bucketed steps (every tree the
+same size) through the graph-mode wrappers and their buffers, other steps through the eager ones; requests
+with no cached prefix among them; a negative control with other trees of the same sizes."""
 
 import numpy as np
 import pytest
@@ -39,7 +39,8 @@ def tree_step(rng, spec: AttentionSpec, sizes: list[int], prefix: list[int], sha
 @pytest.mark.smoke
 @pytest.mark.parametrize("soft_cap, sinks", [(0.0, False), (30.0, False), (0.0, True)], ids=["plain", "soft-cap", "sinks"])
 def test_tree_steps_match_the_reference_eager_and_replayed(soft_cap, sinks):
-    """Steps of random trees (chains, stars, random), prefixes 1..3000: bucketed ones (one size per step,
+    """Steps of random trees (chains, stars, random), prefixes 0..3000 (0: the tree part alone; a tree that
+    starts a page: the prefix's last-page length zero or negative): bucketed ones (one size per step,
     2..16 tokens, 1..8 requests) replayed by the graph captured for their (bucket, size) and run eagerly,
     unbucketed ones (sizes 1..64 mixed) eagerly; every request against the reference on the same cache (with
     attention sinks: FlashInfer's by its log-sum-exp)."""
@@ -61,7 +62,7 @@ def test_tree_steps_match_the_reference_eager_and_replayed(soft_cap, sinks):
     graphs.capture(q_lens=captured, trees=True)
     ran = {"replayed": 0, "eager bucketed": 0, "eager unbucketed": 0}
     for i in range(12):
-        if i % 3 == 2:  # unbucketed: mixed sizes (the eager wrapper; FlashInfer packs the mask)
+        if i % 3 == 2:  # unbucketed: mixed sizes (the eager wrappers)
             B = int(rng.integers(2, 6))
             sizes = [int(rng.integers(1, 65)) for _ in range(B)]
             sizes[1] = int(rng.integers(1, 64))
@@ -69,7 +70,7 @@ def test_tree_steps_match_the_reference_eager_and_replayed(soft_cap, sinks):
         else:
             B, n = int(rng.integers(1, 9)), int(rng.choice(captured if i % 3 == 0 else [2, 5, 16]))
             sizes = [n] * B
-        prefix = [int(rng.choice([1, int(rng.integers(2, 3000))])) for _ in range(B)]
+        prefix = [int(rng.choice([0, 1, PS * int(rng.integers(1, 100)), int(rng.integers(2, 3000))])) for _ in range(B)]
         shapes = [str(x) for x in rng.choice(["chain", "star", "random"], B)]
         plan, _, q, k, v = tree_step(rng, spec, sizes, prefix, shapes)
         step = pool.commit(plan)
@@ -80,6 +81,36 @@ def test_tree_steps_match_the_reference_eager_and_replayed(soft_cap, sinks):
         ran[kind] += 1
         if graphs.serves(step):
             assert_close_per_request(graphs(step, q=q), want, plan, spec.dtype, (f"seed {seed}", i, "replayed", sizes))
+            ran["replayed"] += 1
+    assert all(ran.values()), (f"seed {seed}", ran)
+
+
+def test_fp8_tree_steps_eager_and_replayed():
+    """An FP8 (e4m3) cache with per-tensor scales: tree steps bucketed (replayed and eager) and unbucketed, every
+    request against the reference over the same quantized cache (value * scale in float32). Bound: both parts
+    compute as over a bf16 cache (FP8 values are exact in bf16) and round their outputs twice (the kernel, then
+    v_scale), the merge once more: 3u in norm (units=3)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(QH, KVH, D, PS, 6000, kv_dtype=torch.float8_e4m3fn)
+    cache = random_cache(spec, seed, k_scale=0.02, v_scale=0.015)
+    pool = gpu_pool(spec, buckets=(1, 2, 4, 8), max_pages_per_request=300)
+    graphs = DecodeGraphs(pool, lambda step, x: fi.run(marked(step, cache), x["q"], cache),
+                          {"q": torch.zeros(8 * 16, QH, D, device="cuda", dtype=torch.bfloat16)})
+    graphs.capture(q_lens=(5,), trees=True)
+    ran = {"replayed": 0, "unbucketed": 0}
+    for i in range(4):
+        B = int(rng.integers(2, 9))
+        sizes = [5] * B if i % 2 == 0 else [int(rng.integers(17, 65))] + [int(rng.integers(1, 65)) for _ in range(B - 1)]
+        prefix = [int(rng.choice([0, PS * int(rng.integers(1, 100)), int(rng.integers(1, 3000))])) for _ in range(B)]
+        plan, _, q, k, v = tree_step(rng, spec, sizes, prefix, [str(x) for x in rng.choice(["chain", "star", "random"], B)])
+        step = pool.commit(plan)
+        fi.write_kv(step, k, v, cache)
+        want = reference.run(plan, q.float(), cache)
+        assert_close_per_request(fi.run(step, q, cache), want, plan, spec.dtype, (f"seed {seed}", i, sizes), units=3)
+        ran["unbucketed"] += step.bucket is None
+        if graphs.serves(step):
+            assert_close_per_request(graphs(step, q=q), want, plan, spec.dtype, (f"seed {seed}", i, "replayed"), units=3)
             ran["replayed"] += 1
     assert all(ran.values()), (f"seed {seed}", ran)
 

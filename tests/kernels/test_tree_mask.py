@@ -82,15 +82,23 @@ for i in range(3):
         got = device_mask(tree, q, kv, "cpu", packed)
         want = _tree_mask.host_mask(q, kv, tree.masks, packed)
         assert np.array_equal(got, want), ({seed} + i, packed, np.flatnonzero(got != want)[:8])
+    from mstar_attn.kernels._flashinfer_tree import mask_offsets  # (the tree part's: kv = q, sparse offsets)
+    off = mask_offsets(q)
+    got = device_mask(tree, q, q, "cpu", True, off)
+    assert np.array_equal(got, _tree_mask.host_mask(q, q, tree.masks, offsets=off)), ({seed} + i, "tree part")
 print("ok")
 """
 
 
-def device_mask(tree: DraftTree, q: np.ndarray, kv: np.ndarray, device: str, packed: bool) -> np.ndarray:
+def device_mask(tree: DraftTree, q: np.ndarray, kv: np.ndarray, device: str, packed: bool,
+                offsets: np.ndarray | None = None) -> np.ndarray:
     """The Triton kernel's mask on `device` (the CPU: under the interpreter), as numpy, exactly segments[-1]
-    long (the output buffer is longer and filled with a canary that must survive past the end)."""
+    long (the output buffer is longer and filled with a canary that must survive past the end); offsets:
+    where each request's packed segment starts (default: byte_indptr)."""
     qo = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
-    if packed:
+    if offsets is not None:
+        seg = offsets.astype(np.int32)
+    elif packed:
         seg = _tree_mask.byte_indptr(q, kv)
     else:
         seg = np.concatenate([[0], np.cumsum(q.astype(np.int64) * kv)]).astype(np.int32)
@@ -114,47 +122,40 @@ def test_the_triton_kernel_equals_the_host_mask_under_the_interpreter():
 def test_the_triton_kernel_equals_the_host_mask_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from mstar_attn.kernels._flashinfer_tree import mask_offsets
+
     seed = fresh_seed()
     for i in range(4):
         tree, q, kv = random_step(seed + i, requests=16, max_prefix=3000)
         for packed in (True, False):
             got = device_mask(tree, q, kv, "cuda", packed)
             assert np.array_equal(got, _tree_mask.host_mask(q, kv, tree.masks, packed)), (seed + i, packed)
+        off = mask_offsets(q)
+        got = device_mask(tree, q, q, "cuda", True, off)
+        assert np.array_equal(got, _tree_mask.host_mask(q, q, tree.masks, offsets=off)), (seed + i, "tree part")
 
 
-def test_a_tree_step_whose_mask_would_not_fit_is_refused_before_the_commit():
-    """TreeState.check (what FlashInfer's PoolState.check runs for a tree step, before the commit changes anything):
-    a bucketed step's packed mask against the pool's mask buffer (sized for the largest bucketed verify step over
-    max_pages_per_request pages), padding requests counted; a pool without buckets serves unbucketed steps only;
-    an unbucketed step's unpacked mask within MAX_UNPACKED_BITS. The numbers are named."""
-    from mstar_attn import AttentionSpec, GraphBufferPool, PlanError, PoolLimits, StepBatch, build_tree_plan
-    from mstar_attn.kernels._flashinfer_tree import TreeState
+def test_the_tree_parts_mask_sits_where_flashinfer_reads_it():
+    """The mask of a tree step's tree part (kernels/_flashinfer_tree.py: keys = the request's own new tokens, no
+    prefix): request r's q x q ancestor matrix from byte mask_offsets(q)[r] = sum_{i<r} q_i^2, the bit count
+    FlashInfer's planner computes as its mask offset (cumsum of q x kv, kv = q) and its kernel reads as a byte
+    offset. Read that way, each token's row is its ancestor set, and the bytes up to the next request are zero;
+    a flipped ancestor bit shows at its one bit."""
+    from mstar_attn.kernels._flashinfer_tree import mask_offsets
 
-    spec = AttentionSpec(4, 2, 16, 4, 400, dtype=torch.float32, backend="reference")
-    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=16, max_num_pages=400, buckets=(8,),
-                                            max_pages_per_request=8), device="cpu")
-    assert TreeState.mask_bytes(pool) == min(pool.layout.max_tokens, 8 * 16) * 8 * 4 // 8 + pool.layout.max_rows + 16
-    tree = DraftTree.from_parents([[-1, 0, 0, 1]] * 8)
-    step = build_tree_plan(StepBatch.from_pages([4] * 8, [32] * 8, [list(range(8 * i, 8 * i + 8)) for i in range(8)], 4),
-                           spec, tree)
-    assert pool.bucket_for(step) == 8 and step.num_tokens > pool.max_num_tokens  # (a bucketed step past max_num_tokens)
-    TreeState.check(pool, step, 8)  # 8 x ceil(4 x 32 / 8) = 128 bytes: fits
-    small = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=16, max_num_pages=400, buckets=(1,),
-                                             max_pages_per_request=8), device="cpu")
-    with pytest.raises(PlanError, match=r"tree: the step's packed mask needs 144 bytes, more than the pool's \d+ "
-                                        r"\(request 0: 4 tokens over 32\)"):
-        TreeState.check(small, step, 8)
-    none = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=64, max_num_pages=400, buckets=(),
-                                            max_pages_per_request=8), device="cpu")
-    assert none.buckets == () and TreeState.mask_bytes(none) == none.layout.max_rows + 16 and none.bucket_for(step) is None
-    TreeState.check(none, step, None)
-    from mstar_attn.kernels._flashinfer_tree import MAX_UNPACKED_BITS
-
-    big = AttentionSpec(4, 2, 16, 1024, 5000, dtype=torch.float32, backend="reference")  # (long requests, few pages)
-    kv = MAX_UNPACKED_BITS // 64 + 1  # 64 tokens over kv: one bit more than an unpacked mask may hold
-    long = build_tree_plan(StepBatch.from_pages([64], [kv], [list(range(-(-kv // 1024)))], 1024), big,
-                           DraftTree.from_parents([[-1] + [0] * 63]))
-    with pytest.raises(PlanError, match=f"tree: the step's mask has {64 * kv} bits .* more than the {MAX_UNPACKED_BITS}"):
-        TreeState.check(none, long, None)
-    TreeState.check(none, build_tree_plan(StepBatch.from_pages([64], [kv - 1], [list(range(-(-kv // 1024)))], 1024),
-                                          big, DraftTree.from_parents([[-1] + [0] * 63])), None)  # (64 bits less, at the bound: fits)
+    seed = fresh_seed()
+    tree, q, _ = random_step(seed)
+    offsets = mask_offsets(q)
+    assert np.array_equal(offsets, np.concatenate([[0], np.cumsum(q.astype(np.int64) * q)])), seed  # (FlashInfer's formula)
+    packed = _tree_mask.host_mask(q, q, tree.masks, offsets=offsets)
+    assert packed.shape[0] == offsets[-1], seed
+    for r in range(q.shape[0]):
+        got = np.array([[read_bit(packed, offsets, r, j, c, q[r]) for c in range(q[r])] for j in range(q[r])])
+        assert np.array_equal(got, tree.visible(r)), (seed, f"request {r}")
+        used = -(-int(q[r]) ** 2 // 8)
+        assert not packed[offsets[r] + used : offsets[r + 1]].any(), (seed, f"request {r}: bytes past its segment")
+    bits = tree.masks.copy()
+    r = int(np.flatnonzero(q > 1)[0])
+    bits[int(q[:r].sum()) + 1] ^= np.uint64(1)  # (token 1 of request r loses the root)
+    diff = np.flatnonzero(_tree_mask.host_mask(q, q, bits, offsets=offsets) != packed)
+    assert diff.tolist() == [offsets[r] + int(q[r]) // 8], seed
