@@ -28,7 +28,7 @@ def byte_indptr(q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
     """[R+1] int32: where each request's packed segment starts (ceil(q * kv / 8) bytes each); q_lens, kv_lens [R]."""
     out = np.zeros(q_lens.shape[0] + 1, np.int64)
     np.cumsum((q_lens.astype(np.int64) * kv_lens + 7) // 8, out=out[1:])
-    return out.astype(np.int32)  # (TreeState.check keeps a step's mask within the pool's buffer)
+    return out.astype(np.int32)
 
 
 def host_mask(q_lens: np.ndarray, kv_lens: np.ndarray, tree_bits: np.ndarray, packed: bool = True,
