@@ -237,7 +237,9 @@ def run(step: DeviceStep, q: torch.Tensor, cache, t: TreeRun, sinks: torch.Tenso
     v_t, o2 = cache.v.new_empty((N, *cache.v.shape[2:])), torch.empty_like(q)  # stream before the merge)
     lse2 = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     main = torch.cuda.current_stream(q.device)
-    t.side.wait_stream(main)
+    t.side.wait_stream(main)  # (the tree part follows what came before, the K/V stored; not the prefix)
+    # the prefix first: run eagerly, the device starts the long part while the host issues the rest
+    o1, lse1 = t.prefix.run(q, (cache.k, cache.v), return_lse=True, **scales)
     with torch.cuda.stream(t.side):
         for src, dst in ((cache.k, k_t), (cache.v, v_t)):
             flat = src.flatten(0, 1)
@@ -245,7 +247,6 @@ def run(step: DeviceStep, q: torch.Tensor, cache, t: TreeRun, sinks: torch.Tenso
                 flat, dst = flat.view(torch.uint8), dst.view(torch.uint8)
             torch.index_select(flat, 0, t.slots[:N], out=dst)
         t.tree.run(q, k_t, v_t, out=o2, lse=lse2, return_lse=True, **scales)
-    o1, lse1 = t.prefix.run(q, (cache.k, cache.v), return_lse=True, **scales)
     main.wait_stream(t.side)
     flashinfer.merge_state_in_place(o1, lse1, o2, lse2)
     return with_sinks(o1, lse1, sinks, lse_base2=True, fused=True)[:rows]
