@@ -10,8 +10,9 @@ attentions merged by their log-sum-exp (FlashInfer's, base 2), as a shared-prefi
 
 so the long part reads no mask, at the speed of the chain's verify, and the mask covers q_r x q_r bits per
 request, not q_r x kv_r. k_t, v_t [padded tokens, kv_heads, head_dim]: the new tokens' K/V read back from the
-cache by the step's slots, as stored (an FP8 cache's bytes, scaled by the kernel as the prefix's are). The tree part (gather, ragged prefill) runs on a side
-stream beside the prefix, with float and int workspaces of its own; the merge joins them.
+cache by the step's slots, as stored (an FP8 cache's bytes, scaled by the kernel as the prefix's are). All on
+the caller's stream, the prefix issued first (run eagerly, the device starts the long part while the host
+issues the rest); the tree part plans into int and float workspaces of its own (both plans are live at once).
 
 - The prefix reads the step's page lists with last-page lengths of (the step's) - q_r: zero or negative where
   the tree starts a page. FlashInfer's FA2 kernels read a length as (pages - 1) x page_size + last (int32
@@ -71,13 +72,12 @@ def mask_offsets(q_lens: np.ndarray) -> np.ndarray:
 
 @attrs.frozen
 class TreeRun:
-    """What `run` needs of one layer group's tree step: the planned prefix and tree wrappers, the step's slots
-    (the group's slot_mapping, int64 device) and the side stream the tree part runs on."""
+    """What `run` needs of one layer group's tree step: the planned prefix and tree wrappers and the step's
+    slots (the group's slot_mapping, int64 device)."""
 
     prefix: object
     tree: object
     slots: torch.Tensor
-    side: torch.cuda.Stream
 
 
 def _aligned(n: int) -> int:
@@ -96,7 +96,6 @@ class TreeState:
     def __init__(self, state):
         self.state, pool = state, state.pool
         n, B, G, S, dev = pool.layout.max_tokens, pool.layout.max_rows, len(pool.spec.groups), pool.num_slots, pool.device
-        self.side = torch.cuda.Stream(dev)
         self.bits_host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(S)]
         self.bits_dev = [torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(S)]
         self.lens_host = [torch.zeros(3 * B + 12, dtype=torch.int32, pin_memory=True) for _ in range(S)]
@@ -131,7 +130,7 @@ class TreeState:
         R = step.padded_batch_size
         q = np.diff(step.host_qo_indptr[: R + 1].numpy())
         tree = self._plan_tree(step, q, self._build_mask(step, q))
-        return tuple(TreeRun(prefix=self._plan_prefix(step, g, q), tree=tree, slots=dg.slot_mapping, side=self.side)
+        return tuple(TreeRun(prefix=self._plan_prefix(step, g, q), tree=tree, slots=dg.slot_mapping)
                      for g, dg in enumerate(step.groups))
 
     def _plan_prefix(self, step: DeviceStep, g: int, q: np.ndarray):
@@ -233,20 +232,16 @@ def run(step: DeviceStep, q: torch.Tensor, cache, t: TreeRun, sinks: torch.Tenso
     if rows < N:  # an eager call on a bucket-padded step: padding requests read the scratch page
         q = torch.cat([q, q[:1].expand(N - rows, -1, -1)])
     scales = scales or {}
-    k_t = cache.k.new_empty((N, *cache.k.shape[2:]))  # (made on the caller's stream, which joins the side
-    v_t, o2 = cache.v.new_empty((N, *cache.v.shape[2:])), torch.empty_like(q)  # stream before the merge)
+    k_t, v_t = cache.k.new_empty((N, *cache.k.shape[2:])), cache.v.new_empty((N, *cache.v.shape[2:]))
+    o2 = torch.empty_like(q)
     lse2 = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    main = torch.cuda.current_stream(q.device)
-    t.side.wait_stream(main)  # (the tree part follows what came before, the K/V stored; not the prefix)
     # the prefix first: run eagerly, the device starts the long part while the host issues the rest
     o1, lse1 = t.prefix.run(q, (cache.k, cache.v), return_lse=True, **scales)
-    with torch.cuda.stream(t.side):
-        for src, dst in ((cache.k, k_t), (cache.v, v_t)):
-            flat = src.flatten(0, 1)
-            if flat.element_size() == 1:  # (an FP8 cache: its bytes, as stored; the kernel applies the scales)
-                flat, dst = flat.view(torch.uint8), dst.view(torch.uint8)
-            torch.index_select(flat, 0, t.slots[:N], out=dst)
-        t.tree.run(q, k_t, v_t, out=o2, lse=lse2, return_lse=True, **scales)
-    main.wait_stream(t.side)
+    for src, dst in ((cache.k, k_t), (cache.v, v_t)):
+        flat = src.flatten(0, 1)
+        if flat.element_size() == 1:  # (an FP8 cache: its bytes, as stored; the kernel applies the scales)
+            flat, dst = flat.view(torch.uint8), dst.view(torch.uint8)
+        torch.index_select(flat, 0, t.slots[:N], out=dst)
+    t.tree.run(q, k_t, v_t, out=o2, lse=lse2, return_lse=True, **scales)
     flashinfer.merge_state_in_place(o1, lse1, o2, lse2)
     return with_sinks(o1, lse1, sinks, lse_base2=True, fused=True)[:rows]
