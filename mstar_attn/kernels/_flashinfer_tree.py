@@ -14,10 +14,12 @@ cache by the step's slots, as stored (an FP8 cache's bytes, scaled by the kernel
 the caller's stream, the prefix issued first (run eagerly, the device starts the long part while the host
 issues the rest); the tree part plans into int and float workspaces of its own (both plans are live at once).
 
-- The prefix reads the step's page lists with last-page lengths of (the step's) - q_r: zero or negative where
-  the tree starts a page. FlashInfer's FA2 kernels read a length as (pages - 1) x page_size + last (int32
-  arithmetic: the prefix's length), its FA3 kernels the planned lengths (seq_lens: the prefixes); a request of
-  no prefix gets output 0 and lse -inf, which the merge weighs 0.
+- The prefix reads the step's own page lists (`prefix_requests`): 2R requests to FlashInfer, request r's
+  prefix (its first ceil(p_r / page_size) pages, its queries) then one of no queries over its remaining pages
+  (those only the tree's tokens fill). That is a CSR over the same page indices, with every length, page count
+  and split-KV chunk FlashInfer derives being the prefix's (a prefix's pages listed with the tree's after them
+  would give its planner chunks past the prefix: wrong outputs). A request of no prefix gets output 0 and
+  lse -inf, which the merge weighs 0.
 - The mask: request r's q_r x q_r bit matrix (row-major, little-endian) packed from byte offset sum_{i<r}
   q_i^2, its bit count so far. FlashInfer's planner computes mask offsets as those bit counts and its kernel
   reads them as byte offsets: in this layout (q_r^2 bytes a request, 8x what packing needs, at most 4 KiB)
@@ -63,6 +65,34 @@ def tree_int_bytes(rows: int, gqa: int) -> int:
     return max(1 << 20, -(-16 * 16 * rows * (64 * gqa // 16 + 1) // 4096) * 4096)
 
 
+@attrs.frozen
+class PrefixRequests:
+    """The prefix pass's requests (see prefix_requests), host int32: qo_indptr [2R+1], kv_indptr [2R+1],
+    last_page_len [2R], kv_lens [2R]."""
+
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    last_page_len: np.ndarray
+    kv_lens: np.ndarray
+
+
+def prefix_requests(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_lens: np.ndarray, page_size: int) -> PrefixRequests:
+    """A tree step's R requests (qo_indptr [R+1] rows, kv_indptr [R+1] pages, kv_lens [R] keys, each request's
+    new tokens last) as the prefix pass's 2R: request 2r the prefix of r (its keys but the q_r new ones, its
+    first pages, its queries), request 2r + 1 no queries over r's pages after those. Pure."""
+    qo, ind = qo_indptr.astype(np.int64), kv_indptr.astype(np.int64)
+    p = kv_lens.astype(np.int64) - np.diff(qo)
+    pages = -(-p // page_size)
+    R = p.shape[0]
+    out = PrefixRequests(*(np.zeros(n, np.int32) for n in (2 * R + 1, 2 * R + 1, 2 * R, 2 * R)))
+    out.qo_indptr[0::2], out.qo_indptr[1::2] = qo, qo[1:]
+    out.kv_indptr[0::2], out.kv_indptr[1::2] = ind, ind[:-1] + pages
+    out.last_page_len[0::2] = np.where(pages > 0, p - (pages - 1) * page_size, 0)
+    out.last_page_len[1::2] = page_size
+    out.kv_lens[0::2], out.kv_lens[1::2] = p, (ind[1:] - ind[:-1] - pages) * page_size
+    return out
+
+
 def mask_offsets(q_lens: np.ndarray) -> np.ndarray:
     """[R+1] int64: where request r's mask starts (bytes), sum_{i<r} q_i^2 (see the module's docstring)."""
     out = np.zeros(q_lens.shape[0] + 1, np.int64)
@@ -90,8 +120,8 @@ class TreeState:
     [max tokens] int64 and on the device; the mask kernel's arrays (qo_indptr, q_lens, mask offsets) int32
     [3 x max batch + 12] pinned and on the device; the tree part's float workspace, int workspace and its
     pinned mirror; made at its first bucketed step, the mask buffer uint8 [max batch x MAX_VERIFY_Q_LEN^2 +
-    TAIL] and its offsets int32 [max batch + 1]. Per (slot, group): the prefix's last-page lengths and lengths,
-    int32 [2 x max batch] pinned, and the lengths' device copy [max batch] (graph-mode prefixes read it)."""
+    TAIL] and its offsets int32 [max batch + 1]. Per (slot, group): the prefix pass's arrays (PrefixRequests of
+    2 x max batch requests), int32 pinned, and three of them on the device (graph-mode prefixes read them)."""
 
     def __init__(self, state):
         self.state, pool = state, state.pool
@@ -100,9 +130,12 @@ class TreeState:
         self.bits_dev = [torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(S)]
         self.lens_host = [torch.zeros(3 * B + 12, dtype=torch.int32, pin_memory=True) for _ in range(S)]
         self.lens_dev = [torch.zeros(3 * B + 12, dtype=torch.int32, device=dev) for _ in range(S)]
-        self.prefix_host = [[torch.zeros(2 * _aligned(B), dtype=torch.int32, pin_memory=True) for _ in range(G)]
+        # the prefix pass's arrays (PrefixRequests, 2B requests) per (slot, group): pinned, and on the device
+        # for graph-mode prefixes (qo_indptr, kv_indptr, last_page_len; their plan() copies them there)
+        self.prefix_host = [[torch.zeros(4 * _aligned(2 * B + 1), dtype=torch.int32, pin_memory=True) for _ in range(G)]
                             for _ in range(S)]
-        self.prefix_last = [[torch.zeros(B, dtype=torch.int32, device=dev) for _ in range(G)] for _ in range(S)]
+        self.prefix_dev = [[torch.zeros(3 * _aligned(2 * B + 1), dtype=torch.int32, device=dev) for _ in range(G)]
+                           for _ in range(S)]
         m = tree_int_bytes(B, pool.spec.gqa_group)
         self.float_ws = [torch.zeros(TREE_FLOAT_BYTES, dtype=torch.uint8, device=dev) for _ in range(S)]
         self.int_ws = [torch.zeros(m, dtype=torch.uint8, device=dev) for _ in range(S)]
@@ -113,7 +146,7 @@ class TreeState:
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer this state owns."""
         return [*self.bits_host, *self.bits_dev, *self.lens_host, *self.lens_dev, *self.float_ws, *self.int_ws,
-                *self.pinned_ws, *(t for per in (*self.prefix_host, *self.prefix_last) for t in per),
+                *self.pinned_ws, *(t for per in (*self.prefix_host, *self.prefix_dev) for t in per),
                 *(t for pair in self.masks.values() for t in pair)]
 
     def memory(self) -> dict[str, tuple[int, int]]:
@@ -130,39 +163,43 @@ class TreeState:
         R = step.padded_batch_size
         q = np.diff(step.host_qo_indptr[: R + 1].numpy())
         tree = self._plan_tree(step, q, self._build_mask(step, q))
-        return tuple(TreeRun(prefix=self._plan_prefix(step, g, q), tree=tree, slots=dg.slot_mapping)
+        return tuple(TreeRun(prefix=self._plan_prefix(step, g), tree=tree, slots=dg.slot_mapping)
                      for g, dg in enumerate(step.groups))
 
-    def _plan_prefix(self, step: DeviceStep, g: int, q: np.ndarray):
-        """Group g's prefix wrapper, planned over the step's page lists with each request's prefix length."""
+    def _plan_prefix(self, step: DeviceStep, g: int):
+        """Group g's prefix wrapper, planned over the step's page lists as prefix_requests lays them out."""
         import flashinfer  # (imported by the backend module already)
 
         state, spec = self.state, self.state.pool.spec
         dg, s, R = step.groups[g], step.slot, step.padded_batch_size
+        pr = prefix_requests(step.host_qo_indptr[: R + 1].numpy(), dg.host_kv_indptr[: R + 1].numpy(),
+                             dg.host_kv_lens[:R].numpy(), spec.page_size)
+        a, n = _aligned(2 * R + 1), 2 * R + 1
         host = self.prefix_host[s][g]
-        last, lens = host[:R], host[_aligned(R) : _aligned(R) + R]
-        last.numpy()[:] = dg.host_last_page_len[:R].numpy() - q
-        lens.numpy()[:] = dg.host_kv_lens[:R].numpy() - q
+        qo, ptr, last, lens = host[:n], host[a : a + n], host[2 * a : 2 * a + n - 1], host[3 * a : 3 * a + n - 1]
+        for t, x in zip((qo, ptr, last, lens), attrs.astuple(pr)):
+            t.numpy()[:] = x
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         if step.bucket is None:
             w = state.eager(("tree prefix", s, g), flashinfer.BatchPrefillWithPagedKVCacheWrapper)
-            w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, last, *heads, spec.page_size,
-                   causal=False, seq_lens=lens, **state.plan_kwargs)
+            w.plan(qo, ptr, dg.kv_indices, last, *heads, spec.page_size, causal=False, seq_lens=lens,
+                   **state.plan_kwargs)
             state.planned_into(s, g, w)
             return w
         key = ("tree prefix graph", s, g, R, step.q_len)
         w = state.wrappers.get(key)
         if w is None:  # (FA2: the kernels the chain's verify runs, with split-KV; the device reads these buffers)
+            d = self.prefix_dev[s][g]
             w = state.wrappers[key] = state.share(flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                state.float_ws, "NHD", use_cuda_graph=True, qo_indptr_buf=step.qo_indptr,
-                paged_kv_indptr_buf=dg.kv_indptr, paged_kv_indices_buf=state.pool.index_buffer(step, g),
-                paged_kv_last_page_len_buf=self.prefix_last[s][g][:R], backend="fa2"), s, g)
+                state.float_ws, "NHD", use_cuda_graph=True, qo_indptr_buf=d[:n], paged_kv_indptr_buf=d[a : a + n],
+                paged_kv_indices_buf=state.pool.index_buffer(step, g), paged_kv_last_page_len_buf=d[2 * a : 2 * a + n - 1],
+                backend="fa2"), s, g)
         # a graph-mode wrapper splits KV whenever it may, and its partial outputs grow with the bucket: past
         # the decode wrappers' threshold (requests x KV heads enough to fill the GPU) the split is off, which
         # also keeps them inside the shared float workspace (a constant per key: every replay plans alike)
         fix = R * spec.num_kv_heads >= min(state.fixed_min_ctas, FIXED_MIN_CTAS_FALLBACK)
-        w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, last, *heads, spec.page_size, causal=False,
-               seq_lens=lens, **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)
+        w.plan(qo, ptr, dg.kv_indices, last, *heads, spec.page_size, causal=False, seq_lens=lens,
+               **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)
         state.planned_into(s, g, w)
         return w
 

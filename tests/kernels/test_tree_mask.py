@@ -159,3 +159,34 @@ def test_the_tree_parts_mask_sits_where_flashinfer_reads_it():
     bits[int(q[:r].sum()) + 1] ^= np.uint64(1)  # (token 1 of request r loses the root)
     diff = np.flatnonzero(_tree_mask.host_mask(q, q, bits, offsets=offsets) != packed)
     assert diff.tolist() == [offsets[r] + int(q[r]) // 8], seed
+
+
+def test_the_prefix_pass_reads_each_prefix_alone():
+    """prefix_requests (kernels/_flashinfer_tree.py): a tree step's requests (random prefixes, 0 and page-aligned
+    ones among them, trees of 1..64 tokens, page 16) as the prefix pass's: a CSR over the same page indices;
+    request 2r reads r's first pages, exactly its prefix (FlashInfer's length: (pages - 1) x page_size + last,
+    0 for no pages; the planned length the same), with r's queries; request 2r + 1 no queries, r's other pages.
+    The data holds the case this layout exists for: lists with pages past the prefix (which FlashInfer's planner,
+    given the step's own lists, would split into chunks past the prefix)."""
+    from mstar_attn.kernels._flashinfer_tree import prefix_requests
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    ps, R = 16, 12
+    q = rng.integers(1, 65, R)
+    p = rng.choice([0, 1, 16, 32, 100, 2047], R) + rng.integers(0, 2, R) * rng.integers(0, 3000, R)
+    kv = p + q
+    pages = -(-kv // ps) + rng.integers(0, 3, R)  # (lists may hold spare pages past kv_len)
+    qo, ind = np.concatenate([[0], np.cumsum(q)]), np.concatenate([[0], np.cumsum(pages)])
+    pr = prefix_requests(qo.astype(np.int32), ind.astype(np.int32), kv.astype(np.int32), ps)
+    assert all(x.dtype == np.int32 for x in (pr.qo_indptr, pr.kv_indptr, pr.last_page_len, pr.kv_lens)), seed
+    assert (np.diff(pr.kv_indptr) >= 0).all() and pr.kv_indptr[0] == 0 and pr.kv_indptr[-1] == ind[-1], seed
+    assert np.array_equal(pr.qo_indptr[0::2], qo) and (np.diff(pr.qo_indptr)[1::2] == 0).all(), seed
+    n = np.diff(pr.kv_indptr)
+    length = np.where(n > 0, (n - 1) * ps + pr.last_page_len, 0)
+    assert np.array_equal(length[0::2], p) and np.array_equal(pr.kv_lens[0::2], p), (seed, length[0::2], p)
+    assert np.array_equal(pr.kv_indptr[0::2], ind), seed  # (each prefix starts at its request's first page)
+    assert ((pr.last_page_len[0::2] >= 1) & (pr.last_page_len[0::2] <= ps) | (n[0::2] == 0)).all(), seed
+    assert np.array_equal(pr.kv_lens[1::2], n[1::2] * ps) and (n[0::2] == -(-p // ps)).all(), seed
+    own = np.diff(ind)
+    assert (own > -(-p // ps)).any(), seed
