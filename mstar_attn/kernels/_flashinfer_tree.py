@@ -84,13 +84,25 @@ def prefix_requests(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_lens: np.nd
     p = kv_lens.astype(np.int64) - np.diff(qo)
     pages = -(-p // page_size)
     R = p.shape[0]
-    out = PrefixRequests(*(np.zeros(n, np.int32) for n in (2 * R + 1, 2 * R + 1, 2 * R, 2 * R)))
+    out = PrefixRequests(qo_indptr=np.zeros(2 * R + 1, np.int32), kv_indptr=np.zeros(2 * R + 1, np.int32),
+                         last_page_len=np.zeros(2 * R, np.int32), kv_lens=np.zeros(2 * R, np.int32))
     out.qo_indptr[0::2], out.qo_indptr[1::2] = qo, qo[1:]
     out.kv_indptr[0::2], out.kv_indptr[1::2] = ind, ind[:-1] + pages
     out.last_page_len[0::2] = np.where(pages > 0, p - (pages - 1) * page_size, 0)
     out.last_page_len[1::2] = page_size
     out.kv_lens[0::2], out.kv_lens[1::2] = p, (ind[1:] - ind[:-1] - pages) * page_size
     return out
+
+
+def split_fits(spec, requests: int, tokens: int, sms: int, float_bytes: int) -> bool:
+    """Whether a graph-mode prefix pass of `requests` requests and `tokens` query rows (2 x requests to FlashInfer,
+    prefix_requests) may split KV within a float workspace of float_bytes: FlashInfer's planner keeps
+    num_qo_heads x ceil(padded CTAs x cta_tile_q / gqa) partial rows of head_dim + 1 floats, its padded CTAs
+    at most max(2 per SM / kv_heads, tokens x gqa / cta_tile_q + 2 x requests - 1) (scheduler.cuh); bounded
+    here over cta_tile_q <= 128."""
+    gqa = spec.gqa_group
+    rows = -(-max(2 * sms // spec.num_kv_heads * 128, tokens * gqa + 256 * requests) // gqa)
+    return spec.num_qo_heads * rows * (spec.head_dim + 1) * 4 + 4096 <= float_bytes
 
 
 def mask_offsets(q_lens: np.ndarray) -> np.ndarray:
@@ -141,6 +153,7 @@ class TreeState:
         self.int_ws = [torch.zeros(m, dtype=torch.uint8, device=dev) for _ in range(S)]
         self.pinned_ws = [torch.zeros(m, dtype=torch.uint8, pin_memory=True) for _ in range(S)]
         self.masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (mask buffer, its offsets)
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.wrappers: dict[tuple, object] = {}  # the tree part's: ("eager", slot) or ("graph", slot, R, q_len)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -177,7 +190,7 @@ class TreeState:
         a, n = _aligned(2 * R + 1), 2 * R + 1
         host = self.prefix_host[s][g]
         qo, ptr, last, lens = host[:n], host[a : a + n], host[2 * a : 2 * a + n - 1], host[3 * a : 3 * a + n - 1]
-        for t, x in zip((qo, ptr, last, lens), attrs.astuple(pr)):
+        for t, x in ((qo, pr.qo_indptr), (ptr, pr.kv_indptr), (last, pr.last_page_len), (lens, pr.kv_lens)):
             t.numpy()[:] = x
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         if step.bucket is None:
@@ -197,7 +210,9 @@ class TreeState:
         # a graph-mode wrapper splits KV whenever it may, and its partial outputs grow with the bucket: past
         # the decode wrappers' threshold (requests x KV heads enough to fill the GPU) the split is off, which
         # also keeps them inside the shared float workspace (a constant per key: every replay plans alike)
-        fix = R * spec.num_kv_heads >= min(state.fixed_min_ctas, FIXED_MIN_CTAS_FALLBACK)
+        # (and where its partial outputs might outgrow the float workspace: FlashInfer would refuse the plan)
+        fix = R * spec.num_kv_heads >= min(state.fixed_min_ctas, FIXED_MIN_CTAS_FALLBACK) or not split_fits(
+            spec, R, step.padded_num_tokens, self.sms, state.float_ws.numel())
         w.plan(qo, ptr, dg.kv_indices, last, *heads, spec.page_size, causal=False, seq_lens=lens,
                **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)
         state.planned_into(s, g, w)

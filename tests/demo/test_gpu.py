@@ -76,7 +76,7 @@ def test_speculative_demo_replays_each_draft_round_as_one_graph(backend):
 @gpu
 def test_tree_speculation_on_flashinfer_with_graphs():
     """demo --speculate 4 --tree 2 on FlashInfer with graphs (bf16): tree verify steps through FlashInfer's
-    custom mask (the demo runs tree rounds and verify steps eagerly), tokens equal plain greedy decoding up to
+    prefix pass and masked tree part (the demo runs tree rounds and verify steps eagerly), tokens equal plain greedy decoding up to
     each request's first near-tie, every target logit within bounds; the self draft's first choice is the
     target's pick at every node but near-ties (bf16: the draft's decode kernels and the verify's round apart)."""
     pytest.importorskip("flashinfer")
@@ -89,7 +89,8 @@ def test_tree_speculation_on_flashinfer_with_graphs():
         assert res.matched, spec_summary(res)
         assert res.width == 2 and res.rounds > 0
         if draft == "self":
-            assert res.proposed > 0 and (res.accepted == res.proposed) == (not res.misses), spec_summary(res)
+            # (a miss may still accept every level: the draft's second choice was the target's pick there)
+            assert res.proposed > 0 and (res.accepted == res.proposed or res.misses), spec_summary(res)
             assert all(m <= 2 * tol for m, tol in res.misses), res.misses
 
 @pytest.mark.gpu

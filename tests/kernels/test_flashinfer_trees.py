@@ -39,8 +39,8 @@ def tree_step(rng, spec: AttentionSpec, sizes: list[int], prefix: list[int], sha
 @pytest.mark.smoke
 @pytest.mark.parametrize("soft_cap, sinks", [(0.0, False), (30.0, False), (0.0, True)], ids=["plain", "soft-cap", "sinks"])
 def test_tree_steps_match_the_reference_eager_and_replayed(soft_cap, sinks):
-    """Steps of random trees (chains, stars, random), prefixes 0..3000 (0: the tree part alone; a tree that
-    starts a page: the prefix's last-page length zero or negative): bucketed ones (one size per step,
+    """Steps of random trees (chains, stars, random), prefixes 0..3000 (0: the tree part alone; page-aligned
+    ones: a tree that starts a page, its request's list holding pages past the prefix): bucketed ones (one size per step,
     2..16 tokens, 1..8 requests) replayed by the graph captured for their (bucket, size) and run eagerly,
     unbucketed ones (sizes 1..64 mixed) eagerly; every request against the reference on the same cache (with
     attention sinks: FlashInfer's by its log-sum-exp)."""

@@ -190,3 +190,20 @@ def test_the_prefix_pass_reads_each_prefix_alone():
     assert np.array_equal(pr.kv_lens[1::2], n[1::2] * ps) and (n[0::2] == -(-p // ps)).all(), seed
     own = np.diff(ind)
     assert (own > -(-p // ps)).any(), seed
+
+
+def test_a_graph_prefix_splits_kv_only_where_its_partial_outputs_fit():
+    """split_fits (kernels/_flashinfer_tree.py): FlashInfer's planner keeps partial outputs of num_qo_heads x
+    padded CTAs x cta_tile_q / gqa rows; a Llama-like bucket of 8 x 16 tokens fits the pool's 128 MiB float
+    workspace, the bound grows with the requests (2 per request in the prefix pass), and a wide-GQA bucket
+    (64 query heads on 1 KV head, 250 requests of 16 tokens) does not fit: split-KV off."""
+    from mstar_attn import AttentionSpec
+    from mstar_attn.kernels._flashinfer_tree import split_fits
+
+    ws = 128 << 20
+    llama = AttentionSpec(32, 8, 128, 16, 1000)
+    assert split_fits(llama, 8, 8 * 16, 132, ws)
+    wide = AttentionSpec(64, 1, 128, 16, 1000)
+    assert split_fits(wide, 8, 8 * 16, 132, ws) and not split_fits(wide, 250, 250 * 16, 132, ws)
+    need = lambda R: next(b for b in range(1 << 20, 1 << 34, 1 << 20) if split_fits(llama, R, R * 16, 132, b))  # noqa: E731
+    assert need(8) <= need(64) <= need(256), (need(8), need(64), need(256))
