@@ -15,7 +15,8 @@ resolving the backend and module again (about 100 µs of host time per call on a
 reset_workspace_buffer() takes the float and int workspaces but always allocates a fresh 8 MiB
 pinned mirror of the int one; every wrapper of one pool slot and layer group plans into the same
 int workspace (one step per slot at a time, and a slot is replanned only once its last copies
-ran), so they share one mirror too.
+ran), so they share one mirror too; `fixed_workspace_bytes` sizes an int workspace of its own for a plan
+that must outlive the shared one's next plan.
 
 tests/kernels/test_flashinfer.py::test_fast_replan_matches_public_plan compares this path with
 public plan() (plan info, the int workspace it writes, and the attention output), and
@@ -29,6 +30,15 @@ import numpy as np
 import torch
 
 VERSIONS = ("0.7.2", "0.7.2.post1")  # the FlashInfer releases whose internals this module reads
+FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
+
+
+def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
+    """The int workspace of a graph-mode plan without split-KV: FlashInfer's tensor-core planner
+    writes three int32 work lists and a byte mask of padded_batch_size <= rows * (q_len * gqa + 1)
+    CTAs, o_indptr [rows + 1] and a few words (16-byte aligned); twice that, and at least 64 KiB."""
+    need = 2 * (13 * rows * (q_len * gqa + 1) + 4 * rows + 256)
+    return max(FIXED_WORKSPACE_BYTES, -(-need // 4096) * 4096)
 
 
 def supported(flashinfer_module) -> bool:

@@ -12,7 +12,8 @@ so the long part reads no mask, at the speed of the chain's verify, and the mask
 request, not q_r x kv_r. k_t, v_t [padded tokens, kv_heads, head_dim]: the new tokens' K/V read back from the
 cache by the step's slots, as stored (an FP8 cache's bytes, scaled by the kernel as the prefix's are). All on
 the caller's stream, the prefix issued first (run eagerly, the device starts the long part while the host
-issues the rest); the tree part plans into int and float workspaces of its own (both plans are live at once).
+issues the rest); the tree part plans into an int workspace of its own (both plans are live at once) and,
+splitting no KV, keeps nothing in the shared float workspace.
 
 - The prefix reads the step's own page lists (`prefix_requests`): 2R requests to FlashInfer, request r's
   prefix (its first ceil(p_r / page_size) pages, its queries) then one of no queries over its remaining pages
@@ -46,8 +47,9 @@ import torch
 
 from mstar_attn.kernels import _tree_mask
 from mstar_attn.kernels._common import with_sinks
-from mstar_attn.kernels._flashinfer_fast import share_workspace
+from mstar_attn.kernels._flashinfer_fast import fixed_workspace_bytes, share_workspace
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
+from mstar_attn.metadata.tree import MAX_TREE_NODES
 
 if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
@@ -55,16 +57,6 @@ if TYPE_CHECKING:
 TAIL = 16  # bytes of slack past a mask
 FIXED_MIN_CTAS_FALLBACK = 264  # requests x KV heads past which bucketed prefixes never split KV (2 CTAs per SM
 # of an H100) when the backend's own fixed schedule is off
-TREE_FLOAT_BYTES = 1 << 20  # the tree part's float workspace (planned without split-KV: FlashInfer keeps no
-# partial outputs there)
-
-
-def tree_int_bytes(rows: int, gqa: int) -> int:
-    """The tree part's int workspace (and its pinned mirror): FlashInfer's planner writes a few int32 work
-    lists of at most rows x (64 tokens x gqa / 16 + 1) CTAs without split-KV; 16x that, at least 1 MiB."""
-    return max(1 << 20, -(-16 * 16 * rows * (64 * gqa // 16 + 1) // 4096) * 4096)
-
-
 @attrs.frozen
 class PrefixRequests:
     """The prefix pass's requests (see prefix_requests), host int32: qo_indptr [2R+1], kv_indptr [2R+1],
@@ -130,7 +122,7 @@ def _aligned(n: int) -> int:
 class TreeState:
     """Tree steps' buffers of one pool's FlashInfer PoolState (`state`). Per slot: the ancestor sets, pinned
     [max tokens] int64 and on the device; the mask kernel's arrays (qo_indptr, q_lens, mask offsets) int32
-    [3 x max batch + 12] pinned and on the device; the tree part's float workspace, int workspace and its
+    [3 x max batch + 12] pinned and on the device; the tree part's int workspace (fixed_workspace_bytes) and its
     pinned mirror; made at its first bucketed step, the mask buffer uint8 [max batch x MAX_VERIFY_Q_LEN^2 +
     TAIL] and its offsets int32 [max batch + 1]. Per (slot, group): the prefix pass's arrays (PrefixRequests of
     2 x max batch requests), int32 pinned, and three of them on the device (graph-mode prefixes read them)."""
@@ -148,17 +140,15 @@ class TreeState:
                             for _ in range(S)]
         self.prefix_dev = [[torch.zeros(3 * _aligned(2 * B + 1), dtype=torch.int32, device=dev) for _ in range(G)]
                            for _ in range(S)]
-        m = tree_int_bytes(B, pool.spec.gqa_group)
-        self.float_ws = [torch.zeros(TREE_FLOAT_BYTES, dtype=torch.uint8, device=dev) for _ in range(S)]
+        m = fixed_workspace_bytes(B, MAX_TREE_NODES, pool.spec.gqa_group)  # (the tree part plans without split-KV)
         self.int_ws = [torch.zeros(m, dtype=torch.uint8, device=dev) for _ in range(S)]
         self.pinned_ws = [torch.zeros(m, dtype=torch.uint8, pin_memory=True) for _ in range(S)]
         self.masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (mask buffer, its offsets)
-        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.wrappers: dict[tuple, object] = {}  # the tree part's: ("eager", slot) or ("graph", slot, R, q_len)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer this state owns."""
-        return [*self.bits_host, *self.bits_dev, *self.lens_host, *self.lens_dev, *self.float_ws, *self.int_ws,
+        return [*self.bits_host, *self.bits_dev, *self.lens_host, *self.lens_dev, *self.int_ws,
                 *self.pinned_ws, *(t for per in (*self.prefix_host, *self.prefix_dev) for t in per),
                 *(t for pair in self.masks.values() for t in pair)]
 
@@ -212,7 +202,7 @@ class TreeState:
         # also keeps them inside the shared float workspace (a constant per key: every replay plans alike)
         # (and where its partial outputs might outgrow the float workspace: FlashInfer would refuse the plan)
         fix = R * spec.num_kv_heads >= min(state.fixed_min_ctas, FIXED_MIN_CTAS_FALLBACK) or not split_fits(
-            spec, R, step.padded_num_tokens, self.sms, state.float_ws.numel())
+            spec, R, step.padded_num_tokens, state.sms, state.float_ws.numel())
         w.plan(qo, ptr, dg.kv_indices, last, *heads, spec.page_size, causal=False, seq_lens=lens,
                **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)
         state.planned_into(s, g, w)
@@ -227,13 +217,13 @@ class TreeState:
         w = self.wrappers.get(key)
         if w is None:
             if step.bucket is None:
-                w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.float_ws[s], "NHD", backend="fa2")
+                w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(state.float_ws, "NHD", backend="fa2")
             else:
                 buf, offsets = self._buffers(s)
                 w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                    self.float_ws[s], "NHD", use_cuda_graph=True, qo_indptr_buf=step.qo_indptr,
+                    state.float_ws, "NHD", use_cuda_graph=True, qo_indptr_buf=step.qo_indptr,
                     kv_indptr_buf=step.qo_indptr, custom_mask_buf=buf, mask_indptr_buf=offsets[: R + 1], backend="fa2")
-            share_workspace(w, self.float_ws[s], self.int_ws[s], self.pinned_ws[s])
+            share_workspace(w, state.float_ws, self.int_ws[s], self.pinned_ws[s])
             self.wrappers[key] = w
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         w.plan(step.host_qo_indptr, step.host_qo_indptr, *heads, packed_custom_mask=mask, disable_split_kv=True,

@@ -21,7 +21,7 @@ from mstar_attn.kernels import _cascade, _check
 from mstar_attn.kernels import _flashinfer_tree
 from mstar_attn.kernels._flashinfer_tree import TreeRun, TreeState
 from mstar_attn.kernels._common import with_sinks, write_kv  # noqa: F401  (write_kv: this backend's)
-from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, share_workspace, split_kv, supported
+from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, fixed_workspace_bytes, share_workspace, split_kv, supported
 from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
 from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
@@ -32,19 +32,10 @@ if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
 INT_WORKSPACE_BYTES = 8 << 20  # what every FlashInfer wrapper allocates for its plan
-FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
 # A bucket whose requests x KV heads reach this many CTAs per SM of the GPU is planned once, without
 # split-KV, and never re-planned (see PoolState); below it split-KV pays for small batches over
 # long contexts, and the schedule is re-planned per step (benchmarks/host_step.py part b measures both)
 FIXED_CTAS_PER_SM = 2
-
-
-def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
-    """The int workspace of a graph-mode plan without split-KV: FlashInfer's tensor-core planner
-    writes three int32 work lists and a byte mask of padded_batch_size <= rows * (q_len * gqa + 1)
-    CTAs, o_indptr [rows + 1] and a few words (16-byte aligned); twice that, and at least 64 KiB."""
-    need = 2 * (13 * rows * (q_len * gqa + 1) + 4 * rows + 256)
-    return max(FIXED_WORKSPACE_BYTES, -(-need // 4096) * 4096)
 
 
 @attrs.frozen
@@ -107,8 +98,8 @@ class PoolState(PoolStateBase):
         self.fixed: dict[tuple, object] = {}  # (slot, group, padded batch, q_len[, draft step]) -> its wrapper, planned once for good
         self.kept_steps: dict[tuple, KeptStep] = {}  # (slot, padded batch, q_len, mode) -> its groups' kept plans (schedule)
         self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once
-        props = torch.cuda.get_device_properties(pool.device)
-        self.fixed_min_ctas = 1 << 62 if FIXED_CTAS_PER_SM is None else FIXED_CTAS_PER_SM * props.multi_processor_count
+        self.sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+        self.fixed_min_ctas = 1 << 62 if FIXED_CTAS_PER_SM is None else FIXED_CTAS_PER_SM * self.sms
         self.use_fast = supported(flashinfer)
         # a draft round's bucketed steps are planned once, without split-KV, and never again: one planner
         # call per step and group would cost each round K times a decode step's (benchmarks/results/draft_round_h100.md)
