@@ -5,7 +5,8 @@ tokens after the step, the same pages, cache contents and queries in both arms:
 - 64 tokens per request: a random tree (kernels/_flashinfer_tree.py's eager path: the prefix through
   FlashInfer's paged prefill as `auto` picks it, the tree part through its FA2 ragged prefill with the mask,
   merged) against a chain of 64 (a causal extend step: FlashInfer's paged prefill as
-  `auto` picks it), one layer's `run` timed eagerly;
+  `auto` picks it), one layer's `run` timed eagerly, and the same `run` of each arm captured whole into a
+  CUDA graph by the benchmark and replayed (device time, no host issue: the steps stay planned);
 - 16 tokens per request: a random tree (bucketed: the graph-mode wrappers, the prefix on FA2 as the chain's
   verify, replayed from its captured graph) against a chain of 16 (a verify step: FlashInfer's multi-token decode, replayed).
 CUDA-event medians of 50 calls, 5 interleaved rounds per arm; each arm's commit (host µs, the mask built on the
@@ -84,11 +85,25 @@ def run_case(B: int, n: int, rng: np.random.Generator) -> dict:
             outs[arm] = run(step, q, cache).clone()
             calls[arm] = (lambda s: lambda: run(s, q, cache))(step)
         keep.append(step)
+    if graphs is None:  # the same eager runs, each captured whole into a graph of the benchmark's: device time
+        try:
+            for arm in plans:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    run(keep[0 if arm == "chain" else 1], q, cache)
+                calls[f"{arm} captured"] = g.replay
+                keep.append(g)
+        except RuntimeError as e:  # (reported, and the eager rows kept)
+            print(f"B={B} n={n}: capture failed: {e}")
+            calls = {arm: calls[arm] for arm in plans}
     t = interleaved_rounds(calls)
     diff = (outs["tree"].float() - outs["chain"].float()).norm() / outs["chain"].float().norm()
     res = dict(batch=B, tokens=n, context=CONTEXT, replayed=graphs is not None, chain_rounds=t["chain"],
                tree_rounds=t["tree"], ratio=statistics.median(t["tree"]) / statistics.median(t["chain"]),
                chain_commit_us=commits["chain"], tree_commit_us=commits["tree"], output_change=float(diff))
+    if "tree captured" in t:
+        res.update(chain_captured_rounds=t["chain captured"], tree_captured_rounds=t["tree captured"],
+                   captured_ratio=statistics.median(t["tree captured"]) / statistics.median(t["chain captured"]))
     return res
 
 
@@ -98,7 +113,8 @@ def markdown(r: dict) -> str:
              f"heads, d {D}, bf16, page {PS}, every request {CONTEXT} tokens after the step. 64 tokens: eager `run` "
              "(tree: the prefix, FlashInfer's pick, and the masked tree part, FA2 ragged, merged; chain: a causal "
              "extend step, FlashInfer's pick); 16 tokens: replayed graphs (tree: the graph-mode prefix, FA2, and "
-             "tree part, merged; chain: the multi-token decode). "
+             "tree part, merged; chain: the multi-token decode); rows 'captured': the 64-token arms' eager `run` "
+             "captured whole into a graph by the benchmark, replayed (device time at equal work). "
              "Medians of 5 interleaved rounds x 50 calls (spread: min-max of the round medians); commit: host µs "
              "per commit, the device mask build included. Output change: ||tree - chain|| / ||chain|| (the masks "
              "differ).", "",
@@ -108,6 +124,9 @@ def markdown(r: dict) -> str:
         lines.append(f"| {x['batch']} | {x['tokens']} | {'yes' if x['replayed'] else 'no'} | "
                      f"{median_spread(x['chain_rounds'])} | {median_spread(x['tree_rounds'])} | {x['ratio']:.2f} | "
                      f"{x['chain_commit_us']:.0f} | {x['tree_commit_us']:.0f} | {x['output_change']:.3f} |")
+        if "captured_ratio" in x:
+            lines.append(f"| {x['batch']} | {x['tokens']} | captured | {median_spread(x['chain_captured_rounds'])} | "
+                         f"{median_spread(x['tree_captured_rounds'])} | {x['captured_ratio']:.2f} | | | |")
     return "\n".join(lines) + "\n"
 
 

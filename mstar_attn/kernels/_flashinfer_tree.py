@@ -10,10 +10,13 @@ attentions merged by their log-sum-exp (FlashInfer's, base 2), as a shared-prefi
 
 so the long part reads no mask, at the speed of the chain's verify, and the mask covers q_r x q_r bits per
 request, not q_r x kv_r. k_t, v_t [padded tokens, kv_heads, head_dim]: the new tokens' K/V read back from the
-cache by the step's slots, as stored (an FP8 cache's bytes, scaled by the kernel as the prefix's are). All on
-the caller's stream, the prefix issued first (run eagerly, the device starts the long part while the host
-issues the rest); the tree part plans into an int workspace of its own (both plans are live at once) and,
-splitting no KV, keeps nothing in the shared float workspace.
+cache by the step's slots, as stored (an FP8 cache's bytes, scaled by the kernel as the prefix's are). The
+tree part (gather, ragged prefill) runs on the pool's side stream beside the prefix, forked from the caller's
+stream after everything the step depends on and joined before the merge (inside a captured graph: two
+parallel branches); its buffers are made on the caller's stream before the fork, so the join orders their
+reuse. It plans into an int workspace of its own (both plans are live at once) and a float workspace of its
+own: splitting no KV it keeps nothing there, and a kernel that did would fail FlashInfer's size check, never
+race the prefix's partial outputs in the shared one.
 
 - The prefix reads the step's own page lists (`prefix_requests`): 2R requests to FlashInfer, request r's
   prefix (its first ceil(p_r / page_size) pages, its queries) then one of no queries over its remaining pages
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
 TAIL = 16  # bytes of slack past a mask
+TREE_FLOAT_BYTES = 1 << 20  # the tree part's float workspace (it splits no KV: FlashInfer keeps nothing there)
 FIXED_MIN_CTAS_FALLBACK = 264  # requests x KV heads past which bucketed prefixes never split KV (2 CTAs per SM
 # of an H100) when the backend's own fixed schedule is off
 @attrs.frozen
@@ -106,12 +110,13 @@ def mask_offsets(q_lens: np.ndarray) -> np.ndarray:
 
 @attrs.frozen
 class TreeRun:
-    """What `run` needs of one layer group's tree step: the planned prefix and tree wrappers and the step's
-    slots (the group's slot_mapping, int64 device)."""
+    """What `run` needs of one layer group's tree step: the planned prefix and tree wrappers, the step's
+    slots (the group's slot_mapping, int64 device) and the side stream the tree part runs on."""
 
     prefix: object
     tree: object
     slots: torch.Tensor
+    side: torch.cuda.Stream
 
 
 def _aligned(n: int) -> int:
@@ -141,6 +146,8 @@ class TreeState:
         self.prefix_dev = [[torch.zeros(3 * _aligned(2 * B + 1), dtype=torch.int32, device=dev) for _ in range(G)]
                            for _ in range(S)]
         m = fixed_workspace_bytes(B, MAX_TREE_NODES, pool.spec.gqa_group)  # (the tree part plans without split-KV)
+        self.side = torch.cuda.Stream(dev)
+        self.float_ws = torch.zeros(TREE_FLOAT_BYTES, dtype=torch.uint8, device=dev)  # (the side stream's: see above)
         self.int_ws = [torch.zeros(m, dtype=torch.uint8, device=dev) for _ in range(S)]
         self.pinned_ws = [torch.zeros(m, dtype=torch.uint8, pin_memory=True) for _ in range(S)]
         self.masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (mask buffer, its offsets)
@@ -148,7 +155,7 @@ class TreeState:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer this state owns."""
-        return [*self.bits_host, *self.bits_dev, *self.lens_host, *self.lens_dev, *self.int_ws,
+        return [*self.bits_host, *self.bits_dev, *self.lens_host, *self.lens_dev, *self.int_ws, self.float_ws,
                 *self.pinned_ws, *(t for per in (*self.prefix_host, *self.prefix_dev) for t in per),
                 *(t for pair in self.masks.values() for t in pair)]
 
@@ -166,7 +173,7 @@ class TreeState:
         R = step.padded_batch_size
         q = np.diff(step.host_qo_indptr[: R + 1].numpy())
         tree = self._plan_tree(step, q, self._build_mask(step, q))
-        return tuple(TreeRun(prefix=self._plan_prefix(step, g), tree=tree, slots=dg.slot_mapping)
+        return tuple(TreeRun(prefix=self._plan_prefix(step, g), tree=tree, slots=dg.slot_mapping, side=self.side)
                      for g, dg in enumerate(step.groups))
 
     def _plan_prefix(self, step: DeviceStep, g: int):
@@ -217,13 +224,13 @@ class TreeState:
         w = self.wrappers.get(key)
         if w is None:
             if step.bucket is None:
-                w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(state.float_ws, "NHD", backend="fa2")
+                w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.float_ws, "NHD", backend="fa2")
             else:
                 buf, offsets = self._buffers(s)
                 w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                    state.float_ws, "NHD", use_cuda_graph=True, qo_indptr_buf=step.qo_indptr,
+                    self.float_ws, "NHD", use_cuda_graph=True, qo_indptr_buf=step.qo_indptr,
                     kv_indptr_buf=step.qo_indptr, custom_mask_buf=buf, mask_indptr_buf=offsets[: R + 1], backend="fa2")
-            share_workspace(w, state.float_ws, self.int_ws[s], self.pinned_ws[s])
+            share_workspace(w, self.float_ws, self.int_ws[s], self.pinned_ws[s])
             self.wrappers[key] = w
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         w.plan(step.host_qo_indptr, step.host_qo_indptr, *heads, packed_custom_mask=mask, disable_split_kv=True,
@@ -275,15 +282,19 @@ def run(step: DeviceStep, q: torch.Tensor, cache, t: TreeRun, sinks: torch.Tenso
         q = torch.cat([q, q[:1].expand(N - rows, -1, -1)])
     scales = scales or {}
     k_t, v_t = cache.k.new_empty((N, *cache.k.shape[2:])), cache.v.new_empty((N, *cache.v.shape[2:]))
-    o2 = torch.empty_like(q)
+    o2 = torch.empty_like(q)  # (all made on the caller's stream before the fork: the join orders their reuse)
     lse2 = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    main = torch.cuda.current_stream(q.device)
+    t.side.wait_stream(main)  # (the fork: q, the cache and the step's slots as the caller's stream left them)
     # the prefix first: run eagerly, the device starts the long part while the host issues the rest
     o1, lse1 = t.prefix.run(q, (cache.k, cache.v), return_lse=True, **scales)
-    for src, dst in ((cache.k, k_t), (cache.v, v_t)):
-        flat = src.flatten(0, 1)
-        if flat.element_size() == 1:  # (an FP8 cache: its bytes, as stored; the kernel applies the scales)
-            flat, dst = flat.view(torch.uint8), dst.view(torch.uint8)
-        torch.index_select(flat, 0, t.slots[:N], out=dst)
-    t.tree.run(q, k_t, v_t, out=o2, lse=lse2, return_lse=True, **scales)
+    with torch.cuda.stream(t.side):
+        for src, dst in ((cache.k, k_t), (cache.v, v_t)):
+            flat = src.flatten(0, 1)
+            if flat.element_size() == 1:  # (an FP8 cache: its bytes, as stored; the kernel applies the scales)
+                flat, dst = flat.view(torch.uint8), dst.view(torch.uint8)
+            torch.index_select(flat, 0, t.slots[:N], out=dst)
+        t.tree.run(q, k_t, v_t, out=o2, lse=lse2, return_lse=True, **scales)
+    main.wait_stream(t.side)  # (the join)
     flashinfer.merge_state_in_place(o1, lse1, o2, lse2)
     return with_sinks(o1, lse1, sinks, lse_base2=True, fused=True)[:rows]
