@@ -66,8 +66,10 @@ class StepAttention:
         """Rows of the static input buffers `capture` needs (its largest captured batch)."""
         return self.max_batch
 
-    def capture(self, fn: Callable[[Any, dict], torch.Tensor], static: dict[str, torch.Tensor]) -> int:
-        """Record fn(ctx, inputs) for every decode shape served later; returns the number of graphs."""
+    def capture(self, fn: Callable[[Any, dict], torch.Tensor], static: dict[str, torch.Tensor], q_len: int = 1,
+                trees: bool = False) -> int:
+        """Record fn(ctx, inputs) for every decode shape served later (q_len > 1: verify steps of q_len tokens,
+        with `trees` token-tree verify steps too); returns the number of graphs."""
         raise DemoError(f"--graphs needs a GPU backend (backend {self.name!r} runs eagerly); use --no-graphs")
 
     def replays(self, ctx) -> bool:
@@ -134,16 +136,18 @@ class PoolAttention(StepAttention):
     def capture_rows(self) -> int:
         return max(self.pool.buckets)
 
-    def capture(self, fn: Callable[[Any, dict], torch.Tensor], static: dict[str, torch.Tensor]) -> int:
+    def capture(self, fn: Callable[[Any, dict], torch.Tensor], static: dict[str, torch.Tensor], q_len: int = 1,
+                trees: bool = False) -> int:
         from mstar_attn.capture.graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.pool, fn, static)
-        self.graphs.capture()  # per bucket and slot; with --backend auto, per paged backend too
+        self.graphs.capture(q_lens=(q_len,), trees=trees)  # per bucket and slot; with --backend auto, per paged backend too
         return len(self.graphs.graphs)
 
     def replays(self, ctx) -> bool:
-        """A decode step with a graph captured for its bucket, slot and backend (see DecodeGraphs.serves)."""
-        return ctx.mode is Mode.DECODE and self.graphs is not None and self.graphs.serves(ctx)
+        """A decode or verify step with a graph captured for its bucket, q_len, slot, backend and kind (see
+        DecodeGraphs.serves)."""
+        return ctx.mode in (Mode.DECODE, Mode.VERIFY) and self.graphs is not None and self.graphs.serves(ctx)
 
     def replay(self, ctx, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.graphs(ctx, **inputs)

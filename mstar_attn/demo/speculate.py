@@ -3,7 +3,7 @@
 A draft model proposes K tokens per request in a draft round (build_round: K decode steps planned and
 committed at once; on CUDA with graphs the whole round, K forwards with the greedy pick of each
 token on the device, replays as one graph), then the target scores all K + 1 positions in one
-verify step and keeps the longest prefix of proposals equal to its own greedy picks, plus its
+verify step (with graphs: replayed from the target's verify graph of its bucket) and keeps the longest prefix of proposals equal to its own greedy picks, plus its
 next token. Rejected drafts' K/V stays in the caches past each request's length and is
 overwritten by the next round; no step reads it. Both models share each request's page ids (each
 has its own caches). The draft: "small" is a Llama with the target's first half of the layers, its
@@ -14,7 +14,8 @@ With a tree width W (`demo --speculate K --tree W`) each draft step keeps its W 
 first continues the chain, the others are leaves beside it, so a request's tree has 1 + K * W tokens
 (its last token the root). The target verifies the tree in one step (build_tree_plan: each token over its
 ancestors, positions by depth), walks down it with its greedy picks, and the accepted path's K/V moves to
-where the request continues (accepted_moves + PagedKVCache.move); a path that ends on a leaf beside the
+where the request continues (accepted_moves + PagedKVCache.move); with graphs the round (each step's W
+first choices on the device) and the tree verify step replay as a CUDA graph each; a path that ends on a leaf beside the
 chain leaves the draft one position to catch up, as a fully accepted round does.
 
 The check: every request's tokens equal plain greedy decoding of the target (the stock HF model
@@ -57,6 +58,8 @@ class SpecResult:
     replayed_rounds: int = 0
     graph_breaks: int = 0  # --compile: torch._dynamo's graph-break count over the run
     round_graphs: int = 0
+    verify_graphs: int = 0  # the target's verify-step graphs captured (--graphs)
+    replayed_verify: int = 0  # verify steps replayed from them
     checks: list[Check] = attrs.Factory(list)
     greedy_agree: int = 0  # tokens equal to plain greedy decoding (up to each request's first near-tie off float32)
     greedy_checked: int = 0
@@ -123,6 +126,7 @@ class _Model:
         self.spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, cfg.page_size, num_pages,
                                   dtype=DTYPES[cfg.dtype], backend=cfg.backend, **llama.spec_fields(model))
         self.attn = make_attention(cfg)
+        self.replayed = 0  # steps replayed from captured verify graphs
         self.layers = self.attn.layers(self.spec, [PagedKVCache.allocate(self.spec, device) for _ in self.spec.layer_groups])
         if cfg.gpu:
             self.attn.bind(self.spec, max_batch, max_tokens, max_draft_steps=k)
@@ -130,12 +134,24 @@ class _Model:
             self.attn.bind(self.spec, max_batch, max_tokens)
 
     def step(self, batch: StepBatch, tokens: list[int], tree: DraftTree | None = None) -> torch.Tensor:
-        """One step's logits [T, vocab] float32, eagerly (with `tree`: a tree verify step)."""
+        """One step's logits [T, vocab] float32 (with `tree`: a tree verify step): replayed where a captured
+        verify graph serves it (capture_verify), else eagerly."""
         plan = build_plan(batch, self.spec) if tree is None else build_tree_plan(batch, self.spec, tree)
         ctx = self.attn.prepare(plan)
         x = step_inputs(plan, tokens, self.attn.token_rows(ctx), self.device)
         self.last_plan = plan
+        if self.attn.replays(ctx):
+            self.replayed += 1
+            return self.attn.replay(ctx, x)[: plan.num_tokens].float()
         return self.forward(self.model, ctx, self.layers, x["ids"], x["positions"])[: plan.num_tokens].float()
+
+    def capture_verify(self, q_len: int, trees: bool) -> int:
+        """Capture the verify steps of q_len tokens per request (with `trees`: token-tree verify steps too) per
+        pool slot and bucket; returns the number of graphs."""
+        rows = self.attn.capture_rows * q_len
+        static = {n: torch.zeros(rows, dtype=torch.int64, device=self.device) for n in ("ids", "positions")}
+        return self.attn.capture(lambda ctx, x: self.forward(self.model, ctx, self.layers, x["ids"], x["positions"]),
+                                 static, q_len=q_len, trees=trees)
 
     def round_fn(self, steps, x: dict[str, torch.Tensor], width: int = 0) -> torch.Tensor:
         """A draft round: step j feeds the token step j - 1 picked (greedy, on the device); returns [rows, K] int64,
@@ -220,9 +236,11 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
         d = _Model(attrs.evolve(cfg, layers=drafter.config.num_hidden_layers), drafter, num_pages, rows, tokens_max, k, device)
         if cfg.gpu:  # the kernels of every kind of step (a round's steps decode on the verify kind's), before the trace
             warmup(t.spec, device=device, trees=bool(width))
+        round_fn = (lambda steps, x: d.round_fn(steps, x, width)) if width else d.round_fn
         if cfg.graphs:
             static = {n: torch.zeros(max(d.attn.pool.buckets), dtype=torch.int64, device=device) for n in ("ids", "positions")}
-            res.round_graphs = d.attn.capture_round(d.round_fn, static, k)
+            res.round_graphs = d.attn.capture_round(round_fn, static, k)
+            res.verify_graphs = t.capture_verify(n_verify, trees=bool(width))
         pages = PageAllocator(num_pages)
         for r in reqs:
             r.pages = pages.alloc(-(-len(r.prompt) // ps))
@@ -252,11 +270,8 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
             x = {"ids": torch.tensor([r.tokens[-1] for r in live] + [0] * (R - n), device=device),
                  "positions": torch.tensor([len(r.tokens) - 1 for r in live] + [0] * (R - n), device=device)}
             before = getattr(getattr(d.attn, "round_graphs", None), "replays", 0)
-            if width:  # (trees: the round eagerly, each step's W first choices)
-                proposals = d.round_fn(steps, x, width)[:n].cpu().tolist()  # [n, k, W]
-            else:
-                proposals = d.attn.run_round(d.round_fn, steps, x)[:n].cpu().tolist()  # [n, k]
-                res.replayed_rounds += getattr(getattr(d.attn, "round_graphs", None), "replays", 0) - before
+            proposals = d.attn.run_round(round_fn, steps, x)[:n].cpu().tolist()  # [n, k], or [n, k, W] with a tree
+            res.replayed_rounds += getattr(getattr(d.attn, "round_graphs", None), "replays", 0) - before
             res.round_sizes.append(n)
             (_verify_tree if width else _verify_chain)(res, t, live, proposals, drafted, ps)
             for r in live:
@@ -273,6 +288,7 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
             res.greedy_checked += upto
             res.greedy_agree += sum(ok[:upto])
     res.graph_breaks = sum(counters["graph_break"].values()) - breaks
+    res.replayed_verify = t.replayed
     return res
 
 
@@ -357,8 +373,9 @@ def summary(res: SpecResult) -> str:
         lines.append(f"compile   torch.compile(fullgraph=True) of both models' forwards ({c.compile}), attention as "
                      f"mstar_attn custom ops: graph breaks: {res.graph_breaks}")
     if c.graphs:
-        lines.append(f"graphs    {res.replayed_rounds} of {res.rounds} draft rounds replayed as one CUDA graph each "
-                     f"({res.round_graphs} round graphs captured)")
+        lines.append(f"graphs    {res.replayed_rounds} of {res.rounds} draft rounds and {res.replayed_verify} of "
+                     f"{res.rounds} verify steps replayed as one CUDA graph each ({res.round_graphs} round graphs, "
+                     f"{res.verify_graphs} verify graphs captured)")
     worst = max(res.checks, key=lambda x: x.err / x.tol)
     lines += [
         f"oracle    max |logit diff| {max(x.err for x in res.checks):.2e} (request {worst.rid}: {worst.err:.2e} vs "

@@ -68,6 +68,7 @@ def test_speculative_demo_replays_each_draft_round_as_one_graph(backend):
         print(spec_summary(res))
         assert res.matched, spec_summary(res)
         assert res.replayed_rounds == res.rounds > 0 and res.round_graphs > 0
+        assert res.replayed_verify == res.rounds and res.verify_graphs > 0
         if draft == "self":
             assert res.accepted == res.proposed and res.verify_steps < res.plain_steps
 
@@ -76,7 +77,8 @@ def test_speculative_demo_replays_each_draft_round_as_one_graph(backend):
 @gpu
 def test_tree_speculation_on_flashinfer_with_graphs():
     """demo --speculate 4 --tree 2 on FlashInfer with graphs (bf16): tree verify steps through FlashInfer's
-    prefix pass and masked tree part (the demo runs tree rounds and verify steps eagerly), tokens equal plain greedy decoding up to
+    prefix pass and masked tree part, every draft round and tree verify step replayed as one CUDA graph each,
+    tokens equal plain greedy decoding up to
     each request's first near-tie, every target logit within bounds; the self draft's first choice is the
     target's pick at every node but near-ties (bf16: the draft's decode kernels and the verify's round apart)."""
     pytest.importorskip("flashinfer")
@@ -88,6 +90,7 @@ def test_tree_speculation_on_flashinfer_with_graphs():
         print(spec_summary(res))
         assert res.matched, spec_summary(res)
         assert res.width == 2 and res.rounds > 0
+        assert res.replayed_rounds == res.replayed_verify == res.rounds and res.verify_graphs > 0, spec_summary(res)
         if draft == "self":
             # (a miss may still accept every level: the draft's second choice was the target's pick there)
             assert res.proposed > 0 and (res.accepted == res.proposed or res.misses), spec_summary(res)
