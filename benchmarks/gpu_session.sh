@@ -53,11 +53,11 @@ case "${1:-}" in
     mkdir -p /tmp/full
     (OUT=/tmp/full timeout 540 bash benchmarks/gpu_suite.sh 6 --durations=40 > /tmp/full/summary.txt 2>&1) &
     suite=$!
-    demos /tmp/lane_full.log 170 "--speculate 4 --tree 2 --backend flashinfer;$(compiled full)" & first=$!
+    demos /tmp/lane_full.log 170 "--speculate 4 --tree 2 --backend flashinfer;--speculate 4 --tree 2 --backend flash_attn;$(compiled full)" & first=$!
     demos /tmp/lane_piece.log 170 "$(compiled piecewise)"; wait "$first"; wait "$suite"
     cat /tmp/full/summary.txt > "$out/summary.txt"; cat /tmp/full/gpu_shard_*.log > "$out/full.log"
     cat /tmp/lane_full.log /tmp/lane_piece.log > "$out/demos.log"
-    grep -E '^\$|matches|graph breaks|piece graphs|speed|Error|error' "$out/demos.log" > "$out/demos_summary.txt"
+    grep -E '^\$|matches|graph breaks|piece graphs|speed|graphs  |Error|error' "$out/demos.log" > "$out/demos_summary.txt"
     save_jit
     echo "check: $(( $(date +%s) - start )) s"; cat "$out/summary.txt"; tail -n 30 "$out/demos_summary.txt"
     ;;
