@@ -1,7 +1,7 @@
 """What a pool checks before a commit changes anything: the plan (validate; a stream and a slot: lease.py). Host only.
 
 Each raises PlanError naming the field and the numbers; none changes state. `pool` is the pool's PoolView
-(its spec, table, layout, bucket_at, verify_buckets and limits).
+(its spec, table, layout, bucket_at, max_verify_q_len and limits).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def bucket_for(pool: PoolView, plan: AttentionPlan) -> int | None:
     """The captured batch size serving `plan`, or None when it runs unpadded (see DeviceStep)."""
     mode = plan.mode
-    if mode is Mode.DECODE or (mode is Mode.VERIFY and pool.verify_buckets):
+    if mode is Mode.DECODE or (mode is Mode.VERIFY and plan.max_q_len <= pool.max_verify_q_len):
         B = plan.batch_size
         return pool.bucket_at[B] if B < len(pool.bucket_at) else None
     return None

@@ -71,16 +71,18 @@ class DecodeGraphs:
         # captured at the first such step of the key: then one launch per step does both
         self.prepared: dict[tuple[int, int, int, str, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _check_capture(self, buckets, q_lens, backends) -> None:
+    def _check_capture(self, buckets, q_lens, backends, trees: bool = False) -> None:
         pool = self.pool
         bad = [b for b in buckets if b not in pool.buckets]
         if bad:
             raise PlanError(f"DecodeGraphs.capture: buckets {bad} are not the pool's buckets {pool.buckets}: "
                             "no step is ever padded to them, so their graphs could never replay")
+        top = pool.max_verify_q_len if trees else min(pool.max_verify_q_len, MAX_VERIFY_Q_LEN)
         for q in q_lens:
-            if not (isinstance(q, int) and 1 <= q <= MAX_VERIFY_Q_LEN) or (q > 1 and not pool.verify_buckets):
+            if not (isinstance(q, int) and 1 <= q <= top):
                 raise PlanError(f"DecodeGraphs.capture: q_len {q!r} is not bucketed by this pool (decode is 1; verify "
-                                f"2..{MAX_VERIFY_Q_LEN}, with causal layer groups only)")
+                                f"2..{MAX_VERIFY_Q_LEN}, with trees=True up to PoolLimits.max_tree_nodes: this pool "
+                                f"{pool.max_verify_q_len}; causal layer groups only)")
         for name in backends:
             caps = BACKENDS.get(name)
             if caps is None or "decode" not in caps.modes or caps.prefix_free:
@@ -102,19 +104,20 @@ class DecodeGraphs:
         rows for the backends that run them (Capabilities.cascade): a graph of their own, on a cascade scratch plan.
         trees: also capture token-tree verify steps (build_tree_plan: every tree of the step q_len tokens) of
         every q_len > 1 for the backends that serve them (Capabilities.tree): a graph of their own, on a scratch
-        plan of chains, which replays any tree of that size (the mask is data the commit writes)."""
+        plan of chains, which replays any tree of that size (the mask is data the commit writes); q_lens past
+        MAX_VERIFY_Q_LEN (up to PoolLimits.max_tree_nodes) capture token-tree steps only."""
         spec = self.pool.spec
         buckets = tuple(self.pool.buckets if buckets is None else buckets)
         if backends is None:
             backends = (spec.backend,) if spec.backend != AUTO else graph_backends(spec)
-        self._check_capture(buckets, tuple(q_lens), tuple(backends))
+        self._check_capture(buckets, tuple(q_lens), tuple(backends), trees)
         if trees:  # (before any capture: a spec that cannot verify trees fails here, not halfway)
             check_tree_spec(spec)
         if self.memory is None:
             self.memory = torch.cuda.graph_pool_handle()
         cascade = bool(spec.cascade_groups) if cascade is None else cascade
         for bucket, q_len, backend, slot in itertools.product(buckets, q_lens, backends, range(self.pool.num_slots)):
-            kinds = [(False, False)]
+            kinds = [(False, False)] if q_len <= MAX_VERIFY_Q_LEN else []  # (past it: token trees only)
             if cascade and bucket >= 2 and BACKENDS[backend].cascade:
                 kinds.append((True, False))
             if trees and q_len > 1 and BACKENDS[backend].tree:

@@ -14,6 +14,7 @@ from mstar_attn.metadata.draft import MAX_DRAFT_STEPS
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
 from mstar_attn.metadata.spec import AttentionSpec
+from mstar_attn.metadata.tree import MAX_TREE_NODES
 
 DEFAULT_MAX_PAGES_PER_REQUEST = 2048
 
@@ -34,7 +35,9 @@ class PoolLimits:
     StepBatch plans only. max_encoder_tokens: the most encoder tokens one step stores into
     cross-attention groups' pages (default max_num_tokens). max_draft_steps: the most steps of a
     draft round `commit_round` takes (1: none; each further step adds 4 * (2 + 2 * groups) bytes per
-    request row to a slot).
+    request row to a slot). max_tree_nodes: the largest tree size a bucketed (graph-replayable) token-tree
+    verify step holds, MAX_VERIFY_Q_LEN (16, the default) .. MAX_TREE_NODES (64); larger trees run
+    unbucketed. Past 16 the slots hold the largest bucket x max_tree_nodes token rows.
     """
 
     max_batch_size: int
@@ -45,6 +48,7 @@ class PoolLimits:
     max_requests: int | None = None
     max_encoder_tokens: int | None = None
     max_draft_steps: int = 1
+    max_tree_nodes: int = MAX_VERIFY_Q_LEN
 
 
 NAMES = tuple(f.name for f in attrs.fields(PoolLimits))
@@ -76,7 +80,8 @@ class Sizing:
     """A pool's checked bounds (PoolLimits) and what follows from them for its spec: the buckets
     (ascending, within max_batch_size) and bucket_at (batch size 0..largest bucket -> the bucket
     serving it; entry 0, never asked for, is the smallest bucket), whether verify steps are bucketed
-    (every group causal), and the slot Layout, with room for padding requests and a whole
+    (every group causal) and up to which q_len (max_verify_q_len: 16, or max_tree_nodes for token-tree
+    steps; 1 when not bucketed), and the slot Layout, with room for padding requests and a whole
     capture-time scratch plan or round."""
 
     max_batch_size: int
@@ -88,6 +93,7 @@ class Sizing:
     buckets: tuple[int, ...]
     bucket_at: tuple
     verify_buckets: bool
+    max_verify_q_len: int
     layout: Layout
 
 
@@ -110,8 +116,12 @@ def sizing(spec: AttentionSpec, lim: PoolLimits) -> Sizing:
     draft_steps = positive_int("max_draft_steps", lim.max_draft_steps)
     if draft_steps > MAX_DRAFT_STEPS:
         raise PlanError(f"max_draft_steps: at most {MAX_DRAFT_STEPS}, got {draft_steps}")
+    tree_nodes = positive_int("max_tree_nodes", lim.max_tree_nodes)
+    if not MAX_VERIFY_Q_LEN <= tree_nodes <= MAX_TREE_NODES:
+        raise PlanError(f"max_tree_nodes: {MAX_VERIFY_Q_LEN}..{MAX_TREE_NODES} (the largest bucketed token tree), "
+                        f"got {tree_nodes}")
     verify_buckets = all(g.causal for g in spec.groups)  # verify steps can be padded (causal kernels)
-    max_q = MAX_VERIFY_Q_LEN if verify_buckets else 1
+    max_q = tree_nodes if verify_buckets else 1  # (a chain's verify step: at most MAX_VERIFY_Q_LEN, see Mode)
     # room for padding requests' scratch entries, and for a whole scratch plan or round (capture: one
     # cached token and q_len new ones per request, or a round's tokens) besides max_num_pages real pages
     room = -(-max(max_q + 1, draft_steps) // spec.page_size) + bool(spec.cascade_groups)  # (cascade: a shared page more)
@@ -120,4 +130,4 @@ def sizing(spec: AttentionSpec, lim: PoolLimits) -> Sizing:
     return Sizing(max_batch_size=max_batch, max_num_tokens=max_num_tokens, max_num_pages=max_num_pages,
                   max_encoder_tokens=max_encoder_tokens, max_pages_per_request=per_request, max_draft_steps=draft_steps,
                   buckets=buckets, bucket_at=tuple(bucket_of(b, buckets) for b in range(top + 1)),
-                  verify_buckets=verify_buckets, layout=layout)
+                  verify_buckets=verify_buckets, max_verify_q_len=max_q, layout=layout)

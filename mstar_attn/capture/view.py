@@ -59,6 +59,7 @@ class PoolView:
     buckets = _sized("buckets", "tuple[int, ...]: the captured batch sizes, ascending")
     bucket_at = _sized("bucket_at", "tuple: batch size -> the bucket serving it")
     verify_buckets = _sized("verify_buckets", "bool: whether verify steps are bucketed")
+    max_verify_q_len = _sized("max_verify_q_len", "int: the longest q_len a bucketed step has")
     max_num_tokens = _sized("max_num_tokens", "int")
     max_num_pages = _sized("max_num_pages", "int")
     max_encoder_tokens = _sized("max_encoder_tokens", "int")

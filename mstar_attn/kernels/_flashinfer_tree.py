@@ -30,7 +30,7 @@ race the prefix's partial outputs in the shared one.
   both agree with no fix-up. Built at commit on the device by one Triton launch (kernels/_tree_mask.py,
   the prefix taken as empty) from the ancestor sets staged with the step (8 bytes a token); where Triton does
   not run, on the host. One mask per step: it depends on the trees alone, so every layer group shares it.
-- A bucketed step (one tree size, at most MAX_VERIFY_Q_LEN, the batch padded: a padding request's tokens a
+- A bucketed step (one tree size, at most the pool's max_verify_q_len (PoolLimits.max_tree_nodes), the batch padded: a padding request's tokens a
   chain over the scratch page, with no prefix) plans graph-mode wrappers per (slot, group, bucket, size)
   over the slot's buffers and this module's: the prefix's last-page lengths, the mask and its offsets; many
   requests plan the prefix with split-KV off, as decode buckets do (its partial outputs then stay within the
@@ -51,7 +51,6 @@ import torch
 from mstar_attn.kernels import _tree_mask
 from mstar_attn.kernels._common import with_sinks
 from mstar_attn.kernels._flashinfer_fast import fixed_workspace_bytes, share_workspace
-from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
 from mstar_attn.metadata.tree import MAX_TREE_NODES
 
 if TYPE_CHECKING:
@@ -128,7 +127,7 @@ class TreeState:
     """Tree steps' buffers of one pool's FlashInfer PoolState (`state`). Per slot: the ancestor sets, pinned
     [max tokens] int64 and on the device; the mask kernel's arrays (qo_indptr, q_lens, mask offsets) int32
     [3 x max batch + 12] pinned and on the device; the tree part's int workspace (fixed_workspace_bytes) and its
-    pinned mirror; made at its first bucketed step, the mask buffer uint8 [max batch x MAX_VERIFY_Q_LEN^2 +
+    pinned mirror; made at its first bucketed step, the mask buffer uint8 [max batch x max_verify_q_len^2 +
     TAIL] and its offsets int32 [max batch + 1]. Per (slot, group): the prefix pass's arrays (PrefixRequests of
     2 x max batch requests), int32 pinned, and three of them on the device (graph-mode prefixes read them)."""
 
@@ -265,7 +264,7 @@ class TreeState:
         if found is None:
             pool = self.state.pool
             B = pool.layout.max_rows
-            found = self.masks[s] = (torch.zeros(B * MAX_VERIFY_Q_LEN**2 + TAIL, dtype=torch.uint8, device=pool.device),
+            found = self.masks[s] = (torch.zeros(B * pool.max_verify_q_len**2 + TAIL, dtype=torch.uint8, device=pool.device),
                                      torch.zeros(B + 1, dtype=torch.int32, device=pool.device))
         return found
 

@@ -102,7 +102,10 @@ def _with_tree(spec: AttentionSpec, plan: AttentionPlan, tree: DraftTree) -> Att
                         f"{', '.join(repr(n) for n in TREE_BACKENDS)})")
     positions = np.repeat((plan.kv_lens - q).astype(np.int64), q) + tree.depth
     read_only(positions)
-    out = attrs.evolve(plan, positions=positions, tree=tree)
+    mode = plan.mode  # (one tree size past MAX_VERIFY_Q_LEN over cached prefixes: still a verify step, see Mode)
+    if mode is Mode.EXTEND and q.min() == q.max() and (plan.kv_lens > q).all():
+        mode = Mode.VERIFY
+    out = attrs.evolve(plan, positions=positions, tree=tree, mode=mode)
     object.__setattr__(out, "sealed", True)
     return out
 

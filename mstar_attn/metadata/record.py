@@ -27,7 +27,9 @@ class Mode(enum.Enum):
     PREFILL  no request has a cached prefix, and some q_len > 1.
     VERIFY   every request has the same q_len, 2 <= q_len <= MAX_VERIFY_Q_LEN, over a cached
              prefix: speculative verify and draft steps (and any short uniform chunk, which the
-             kernels serve the same way). Pools bucket these like decode steps.
+             kernels serve the same way). Pools bucket these like decode steps. A token-tree
+             verify step (build_tree_plan) of one tree size over cached prefixes is one too, its
+             size up to MAX_TREE_NODES (pools bucket it up to PoolLimits.max_tree_nodes).
     MIXED    decode requests (q_len 1) beside longer ones, some over a cached prefix.
     EXTEND   anything else: chunked prefill, prefix-cache hits, long uniform chunks.
     """

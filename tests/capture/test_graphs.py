@@ -143,3 +143,18 @@ def test_commits_on_a_side_stream(backend):
         for g in range(2):
             assert_close_per_request(out[g], reference.run(p, q.float(), cache, group=g), p, spec.dtype, (f"seed {seed}", i, g))
     assert compute == torch.cuda.current_stream()
+
+
+def test_token_trees_capture_up_to_max_tree_nodes():
+    """q_lens past MAX_VERIFY_Q_LEN are refused without trees=True, or past the pool's max_tree_nodes; within it the
+    capture gets as far as the device check (a CPU pool)."""
+    spec = spec_for(page_size=4, num_pages=64)
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=16, max_num_tokens=64, max_num_pages=64, buckets=(4, 8),
+                                            max_tree_nodes=40), device="cpu")
+    graphs = DecodeGraphs(pool, lambda step, x: x["q"], {"q": torch.zeros(8 * 64, 4, 16)})
+    with pytest.raises(PlanError, match="q_len 40 is not bucketed"):
+        graphs.capture(q_lens=(40,))
+    with pytest.raises(PlanError, match="q_len 41 is not bucketed .* this pool 40"):
+        graphs.capture(q_lens=(41,), trees=True)
+    with pytest.raises(PlanError, match="CUDA graphs need a CUDA pool"):
+        graphs.capture(q_lens=(40,), trees=True)

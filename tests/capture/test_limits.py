@@ -38,3 +38,33 @@ def test_a_pool_without_a_device_takes_cuda_when_torch_sees_one_else_the_cpu():
     spec = spec_for()  # (the reference backend: it runs on either)
     pool = GraphBufferPool(spec, PoolLimits(**LIMITS))
     assert pool.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("nodes, match", [(15, "max_tree_nodes: 16..64"), (65, "max_tree_nodes: 16..64"),
+                                           (0, "max_tree_nodes"), ("64", "max_tree_nodes")])
+def test_max_tree_nodes_is_between_the_verify_q_len_and_the_largest_tree(nodes, match):
+    with pytest.raises(PlanError, match=match):
+        GraphBufferPool(spec_for(), PoolLimits(**LIMITS, max_tree_nodes=nodes), device="cpu")
+
+
+def test_trees_past_16_tokens_are_bucketed_up_to_max_tree_nodes():
+    """A tree step of one size past MAX_VERIFY_Q_LEN is bucketed by a pool whose max_tree_nodes holds it (its slots
+    hold the largest bucket x max_tree_nodes rows), unbucketed by a default one; a chain of that many tokens planned
+    without a tree (an extend step) never is."""
+    import numpy as np
+
+    from mstar_attn import DraftTree, StepBatch, build_plan, build_tree_plan
+
+    spec = spec_for(page_size=4, num_pages=512)
+    limits = dict(max_batch_size=8, max_num_tokens=256, max_num_pages=512, buckets=(2, 4))
+    wide = GraphBufferPool(spec, PoolLimits(**limits, max_tree_nodes=64), device="cpu")
+    plain = GraphBufferPool(spec, PoolLimits(**limits), device="cpu")
+    assert wide.layout.max_tokens >= 4 * 64 and plain.max_verify_q_len == 16 and wide.max_verify_q_len == 64
+    for n in (17, 40, 64):
+        batch = StepBatch.from_pages([n] * 3, [n + 5] * 3, [list(range(i * 20, i * 20 + -(-(n + 5) // 4))) for i in range(3)], 4)
+        tree = build_tree_plan(batch, spec, DraftTree.from_parents([[-1] + list(range(n - 1))] * 3))
+        assert wide.bucket_for(tree) == 4 and plain.bucket_for(tree) is None, n
+        assert wide.commit(tree).bucket == 4 and plain.commit(tree).bucket is None, n
+        chain = build_plan(batch, spec)
+        assert wide.bucket_for(chain) is None, n
+    assert np.array_equal(tree.positions, build_plan(batch, spec).positions)  # (a chain tree: positions as the chain's)

@@ -215,3 +215,32 @@ def test_a_large_bucket_of_trees_replays_without_split_kv():
     assert_close_per_request(fi.run(step, q, cache), want, plan, spec.dtype, (f"seed {seed}", B, "eager"))
     assert graphs.serves(step), (seed, B)
     assert_close_per_request(graphs(step, q=q), want, plan, spec.dtype, (f"seed {seed}", B, "replayed"))
+
+
+def test_trees_past_16_tokens_replay_from_their_bucket():
+    """A pool of max_tree_nodes=64 buckets tree steps of one size past MAX_VERIFY_Q_LEN (17..64 tokens, 1..8
+    requests over prefixes 1..3000, chains, stars and random trees): captured for sizes 40 and 64, replayed and
+    run eagerly, every request against the reference on the same cache."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(QH, KVH, D, PS, 6000)
+    cache = random_cache(spec, seed)
+    pool = gpu_pool(spec, buckets=(1, 2, 4, 8), max_pages_per_request=300, max_tree_nodes=64)
+    graphs = DecodeGraphs(pool, lambda step, x: fi.run(marked(step, cache), x["q"], cache),
+                          {"q": torch.zeros(8 * 64, QH, D, device="cuda", dtype=torch.bfloat16)})
+    graphs.capture(q_lens=(40, 64), trees=True)
+    ran = {"replayed": 0, "eager bucketed": 0}
+    for i in range(6):
+        B, n = int(rng.integers(1, 9)), int(rng.choice([40, 64, int(rng.integers(17, 64))]))
+        prefix = [int(rng.choice([1, PS * int(rng.integers(1, 100)), int(rng.integers(2, 3000))])) for _ in range(B)]
+        plan, _, q, k, v = tree_step(rng, spec, [n] * B, prefix, [str(x) for x in rng.choice(["chain", "star", "random"], B)])
+        step = pool.commit(plan)
+        assert step.bucket is not None, (f"seed {seed}", i, n, B)
+        fi.write_kv(step, k, v, cache)
+        want = reference.run(plan, q.float(), cache)
+        assert_close_per_request(fi.run(step, q, cache), want, plan, spec.dtype, (f"seed {seed}", i, "eager", n, B))
+        ran["eager bucketed"] += 1
+        if graphs.serves(step):
+            assert_close_per_request(graphs(step, q=q), want, plan, spec.dtype, (f"seed {seed}", i, "replayed", n, B))
+            ran["replayed"] += 1
+    assert all(ran.values()), (f"seed {seed}", ran)

@@ -65,6 +65,35 @@ def test_tree_verify_equals_attention_over_each_tokens_ancestors(shape, committe
     assert flipped, f"seed {seed}: no flipped ancestor bit changed an output"
 
 
+def test_a_bucketed_tree_step_past_16_tokens_equals_attention_over_each_tokens_ancestors():
+    """Trees of one size past MAX_VERIFY_Q_LEN (17..64 tokens) over cached prefixes, committed to a CPU pool whose
+    max_tree_nodes holds them: the step is padded to its bucket, and every request and token equals dense
+    attention over the prefix and the token's ancestors and itself."""
+    from mstar_attn import DraftTree, GraphBufferPool, PoolLimits, build_tree_plan
+    from tests.support.trees import random_parents
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    for n in (17, int(rng.integers(18, 64)), 64):
+        B = int(rng.integers(1, 4))
+        prefix = [int(rng.integers(1, 300)) for _ in range(B)]
+        tree = DraftTree.from_parents([random_parents(rng, n, str(rng.choice(["chain", "star", "random"])))
+                                       for _ in range(B)])
+        spec, plan, cache, q, k_seqs, v_seqs, _, _ = make_step(seed + n, [n] * B, [p + n for p in prefix], 16, heads=(4, 2))
+        plan = build_tree_plan(StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, 16), spec, tree)
+        pool = GraphBufferPool(spec, PoolLimits(max_batch_size=4, max_num_tokens=256, max_num_pages=spec.num_pages,
+                                                buckets=(4,), max_pages_per_request=64, max_tree_nodes=64), device="cpu")
+        step = pool.commit(plan)
+        assert step.bucket == 4, (f"seed {seed}", n, B)
+        step.mark_stored()  # (make_step stored the new K/V through the plan's slots: the same slots)
+        out = reference.run(step, q, cache)
+        for i in range(B):
+            a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
+            want = _tree_oracle(q[a:b], k_seqs[i], v_seqs[i], prefix[i], tree.visible(i), spec.sm_scale)
+            err = ((out[a:b].double() - want).norm() / want.norm()).item()
+            assert err < TOL[torch.float32], (f"seed {seed}", n, f"request {i}", err)
+
+
 def test_accepted_paths_move_to_where_their_requests_continue():
     """After a tree verify step, each request keeps a random root-down path: accepted_moves + PagedKVCache.move
     put the path's K/V at prefix + 0, 1, ... (checked slot by slot, the prefix untouched), and a decode step

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, DraftTree, LayerGroup, PlanError, StepBatch, build_tree_plan
+from mstar_attn import AttentionSpec, DraftTree, LayerGroup, PlanError, StepBatch, build_plan, build_tree_plan
 from mstar_attn.metadata.tree import MAX_TREE_NODES
 from tests.helpers import fresh_seed
 from tests.support.trees import random_parents
@@ -110,3 +110,32 @@ def test_accepted_paths_are_checked_against_the_tree():
 
     with pytest.raises(PlanError, match="not a tree verify step"):
         accepted_moves(build_plan(StepBatch.from_pages([4, 2], [10, 3], [[1, 2, 3], [4]], 4), spec), [[0], [0]])
+
+
+def test_a_tree_of_one_size_over_cached_prefixes_is_a_verify_step():
+    """A tree step is a VERIFY step when every request's tree has one size (up to MAX_TREE_NODES) over a cached
+    prefix, as a chain's verify step of up to MAX_VERIFY_Q_LEN tokens is; mixed sizes or a request without a
+    prefix keep build_plan's mode, and a chain of more than MAX_VERIFY_Q_LEN tokens planned without a tree stays
+    an extend step."""
+    from mstar_attn import Mode
+    from tests.support.trees import random_parents
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(4, 2, 16, 4, 4096, dtype=torch.float32, backend="reference")
+    for n in (2, 16, 17, int(rng.integers(18, 64)), 64):
+        B = int(rng.integers(1, 5))
+        prefix = [int(rng.integers(1, 200)) for _ in range(B)]
+        pages = [list(range(i * 80, i * 80 + -(-(p + n) // 4))) for i, p in enumerate(prefix)]
+        batch = StepBatch.from_pages([n] * B, [p + n for p in prefix], pages, 4)
+        tree = DraftTree.from_parents([random_parents(rng, n, "random") for _ in range(B)])
+        assert build_tree_plan(batch, spec, tree).mode is Mode.VERIFY, (f"seed {seed}", n, B)
+        assert build_plan(batch, spec).mode is (Mode.VERIFY if n <= 16 else Mode.EXTEND), (f"seed {seed}", n)
+        if B > 1:
+            mixed = StepBatch.from_pages([n] + [n - 1] * (B - 1), [p + n for p in prefix[:1]] + [p + n - 1 for p in prefix[1:]],
+                                         pages, 4)
+            sizes = [n] + [n - 1] * (B - 1)
+            plan = build_tree_plan(mixed, spec, DraftTree.from_parents([random_parents(rng, m, "chain") for m in sizes]))
+            assert plan.mode is not Mode.VERIFY, (f"seed {seed}", sizes, plan.mode)
+        fresh = StepBatch.from_pages([n] * B, [n] + [p + n for p in prefix[1:]], pages, 4)  # (request 0: no prefix)
+        assert build_tree_plan(fresh, spec, tree).mode is not Mode.VERIFY, (f"seed {seed}", n)
