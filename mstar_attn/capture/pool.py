@@ -71,8 +71,7 @@ class GraphBufferPool:
                             "is device='cpu' (with backend='reference')")
         size = self.sizing = sizing(spec, self.limits)
         self.max_num_tokens, self.max_num_pages, self.max_encoder_tokens = size.max_num_tokens, size.max_num_pages, size.max_encoder_tokens
-        self.buckets, self.bucket_at, self.verify_buckets = size.buckets, size.bucket_at, size.verify_buckets
-        self.max_verify_q_len = size.max_verify_q_len
+        self.buckets, self.bucket_at, self.verify_buckets, self.max_verify_q_len = size.buckets, size.bucket_at, size.verify_buckets, size.max_verify_q_len
         self.max_pages_per_request, self.max_draft_steps, self.layout = size.max_pages_per_request, size.max_draft_steps, size.layout
         self.float_workspace_bytes = positive_int("float_workspace_bytes", float_workspace_bytes)
         ps, max_requests = spec.page_size, self.limits.max_requests
