@@ -4,7 +4,7 @@ from the two arrays the host stages (each request's table row and KV length). Ca
 The host writes rows [R] and kv_lens [R] (padding requests: the table's scratch row and q_len) and
 the table entries assigned since the last commit into the head of a pool slot (layout.py), one
 copy moves them, and `derive_rows` fills, for a step of R requests of q_len tokens each (decode:
-q_len 1, verify: 2..16):
+q_len 1, verify: 2..16, a token-tree verify step up to PoolLimits.max_tree_nodes, at most 64):
 
     qo_indptr [R+1]            i * q_len
     per layer group g:
@@ -99,7 +99,8 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) 
     if d.kernels is not None:
         slots = buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64)
         d.kernels[1][(R, len(offsets.groups))](buf, slots, d.table, d.windows_dev, d.meta(offsets, q_len),
-                                               BLOCK_R=max(16, 1 << (R - 1).bit_length()), BLOCK_Q=16, BLOCK_P=128)
+                                               BLOCK_R=max(16, 1 << (R - 1).bit_length()),
+                                               BLOCK_Q=max(16, 1 << (q_len - 1).bit_length()), BLOCK_P=128)
         return
     kv = buf[offsets.kv_lens : offsets.kv_lens + R]
     rows = buf[offsets.table_rows : offsets.table_rows + R]

@@ -83,6 +83,10 @@ class DecodeGraphs:
                 raise PlanError(f"DecodeGraphs.capture: q_len {q!r} is not bucketed by this pool (decode is 1; verify "
                                 f"2..{MAX_VERIFY_Q_LEN}, with trees=True up to PoolLimits.max_tree_nodes: this pool "
                                 f"{pool.max_verify_q_len}; causal layer groups only)")
+        long = [q for q in q_lens if q > MAX_VERIFY_Q_LEN]
+        if long and not any(BACKENDS[b].tree for b in backends if b in BACKENDS):  # (past 16: tree graphs only)
+            raise PlanError(f"DecodeGraphs.capture: q_lens {long} are token-tree steps only, and none of the backends "
+                            f"{list(backends)} verifies token trees")
         for name in backends:
             caps = BACKENDS.get(name)
             if caps is None or "decode" not in caps.modes or caps.prefix_free:
@@ -113,6 +117,7 @@ class DecodeGraphs:
         self._check_capture(buckets, tuple(q_lens), tuple(backends), trees)
         if trees:  # (before any capture: a spec that cannot verify trees fails here, not halfway)
             check_tree_spec(spec)
+
         if self.memory is None:
             self.memory = torch.cuda.graph_pool_handle()
         cascade = bool(spec.cascade_groups) if cascade is None else cascade

@@ -12,7 +12,8 @@ from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.batch import DEFAULT_BUCKETS, bucket_of
 from mstar_attn.metadata.draft import MAX_DRAFT_STEPS
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
+from mstar_attn.metadata.backends import AUTO, BACKENDS
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, check_tree_spec
 from mstar_attn.metadata.spec import AttentionSpec
 from mstar_attn.metadata.tree import MAX_TREE_NODES
 
@@ -120,6 +121,13 @@ def sizing(spec: AttentionSpec, lim: PoolLimits) -> Sizing:
     if not MAX_VERIFY_Q_LEN <= tree_nodes <= MAX_TREE_NODES:
         raise PlanError(f"max_tree_nodes: {MAX_VERIFY_Q_LEN}..{MAX_TREE_NODES} (the largest bucketed token tree), "
                         f"got {tree_nodes}")
+    if tree_nodes > MAX_VERIFY_Q_LEN:  # (room no step could use: refused)
+        if spec.backend != AUTO and not BACKENDS[spec.backend].tree:
+            raise PlanError(f"max_tree_nodes: {tree_nodes}, but backend {spec.backend!r} does not verify token trees")
+        try:
+            check_tree_spec(spec)
+        except PlanError as e:
+            raise PlanError(f"max_tree_nodes: {tree_nodes}, but this spec does not verify token trees ({e})") from None
     verify_buckets = all(g.causal for g in spec.groups)  # verify steps can be padded (causal kernels)
     max_q = tree_nodes if verify_buckets else 1  # (a chain's verify step: at most MAX_VERIFY_Q_LEN, see Mode)
     # room for padding requests' scratch entries, and for a whole scratch plan or round (capture: one

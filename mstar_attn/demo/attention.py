@@ -16,6 +16,7 @@ import torch
 from mstar_attn import Attention, AttentionPlan, AttentionSpec, BACKENDS, Mode, PagedKVCache
 from mstar_attn.demo.config import DemoConfig, DemoError
 from mstar_attn.kernels import ALL_MODES, AUTO
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
 
 
 class StepAttention:
@@ -107,7 +108,7 @@ class PoolAttention(StepAttention):
         self.pool = self.graphs = None
 
     def bind(self, spec: AttentionSpec, max_batch: int, max_tokens: int, max_encoder_tokens: int | None = None,
-             max_draft_steps: int = 1) -> None:
+             max_draft_steps: int = 1, max_tree_nodes: int = MAX_VERIFY_Q_LEN) -> None:
         super().bind(spec, max_batch, max_tokens)
         try:
             from mstar_attn.capture.pool import GraphBufferPool
@@ -118,7 +119,8 @@ class PoolAttention(StepAttention):
                                                          max_num_pages=spec.num_pages,
                                                          max_requests=4 * max_batch if cross else None,
                                                          max_encoder_tokens=max_encoder_tokens if cross else None,
-                                                         max_draft_steps=max_draft_steps), device=self.device)
+                                                         max_draft_steps=max_draft_steps, max_tree_nodes=max_tree_nodes),
+                                      device=self.device)
         except ImportError as e:
             raise DemoError(f"backend {self.name!r} cannot load here: {e}") from e
 

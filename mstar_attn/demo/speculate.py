@@ -39,6 +39,7 @@ from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError, seeded_model, 
 from mstar_attn.demo.engine import PageAllocator, compiled_forward, make_trace, step_inputs
 from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, build_round
 from mstar_attn.metadata.backends import BACKENDS, TREE_BACKENDS
+from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
 from mstar_attn.metadata.tree import MAX_TREE_NODES
 from mstar_attn.warmup import warmup
 
@@ -120,7 +121,9 @@ def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
 class _Model:
     """One model on the seam: its spec, its Attention layers (each with its cache) and the seam (a pool on GPU backends)."""
 
-    def __init__(self, cfg: DemoConfig, model, num_pages: int, max_batch: int, max_tokens: int, k: int, device):
+    def __init__(self, cfg: DemoConfig, model, num_pages: int, max_batch: int, max_tokens: int, k: int, device,
+                 tree_nodes: int = MAX_VERIFY_Q_LEN):
+        """tree_nodes: the largest token tree its pool's verify graphs replay (PoolLimits.max_tree_nodes)."""
         self.model, self.device = model, device
         self.forward = _forward(cfg.compile)
         self.spec = AttentionSpec(cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, cfg.page_size, num_pages,
@@ -129,7 +132,7 @@ class _Model:
         self.replayed = 0  # steps replayed from captured verify graphs
         self.layers = self.attn.layers(self.spec, [PagedKVCache.allocate(self.spec, device) for _ in self.spec.layer_groups])
         if cfg.gpu:
-            self.attn.bind(self.spec, max_batch, max_tokens, max_draft_steps=k)
+            self.attn.bind(self.spec, max_batch, max_tokens, max_draft_steps=k, max_tree_nodes=tree_nodes)
         else:
             self.attn.bind(self.spec, max_batch, max_tokens)
 
@@ -232,7 +235,7 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
         drafter = target if draft == "self" else draft_model(target, max(cfg.layers // 2, 1))
         rows = 1 << (B - 1).bit_length()
         tokens_max = sum(len(r.prompt) for r in reqs) + B * n_verify
-        t = _Model(cfg, target, num_pages, rows, tokens_max, k, device)
+        t = _Model(cfg, target, num_pages, rows, tokens_max, k, device, max(n_verify, MAX_VERIFY_Q_LEN) if width else MAX_VERIFY_Q_LEN)
         d = _Model(attrs.evolve(cfg, layers=drafter.config.num_hidden_layers), drafter, num_pages, rows, tokens_max, k, device)
         if cfg.gpu:  # the kernels of every kind of step (a round's steps decode on the verify kind's), before the trace
             warmup(t.spec, device=device, trees=bool(width))

@@ -287,13 +287,15 @@ def run(step: DeviceStep, q: torch.Tensor, cache, t: TreeRun, sinks: torch.Tenso
     t.side.wait_stream(main)  # (the fork: q, the cache and the step's slots as the caller's stream left them)
     # the prefix first: run eagerly, the device starts the long part while the host issues the rest
     o1, lse1 = t.prefix.run(q, (cache.k, cache.v), return_lse=True, **scales)
-    with torch.cuda.stream(t.side):
-        for src, dst in ((cache.k, k_t), (cache.v, v_t)):
-            flat = src.flatten(0, 1)
-            if flat.element_size() == 1:  # (an FP8 cache: its bytes, as stored; the kernel applies the scales)
-                flat, dst = flat.view(torch.uint8), dst.view(torch.uint8)
-            torch.index_select(flat, 0, t.slots[:N], out=dst)
-        t.tree.run(q, k_t, v_t, out=o2, lse=lse2, return_lse=True, **scales)
-    main.wait_stream(t.side)  # (the join)
+    try:
+        with torch.cuda.stream(t.side):
+            for src, dst in ((cache.k, k_t), (cache.v, v_t)):
+                flat = src.flatten(0, 1)
+                if flat.element_size() == 1:  # (an FP8 cache: its bytes, as stored; the kernel applies the scales)
+                    flat, dst = flat.view(torch.uint8), dst.view(torch.uint8)
+                torch.index_select(flat, 0, t.slots[:N], out=dst)
+            t.tree.run(q, k_t, v_t, out=o2, lse=lse2, return_lse=True, **scales)
+    finally:  # (the join, also when the tree part raised: a capture then reports that error, not an unjoined stream)
+        main.wait_stream(t.side)
     flashinfer.merge_state_in_place(o1, lse1, o2, lse2)
     return with_sinks(o1, lse1, sinks, lse_base2=True, fused=True)[:rows]

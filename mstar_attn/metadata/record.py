@@ -17,7 +17,7 @@ from mstar_attn.metadata.tree import DraftTree
 
 __all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "Mode", "decode_qo_indptr", "groups_of", "rows_decode_arrays"]
 
-MAX_VERIFY_Q_LEN = 16  # the longest uniform q_len a step may have and still be a VERIFY step
+MAX_VERIFY_Q_LEN = 16  # the longest uniform q_len a step may have and still be a VERIFY step (a token-tree step: MAX_TREE_NODES)
 
 
 class Mode(enum.Enum):

@@ -129,6 +129,34 @@ def test_the_triton_kernels_equal_the_torch_ops_under_the_interpreter():
         assert torch.equal(table[:-1], want[:-1]), f"seed {seed}"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real: tests/capture/test_derive_gpu.py")
+def test_the_triton_derivation_of_token_tree_steps_past_16_tokens_equals_the_torch_ops():
+    """Bucketed StepRows tree steps of 17..64 tokens per request (a pool of max_tree_nodes=64, causal groups):
+    the Triton kernel under the interpreter derives the same head and slots as the torch ops (every token's
+    slot, not the first 16 of each request)."""
+    pytest.importorskip("triton")
+    from mstar_attn import DraftTree, build_tree_plan
+    from mstar_attn.capture import _derive_triton as module
+
+    for q_len in (17, 40, 64):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        spec = spec_for(page_size=4, num_pages=3000)
+        pool = table_pool(spec, width=160, buckets=(1, 2, 4, 8), max_tree_nodes=64)
+        B = int(rng.integers(1, 9))
+        kv = rng.integers(q_len + 1, 500, B)
+        rows, _ = admit(pool, rng, kv)
+        tree = DraftTree.from_parents([[-1] + list(range(q_len - 1))] * B)
+        plan = build_tree_plan(StepRows(rows, np.full(B, q_len, np.int32), kv), spec, tree)
+        step = pool.commit(plan)  # the torch ops (CPU)
+        assert step.bucket is not None, (f"seed {seed}", q_len, B)
+        buf, offsets = derive_again(pool, step, (module.scatter, module.derive), "cpu")
+        N = step.padded_num_tokens
+        assert torch.equal(buf[: offsets.head_end], pool.dev[step.slot][: offsets.head_end]), f"seed {seed}"
+        slots = buf[offsets.slots : offsets.slots + 2 * N].view(torch.int64)
+        assert torch.equal(slots, step.slot_mapping[:N]), (f"seed {seed}", q_len)
+
+
 def test_derived_steps_stay_right_when_other_steps_write_the_slot_between():
     """One slot: derived decode steps (the same rows again, new lengths, rows reordered, a page assigned)
     with an unbucketed StepRows step and a StepBatch step committed into the slot between them; each

@@ -156,5 +156,7 @@ def test_token_trees_capture_up_to_max_tree_nodes():
         graphs.capture(q_lens=(40,))
     with pytest.raises(PlanError, match="q_len 41 is not bucketed .* this pool 40"):
         graphs.capture(q_lens=(41,), trees=True)
+    with pytest.raises(PlanError, match=r"q_lens \[40\] are token-tree steps only, and none of the backends \['flash_attn'\]"):
+        graphs.capture(q_lens=(40,), trees=True, backends=("flash_attn",))
     with pytest.raises(PlanError, match="CUDA graphs need a CUDA pool"):
         graphs.capture(q_lens=(40,), trees=True)

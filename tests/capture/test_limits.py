@@ -56,15 +56,35 @@ def test_trees_past_16_tokens_are_bucketed_up_to_max_tree_nodes():
     from mstar_attn import DraftTree, StepBatch, build_plan, build_tree_plan
 
     spec = spec_for(page_size=4, num_pages=512)
-    limits = dict(max_batch_size=8, max_num_tokens=256, max_num_pages=512, buckets=(2, 4))
+    limits = dict(max_batch_size=8, max_num_tokens=64, max_num_pages=512, buckets=(2, 4))
     wide = GraphBufferPool(spec, PoolLimits(**limits, max_tree_nodes=64), device="cpu")
     plain = GraphBufferPool(spec, PoolLimits(**limits), device="cpu")
-    assert wide.layout.max_tokens >= 4 * 64 and plain.max_verify_q_len == 16 and wide.max_verify_q_len == 64
+    assert wide.layout.max_tokens == 4 * 64 and plain.layout.max_tokens == 64  # (the largest bucket x 64 rows)
+    assert plain.max_verify_q_len == 16 and wide.max_verify_q_len == 64
     for n in (17, 40, 64):
         batch = StepBatch.from_pages([n] * 3, [n + 5] * 3, [list(range(i * 20, i * 20 + -(-(n + 5) // 4))) for i in range(3)], 4)
         tree = build_tree_plan(batch, spec, DraftTree.from_parents([[-1] + list(range(n - 1))] * 3))
         assert wide.bucket_for(tree) == 4 and plain.bucket_for(tree) is None, n
-        assert wide.commit(tree).bucket == 4 and plain.commit(tree).bucket is None, n
+        assert wide.commit(tree).bucket == 4, n
+        if 3 * n <= 64:
+            assert plain.commit(tree).bucket is None, n
+        else:
+            with pytest.raises(PlanError, match=f"tokens {3 * n} exceed"):  # (unbucketed: within max_num_tokens only)
+                plain.commit(tree)
         chain = build_plan(batch, spec)
         assert wide.bucket_for(chain) is None, n
     assert np.array_equal(tree.positions, build_plan(batch, spec).positions)  # (a chain tree: positions as the chain's)
+
+
+def test_max_tree_nodes_past_16_needs_a_spec_that_verifies_trees():
+    """Room no step could use is refused: a backend that does not verify token trees, or a spec tree verify does
+    not serve (a window group, cascade on)."""
+    from mstar_attn import AttentionSpec, LayerGroup
+
+    limits = PoolLimits(**LIMITS, max_tree_nodes=32)
+    with pytest.raises(PlanError, match="max_tree_nodes: 32, but backend 'flash_attn' does not verify token trees"):
+        GraphBufferPool(AttentionSpec(4, 2, 64, 4, 64, backend="flash_attn"), limits, device="cpu")
+    window = spec_for(groups=(LayerGroup(), LayerGroup("window", window=8)))
+    with pytest.raises(PlanError, match=r"max_tree_nodes: 32, but this spec does not verify token trees \(spec.groups\[1\]"):
+        GraphBufferPool(window, limits, device="cpu")
+    assert GraphBufferPool(window, PoolLimits(**LIMITS), device="cpu").max_verify_q_len == 16  # (the default: served)

@@ -148,9 +148,11 @@ def _batch_of(plan):
     return StepBatch.from_csr(plan.q_lens, plan.kv_lens, plan.kv_indptr, plan.kv_indices, PS)
 
 
-def test_tree_steps_over_the_page_table():
-    """StepRows tree steps (the pool's page table): bucketed (one size, the pool derives the step's arrays on the
-    device after FlashInfer schedules: the mask is built from the backend's own staged lengths) and unbucketed;
+@pytest.mark.parametrize("tree_nodes", [16, 64])
+def test_tree_steps_over_the_page_table(tree_nodes):
+    """StepRows tree steps (the pool's page table, max_tree_nodes 16 or 64): bucketed (one size up to it, the pool
+    derives the step's arrays on the device after FlashInfer schedules: the mask is built from the backend's own
+    staged lengths) and unbucketed;
     the slots the device derived are the StepBatch plan's of the same pages (tree order) and the table's
     (slots_of); every request against the reference on that StepBatch plan. (A tree step's commit is never
     deferred: FlashInfer plans it from host arrays, which makes its device work run at commit.)"""
@@ -160,12 +162,12 @@ def test_tree_steps_over_the_page_table():
     rng = np.random.default_rng(seed)
     spec = AttentionSpec(QH, KVH, D, PS, 6000)
     cache = random_cache(spec, seed)
-    pool = gpu_pool(spec, buckets=(1, 2, 4, 8), max_pages_per_request=300, max_requests=64)
+    pool = gpu_pool(spec, buckets=(1, 2, 4, 8), max_pages_per_request=300, max_requests=64, max_tree_nodes=tree_nodes)
     free = list(rng.permutation(spec.num_pages).astype(np.int32))
     for i in range(6):
         B = int(rng.integers(1, 9))
-        sizes = [int(rng.integers(2, 17))] * B if i % 2 == 0 else [int(rng.integers(1, 40)) for _ in range(B)]
-        if i % 2:  # (one tree past 16 tokens: never a verify bucket)
+        sizes = [int(rng.integers(2, tree_nodes + 1))] * B if i % 2 == 0 else [int(rng.integers(1, 40)) for _ in range(B)]
+        if i % 2:  # (one tree past 16 tokens: a verify bucket only if every tree has its size, up to tree_nodes)
             sizes[int(rng.integers(B))] = int(rng.integers(17, 40))
         kv = [int(rng.integers(1, 2000)) + n for n in sizes]
         rows = rng.choice(64, B, replace=False).astype(np.int32)
@@ -179,7 +181,7 @@ def test_tree_steps_over_the_page_table():
         plan = build_tree_plan(StepRows(rows=rows, q_lens=sizes, kv_lens=kv), spec, tree)
         by_pages = build_tree_plan(StepBatch.from_pages(sizes, kv, lists, PS), spec, tree)
         step = pool.commit(plan, defer=True)
-        assert (step.bucket is not None) == (i % 2 == 0), (seed, i, sizes)
+        assert (step.bucket is not None) == (len(set(sizes)) == 1 and sizes[0] <= tree_nodes), (seed, i, sizes)
         step.prepare()  # (the commit's device work, had it been deferred, before the slots are read)
         T = plan.num_tokens
         assert np.array_equal(step.slot_mapping[:T].cpu().numpy(), by_pages.slot_mapping), (seed, i)
@@ -231,7 +233,7 @@ def test_trees_past_16_tokens_replay_from_their_bucket():
     graphs.capture(q_lens=(40, 64), trees=True)
     ran = {"replayed": 0, "eager bucketed": 0}
     for i in range(6):
-        B, n = int(rng.integers(1, 9)), int(rng.choice([40, 64, int(rng.integers(17, 64))]))
+        B, n = int(rng.integers(1, 9)), (40, 64)[i] if i < 2 else int(rng.choice([40, 64, int(rng.integers(17, 64))]))
         prefix = [int(rng.choice([1, PS * int(rng.integers(1, 100)), int(rng.integers(2, 3000))])) for _ in range(B)]
         plan, _, q, k, v = tree_step(rng, spec, [n] * B, prefix, [str(x) for x in rng.choice(["chain", "star", "random"], B)])
         step = pool.commit(plan)
