@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
-from mstar_attn.capture.lease import check_slot, check_stream  # noqa: F401  (the pool's stream and slot checks)
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 

@@ -117,7 +117,6 @@ class DecodeGraphs:
         self._check_capture(buckets, tuple(q_lens), tuple(backends), trees)
         if trees:  # (before any capture: a spec that cannot verify trees fails here, not halfway)
             check_tree_spec(spec)
-
         if self.memory is None:
             self.memory = torch.cuda.graph_pool_handle()
         cascade = bool(spec.cascade_groups) if cascade is None else cascade

@@ -93,9 +93,13 @@ class Sizing:
     max_draft_steps: int
     buckets: tuple[int, ...]
     bucket_at: tuple
-    verify_buckets: bool
     max_verify_q_len: int
     layout: Layout
+
+    @property
+    def verify_buckets(self) -> bool:
+        """Whether verify steps are bucketed (every group causal): max_verify_q_len past 1."""
+        return self.max_verify_q_len > 1
 
 
 def sizing(spec: AttentionSpec, lim: PoolLimits) -> Sizing:
@@ -138,4 +142,4 @@ def sizing(spec: AttentionSpec, lim: PoolLimits) -> Sizing:
     return Sizing(max_batch_size=max_batch, max_num_tokens=max_num_tokens, max_num_pages=max_num_pages,
                   max_encoder_tokens=max_encoder_tokens, max_pages_per_request=per_request, max_draft_steps=draft_steps,
                   buckets=buckets, bucket_at=tuple(bucket_of(b, buckets) for b in range(top + 1)),
-                  verify_buckets=verify_buckets, max_verify_q_len=max_q, layout=layout)
+                  max_verify_q_len=max_q, layout=layout)

@@ -27,12 +27,12 @@ from mstar_attn.cache import default_device
 from mstar_attn.capture import checks, cross, derive, rounds
 from mstar_attn.capture.layout import SlotViews, slot_views
 from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits, limits_of, sizing  # noqa: F401  (re-exported)
-from mstar_attn.capture.lease import CurrentStream, SlotLeases
+from mstar_attn.capture.lease import CurrentStream, SlotLeases, check_slot, check_stream
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
 from mstar_attn.capture.step import DeviceStep, MemoryReport, Slots, StepShape, shapes_of
 from mstar_attn.capture.table import PageTable
-from mstar_attn.capture.view import PoolView
+from mstar_attn.capture.view import PoolView, SizedBounds
 from mstar_attn.metadata._arrays import positive_int
 from mstar_attn.metadata.backends import BACKENDS, pool_state_class
 from mstar_attn.metadata.errors import PlanError
@@ -43,7 +43,7 @@ from mstar_attn.metadata.spec import AttentionSpec
 FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch, shared by every wrapper of a pool
 
 
-class GraphBufferPool:
+class GraphBufferPool(SizedBounds):
     """Persistent device buffers for every plan field the backends read, double-buffered.
 
     spec: the model's AttentionSpec. limits: a PoolLimits, the bounds of every committed step (and so
@@ -69,10 +69,7 @@ class GraphBufferPool:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise PlanError(f"device: {device!r}, but this torch ({torch.__version__}) sees no CUDA device; a CPU pool "
                             "is device='cpu' (with backend='reference')")
-        size = self.sizing = sizing(spec, self.limits)
-        self.max_num_tokens, self.max_num_pages, self.max_encoder_tokens = size.max_num_tokens, size.max_num_pages, size.max_encoder_tokens
-        self.buckets, self.bucket_at, self.verify_buckets, self.max_verify_q_len = size.buckets, size.bucket_at, size.verify_buckets, size.max_verify_q_len
-        self.max_pages_per_request, self.max_draft_steps, self.layout = size.max_pages_per_request, size.max_draft_steps, size.layout
+        size = self.sizing = sizing(spec, self.limits)  # (its bounds read as the pool's: SizedBounds)
         self.float_workspace_bytes = positive_int("float_workspace_bytes", float_workspace_bytes)
         ps, max_requests = spec.page_size, self.limits.max_requests
         cuda = self.cuda = self.device.type == "cuda"
@@ -170,9 +167,9 @@ class GraphBufferPool:
         """
         bucket = checks.validate(self.view, plan)  # the plan's bucket (None: unpadded)
         if stream is not None:
-            stream = checks.check_stream(self.device, stream, "commit")
+            stream = check_stream(self.device, stream, "commit")
         if slot is not None:
-            checks.check_slot(self.num_slots, slot, "commit")
+            check_slot(self.num_slots, slot, "commit")
         try:
             state = self._by_backend[plan.backend]
         except KeyError:
@@ -190,7 +187,7 @@ class GraphBufferPool:
         copy per layer group, each backend's scheduling for every step; the K steps stay live together until the
         slot is committed again (capture/rounds.py). Every check first, as for commit."""
         bucket = rounds.check(self.view, draft)
-        checks.check_slot(self.num_slots, slot, "commit_round")
+        check_slot(self.num_slots, slot, "commit_round")
         if (state := self.backend_state(draft.backend)) is not None:
             state.check(draft.steps[-1], bucket)
         return self._commit_staged(draft.steps, bucket, state, slot, self.current_stream() if self.cuda else None, None, True)

@@ -26,8 +26,24 @@ def _sized(name: str, doc: str) -> property:
     return forwarded("sizing", name, f"{doc} (Sizing.{name})")
 
 
+class SizedBounds:
+    """The bounds a pool's Sizing holds, read through `self.sizing` (a field or attribute of the subclass): the
+    pool and its PoolView read them alike."""
+
+    layout = _sized("layout", "Layout: where each array of a step sits in a slot")
+    buckets = _sized("buckets", "tuple[int, ...]: the captured batch sizes, ascending")
+    bucket_at = _sized("bucket_at", "tuple: batch size -> the bucket serving it")
+    verify_buckets = _sized("verify_buckets", "bool: whether verify steps are bucketed")
+    max_verify_q_len = _sized("max_verify_q_len", "int: the longest q_len a bucketed step has")
+    max_num_tokens = _sized("max_num_tokens", "int")
+    max_num_pages = _sized("max_num_pages", "int")
+    max_encoder_tokens = _sized("max_encoder_tokens", "int")
+    max_pages_per_request = _sized("max_pages_per_request", "int")
+    max_draft_steps = _sized("max_draft_steps", "int")
+
+
 @attrs.frozen(eq=False)
-class PoolView:
+class PoolView(SizedBounds):
     """A pool's spec, bounds (its Sizing) and device; per slot its staging (host: pinned int32 [layout.size]) and
     device twin (dev: int32 [layout.size] on `device`); its page tables (None without max_requests or cross
     groups); FlashInfer's float workspace size; and the services a backend state calls:
@@ -54,17 +70,6 @@ class PoolView:
     @property
     def num_slots(self) -> int:
         return len(self.host)
-
-    layout = _sized("layout", "Layout: where each array of a step sits in a slot")
-    buckets = _sized("buckets", "tuple[int, ...]: the captured batch sizes, ascending")
-    bucket_at = _sized("bucket_at", "tuple: batch size -> the bucket serving it")
-    verify_buckets = _sized("verify_buckets", "bool: whether verify steps are bucketed")
-    max_verify_q_len = _sized("max_verify_q_len", "int: the longest q_len a bucketed step has")
-    max_num_tokens = _sized("max_num_tokens", "int")
-    max_num_pages = _sized("max_num_pages", "int")
-    max_encoder_tokens = _sized("max_encoder_tokens", "int")
-    max_pages_per_request = _sized("max_pages_per_request", "int")
-    max_draft_steps = _sized("max_draft_steps", "int")
 
     def index_buffer(self, step: DeviceStep, group: int) -> torch.Tensor:
         """The whole index region [index_capacity] of `group` for the step's slot and shape (int32, on the device):

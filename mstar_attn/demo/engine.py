@@ -172,6 +172,11 @@ def step_inputs(plan: AttentionPlan, tokens: list[int], rows: int, device: torch
     return {"ids": both[0], "positions": both[1]}
 
 
+def static_inputs(rows: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A captured forward's static inputs: ids and positions [rows] int64 zeros on `device` (token 0 at position 0)."""
+    return {name: torch.zeros(rows, dtype=torch.int64, device=device) for name in ("ids", "positions")}
+
+
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     """fn() and how long it took in µs. On CUDA: CUDA events around it on the current stream, after a
     sync so the GPU starts idle (host launch time shows up as GPU idle time, as in a real step);
@@ -268,9 +273,7 @@ class Engine:
     def capture(self) -> None:
         """Static inputs for the largest bucket (zeros: token 0 at position 0), then the seam captures."""
         t0 = time.perf_counter()
-        rows = self.attn.capture_rows
-        static = {name: torch.zeros(rows, dtype=torch.int64, device=self.device) for name in ("ids", "positions")}
-        self.num_graphs = self.attn.capture(self.fn, static)
+        self.num_graphs = self.attn.capture(self.fn, static_inputs(self.attn.capture_rows, self.device))
         self.capture_s = time.perf_counter() - t0
 
     def __call__(self, plan: AttentionPlan, tokens: list[int], before: Callable[[Any], None] | None = None) -> torch.Tensor:

@@ -36,7 +36,7 @@ from mstar_attn.demo import llama
 from mstar_attn.demo.attention import make_attention
 from mstar_attn.demo.check import ABS, REL, Check, check_request
 from mstar_attn.demo.config import DTYPES, DemoConfig, DemoError, seeded_model, transformers_classes
-from mstar_attn.demo.engine import PageAllocator, compiled_forward, make_trace, step_inputs
+from mstar_attn.demo.engine import PageAllocator, compiled_forward, make_trace, static_inputs, step_inputs
 from mstar_attn.metadata.draft import MAX_DRAFT_STEPS, build_round
 from mstar_attn.metadata.backends import BACKENDS, TREE_BACKENDS
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN
@@ -151,10 +151,8 @@ class _Model:
     def capture_verify(self, q_len: int, trees: bool) -> int:
         """Capture the verify steps of q_len tokens per request (with `trees`: token-tree verify steps too) per
         pool slot and bucket; returns the number of graphs."""
-        rows = self.attn.capture_rows * q_len
-        static = {n: torch.zeros(rows, dtype=torch.int64, device=self.device) for n in ("ids", "positions")}
         return self.attn.capture(lambda ctx, x: self.forward(self.model, ctx, self.layers, x["ids"], x["positions"]),
-                                 static, q_len=q_len, trees=trees)
+                                 static_inputs(self.attn.capture_rows * q_len, self.device), q_len=q_len, trees=trees)
 
     def round_fn(self, steps, x: dict[str, torch.Tensor], width: int = 0) -> torch.Tensor:
         """A draft round: step j feeds the token step j - 1 picked (greedy, on the device); returns [rows, K] int64,
@@ -241,8 +239,7 @@ def run_speculative(cfg: DemoConfig, k: int, draft: str = "small", width: int = 
             warmup(t.spec, device=device, trees=bool(width))
         round_fn = (lambda steps, x: d.round_fn(steps, x, width)) if width else d.round_fn
         if cfg.graphs:
-            static = {n: torch.zeros(max(d.attn.pool.buckets), dtype=torch.int64, device=device) for n in ("ids", "positions")}
-            res.round_graphs = d.attn.capture_round(round_fn, static, k)
+            res.round_graphs = d.attn.capture_round(round_fn, static_inputs(max(d.attn.pool.buckets), device), k)
             res.verify_graphs = t.capture_verify(n_verify, trees=bool(width))
         pages = PageAllocator(num_pages)
         for r in reqs:
