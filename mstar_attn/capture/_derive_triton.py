@@ -1,61 +1,85 @@
-"""The Triton kernels of capture/derive.py (imported only where Triton is installed): `scatter` applies
-the staged page-table updates, `derive` runs one program per request and layer group. See derive.py
-for the arrays and tests/capture/test_derive.py for their check against the torch ops."""
+"""The Triton kernel of capture/derive.py (imported only where Triton is installed): `derive`, a bucketed
+StepRows commit's whole device work in one launch, read straight from the slot's pinned staging. See
+derive.py for the arrays and tests/capture/test_derive.py for its check against the torch ops."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def scatter(table, buf, at, U, BLOCK: tl.constexpr):
-    u = tl.arange(0, BLOCK)
-    m = u < U
-    pos = tl.load(buf + at + u, mask=m, other=0)
-    val = tl.load(buf + at + U + u, mask=m, other=0)
-    tl.store(table + pos, val, mask=m)
+def derive(buf, src, slots, table, windows, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
+           BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Grid (R + 1, G). Program (i, g), i < R: request i's entries of layer group g; program (R, 0): every
+    staged table update. src: the slot's staging (pinned host memory, read over the bus: no copy first);
+    buf: the slot's device buffer; slots: its slot_mapping (int64); counter: one int32 device cell, 0
+    between launches; fence: one int32 cell (pinned) the last program to finish reading src writes the
+    staged fence value to. meta (int32 [15], derive.Derivation.meta): R, q_len, page size, table width,
+    the offsets of the rows, kv_lens, qo_indptr, group 0's kv_indptr (its last_page_len and kv_lens
+    follow), the stride between groups' kv_indptr, group 0's first_page (groups R apart), group 0's
+    indices, the stride between groups' indices, the table updates (positions [U], then values [U]), U
+    and the fence cell.
 
-@triton.jit
-def derive(buf, slots, table, windows, meta, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Program (i, g): request i's entries of layer group g. meta (int32, derive.META): R, q_len, page
-    size, table width, then the offsets in buf of the rows, kv_lens, qo_indptr, group 0's kv_indptr
-    (its last_page_len and kv_lens follow), the stride between groups' kv_indptr, group 0's
-    first_page (groups R apart), group 0's indices and the stride between groups' indices."""
+    A request's program applies the updates that fall in its own table row before reading the row (a
+    barrier between: every thread of the program sees them); program (R, 0) applies them all, so rows
+    outside the step get theirs too (the same values twice: staged positions are distinct or carry the
+    same latest value)."""
     i, g = tl.program_id(0), tl.program_id(1)
     R, q_len, ps, width = tl.load(meta + 0), tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3)
     rows_at, kv_at, qo_at = tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6)
     ptr_at, ptr_stride, first_at = tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
     idx_at, idx_stride = tl.load(meta + 10), tl.load(meta + 11)
-    w = tl.load(windows + g)
-    r = tl.arange(0, BLOCK_R)
-    kv = tl.load(buf + kv_at + r, mask=r < R, other=0)
-    need = (kv + ps - 1) // ps
-    first = tl.where(w > 0, tl.maximum(kv - q_len - (w - 1), 0) // ps, 0)
-    count = tl.where(r <= i, need - first, 0)  # requests 0..i: their pages end at this sum
-    end = tl.sum(count, 0)
-    kv_i = tl.load(buf + kv_at + i)
-    need_i = (kv_i + ps - 1) // ps
-    first_i = tl.where(w > 0, tl.maximum(kv_i - q_len - (w - 1), 0) // ps, 0)
-    n = need_i - first_i
-    ptr = buf + ptr_at + g * ptr_stride  # kv_indptr [R+1], last_page_len [R], kv_lens [R] follow each other
-    tl.store(ptr + i + 1, end)
-    tl.store(ptr + R + 1 + i, kv_i - (need_i - 1) * ps)
-    tl.store(ptr + 2 * R + 1 + i, kv_i - first_i * ps)
-    tl.store(buf + first_at + g * R + i, first_i)
-    row = tl.load(buf + rows_at + i).to(tl.int64)
-    if i == 0:
-        tl.store(ptr, 0)
-    if g == 0:
-        tl.store(buf + qo_at + i + 1, (i + 1) * q_len)
+    upd_at, U, fence_at = tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14)
+    G = tl.num_programs(1)
+    u = tl.arange(0, BLOCK_U)
+    mu = u < U
+    pos = tl.load(src + upd_at + u, mask=mu, other=0)
+    val = tl.load(src + upd_at + U + u, mask=mu, other=0)
+    if i == R:
+        if g == 0:
+            tl.store(table + pos, val, mask=mu)
+    else:
+        row = tl.load(src + rows_at + i)
+        kv_i = tl.load(src + kv_at + i)
+        lo = row.to(tl.int64) * width
+        p64 = pos.to(tl.int64)
+        tl.store(table + pos, val, mask=mu & (p64 >= lo) & (p64 < lo + width))
+        tl.debug_barrier()
+        w = tl.load(windows + g)
+        r = tl.arange(0, BLOCK_R)
+        kv = tl.load(src + kv_at + r, mask=r < R, other=0)
+        need = (kv + ps - 1) // ps
+        first = tl.where(w > 0, tl.maximum(kv - q_len - (w - 1), 0) // ps, 0)
+        count = tl.where(r <= i, need - first, 0)  # requests 0..i: their pages end at this sum
+        end = tl.sum(count, 0)
+        need_i = (kv_i + ps - 1) // ps
+        first_i = tl.where(w > 0, tl.maximum(kv_i - q_len - (w - 1), 0) // ps, 0)
+        n = need_i - first_i
+        ptr = buf + ptr_at + g * ptr_stride  # kv_indptr [R+1], last_page_len [R], kv_lens [R] follow each other
+        tl.store(ptr + i + 1, end)
+        tl.store(ptr + R + 1 + i, kv_i - (need_i - 1) * ps)
+        tl.store(ptr + 2 * R + 1 + i, kv_i - first_i * ps)
+        tl.store(buf + first_at + g * R + i, first_i)
         if i == 0:
-            tl.store(buf + qo_at, 0)
-        t = tl.arange(0, BLOCK_Q)
-        mt = t < q_len
-        p = kv_i - q_len + t
-        page = tl.load(table + row * width + p // ps, mask=mt, other=0)
-        tl.store(slots + i * q_len + t, page.to(tl.int64) * ps + p % ps, mask=mt)
-    src = table + row * width + first_i
-    dst = buf + idx_at + g * idx_stride + end - n
-    for j0 in range(0, n, BLOCK_P):
-        j = j0 + tl.arange(0, BLOCK_P)
-        m = j < n
-        tl.store(dst + j, tl.load(src + j, mask=m), mask=m)
+            tl.store(ptr, 0)
+        if g == 0:
+            tl.store(buf + rows_at + i, row)  # (the device's copy of the head: other readers' table_rows)
+            tl.store(buf + kv_at + i, kv_i)
+            tl.store(buf + qo_at + i + 1, (i + 1) * q_len)
+            if i == 0:
+                tl.store(buf + qo_at, 0)
+            t = tl.arange(0, BLOCK_Q)
+            mt = t < q_len
+            p = kv_i - q_len + t
+            page = tl.load(table + lo + p // ps, mask=mt, other=0)
+            tl.store(slots + i * q_len + t, page.to(tl.int64) * ps + p % ps, mask=mt)
+        src_row = table + lo + first_i
+        dst = buf + idx_at + g * idx_stride + end - n
+        for j0 in range(0, n, BLOCK_P):
+            j = j0 + tl.arange(0, BLOCK_P)
+            m = j < n
+            tl.store(dst + j, tl.load(src_row + j, mask=m), mask=m)
+    # this program has read all it reads of src: the last one to get here writes the fence (and resets the count)
+    done = tl.atomic_add(counter, 1)
+    if done == (R + 1) * G - 1:
+        tl.store(counter, 0)
+        tl.store(fence, tl.load(src + fence_at))

@@ -19,8 +19,11 @@ q_len 1, verify: 2..16, a token-tree verify step up to PoolLimits.max_tree_nodes
 
 These are exactly the arrays build_plan computes on the host for the same step (plus the padding
 requests commit used to stage): tests/capture/test_derive.py checks the two against each other.
-On CUDA with Triton installed it is two launches (the table scatter, then one program per request
-and layer group deriving its entries and copying only the pages it reads); elsewhere torch ops.
+On CUDA with Triton installed the whole derivation is one launch that reads the slot's pinned staging
+directly (no copy first), applies the table updates, writes the device's copy of the head, derives
+every entry (one program per request and layer group, copying only the pages it reads) and, once every
+program has read the staging, writes the commit's fence back (capture/lease.py): one GPU item per step.
+Elsewhere: the head copy, torch ops, and the fence copy.
 """
 
 from __future__ import annotations
@@ -36,35 +39,38 @@ from mstar_attn.capture.layout import Offsets
 if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
-USE_TRITON = True  # the two-launch Triton path on CUDA (False: the torch ops, as on the CPU)
+USE_TRITON = True  # the one-launch Triton path on CUDA (False: the torch ops, as on the CPU)
 
 
 @functools.cache
-def triton_kernels():
-    """(scatter, derive) Triton kernels (capture/_derive_triton.py), or None when Triton is not installed."""
+def triton_kernel():
+    """The derive Triton kernel (capture/_derive_triton.py), or None when Triton is not installed."""
     try:
         from mstar_attn.capture import _derive_triton
     except ImportError:
         return None
-    return _derive_triton.scatter, _derive_triton.derive
+    return _derive_triton.derive
 
 
 class Derivation:
     """What a pool's derivations share: the page table (int32 [(max_requests + 1) * width + 1] on the
     device, the last element a dump) and its width, each layer group's window W (0: none) on the host
     and as an int32 device tensor, the page size, each group's index capacity (P), and the Triton
-    kernels (None: torch ops). Per slot shape it keeps the Triton kernel's meta vector (int32 [12]
-    on the device, made at the shape's first, uncaptured, commit): bounded by the buckets."""
+    kernel (None: torch ops) with one int32 device counter per pool slot (num_slots; the kernel's
+    count of programs done, 0 between launches) and one cell it writes the fence to when it has none. Per slot shape it keeps the kernel's meta vector
+    (int32 [15] on the device, made at the shape's first, uncaptured, commit): bounded by the buckets."""
 
-    def __init__(self, table: torch.Tensor, width: int, groups, page_size: int, capacity: int, kernels=None):
-        self.table, self.width, self.page_size, self.capacity, self.kernels = table, width, page_size, capacity, kernels
+    def __init__(self, table: torch.Tensor, width: int, groups, page_size: int, capacity: int, kernel=None,
+                 num_slots: int = 2):
+        self.table, self.width, self.page_size, self.capacity, self.kernel = table, width, page_size, capacity, kernel
         self.windows = tuple(g.window or 0 for g in groups)
         self.windows_dev = torch.tensor(self.windows, dtype=torch.int32, device=table.device)
+        self.counters = torch.zeros(num_slots + 1 if kernel is not None else 0, dtype=torch.int32, device=table.device)
         self._meta: dict[tuple[int, int], torch.Tensor] = {}
 
     def memory(self) -> dict[str, tuple[int, int]]:
-        """Device bytes of the windows and the meta vectors made so far (host: none)."""
-        n = self.windows_dev.numel() * 4 + sum(m.numel() * 4 for m in self._meta.values())
+        """Device bytes of the windows, the counters and the meta vectors made so far (host: none)."""
+        n = (self.windows_dev.numel() + self.counters.numel()) * 4 + sum(m.numel() * 4 for m in self._meta.values())
         return {f"derive meta ({len(self._meta)} shapes)": (n, 0)}
 
     def meta(self, offsets: Offsets, q_len: int) -> torch.Tensor:
@@ -76,32 +82,40 @@ class Derivation:
             stride = (g[1].kv_indptr - g[0].kv_indptr, g[1].indices - g[0].indices) if G > 1 else (0, 0)
             m = self._meta[key] = torch.tensor(
                 [offsets.batch_size, q_len, self.page_size, self.width, offsets.table_rows, offsets.kv_lens, offsets.qo,
-                 g[0].kv_indptr, stride[0], g[0].first_page, g[0].indices, stride[1]], dtype=torch.int32,
+                 g[0].kv_indptr, stride[0], g[0].first_page, g[0].indices, stride[1], offsets.updates,
+                 offsets.update_capacity, offsets.fence], dtype=torch.int32,
                 device=self.table.device)
         return m
 
 
-def apply_updates(table: torch.Tensor, buf: torch.Tensor, offsets: Offsets, kernels=None) -> None:
+def apply_updates(table: torch.Tensor, buf: torch.Tensor, offsets: Offsets) -> None:
     """Scatter the staged table updates (positions [U], then values [U], int32 in buf at
-    offsets.updates; unused lanes name the table's dump element) into the device table."""
+    offsets.updates; unused lanes name the table's dump element) into the device table (torch ops)."""
     at, U = offsets.updates, offsets.update_capacity
-    if kernels is not None:
-        kernels[0][(1,)](table, buf, at, U, BLOCK=max(16, 1 << (U - 1).bit_length()))
-        return
     table.index_copy_(0, buf[at : at + U].long(), buf[at + U : at + 2 * U])
+
+
+def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation,
+                  fence: torch.Tensor | None, slot: int) -> None:
+    """A bucketed StepRows step's whole device work by the Triton kernel, one launch: from its staged head in
+    `src` (the slot's int32 staging, pinned on CUDA: read in place) into the slot buffer `buf` (int32, on
+    the table's device): the table updates applied, the head's rows and kv_lens copied, every derived array
+    filled (q_len tokens per request); `fence` (an int32 [1] pinned cell, or None) gets the staged fence
+    value once every program has read `src`. slot: the pool slot (its counter)."""
+    R, G = offsets.batch_size, len(offsets.groups)
+    slots = buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64)
+    counter = d.counters[slot : slot + 1]
+    d.kernel[(R + 1, G)](buf, src, slots, d.table, d.windows_dev, d.meta(offsets, q_len), counter,
+                         d.counters[-1:] if fence is None else fence, BLOCK_R=max(16, 1 << (R - 1).bit_length()),
+                         BLOCK_Q=max(16, 1 << (q_len - 1).bit_length()), BLOCK_P=128,
+                         BLOCK_U=max(16, 1 << (offsets.update_capacity - 1).bit_length()))
 
 
 def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> None:
     """Fill a bucketed StepRows step's arrays in the slot buffer `buf` (int32, on the table's device)
-    from its staged rows and kv_lens (see the module docstring), q_len tokens per request, the
-    table's updates applied. Reads nothing back to the host."""
+    from its rows and kv_lens in buf's head (see the module docstring), q_len tokens per request, the
+    table's updates applied (torch ops; the Triton kernel: derive_staged). Reads nothing back to the host."""
     R, ps = offsets.batch_size, d.page_size
-    if d.kernels is not None:
-        slots = buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64)
-        d.kernels[1][(R, len(offsets.groups))](buf, slots, d.table, d.windows_dev, d.meta(offsets, q_len),
-                                               BLOCK_R=max(16, 1 << (R - 1).bit_length()),
-                                               BLOCK_Q=max(16, 1 << (q_len - 1).bit_length()), BLOCK_P=128)
-        return
     kv = buf[offsets.kv_lens : offsets.kv_lens + R]
     rows = buf[offsets.table_rows : offsets.table_rows + R]
     buf[offsets.qo : offsets.qo + R + 1].copy_(torch.arange(R + 1, device=buf.device) * q_len)
@@ -131,18 +145,23 @@ def rows_work(d: Derivation, dev: torch.Tensor, host: torch.Tensor, fence: torch
     U = offsets.update_capacity
     end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)
 
+    fused = derived and d.kernel is not None  # (one launch reads the staging and writes the fence)
+
     def work():
-        dev[:end].copy_(host[:end], non_blocking=True)
-        if derived:
-            apply_updates(d.table, dev, offsets, d.kernels)
+        if fused:
+            derive_staged(dev, host, offsets, step.q_len, d, fence, step.slot)
+        elif derived:
+            dev[:end].copy_(host[:end], non_blocking=True)
+            apply_updates(d.table, dev, offsets)
             derive_rows(dev, offsets, step.q_len, d)
         else:
+            dev[:end].copy_(host[:end], non_blocking=True)
             at = offsets.updates
             d.table.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
             gather_csr(d.table, d.width, step.table_rows, dev, offsets.groups, d.capacity)
         if state is not None:  # a backend's own arrays (dense page tables)
             state.gather(step)
-        if fence is not None:  # the last node
+        if fence is not None and not fused:  # the last node
             fence.copy_(dev[offsets.fence : offsets.fence + 1], non_blocking=True)
 
     return work

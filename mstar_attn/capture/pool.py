@@ -101,7 +101,7 @@ class GraphBufferPool(SizedBounds):
         self.slots = Slots(leases=self.leases, work=self.device_work, device=self.device)  # (what a DeviceStep reads)
         self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
             self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
-            derive.triton_kernels() if cuda and derive.USE_TRITON else None)
+            derive.triton_kernel() if cuda and derive.USE_TRITON else None, slots)
         self.view = PoolView(spec=spec, sizing=size, device=self.device, host=self.host, dev=self.dev, table=self.table,
                              cross_table=self.cross_table, float_workspace_bytes=self.float_workspace_bytes,
                              upload=self.upload, stage_host=self.stage_host)  # what backends and checks read

@@ -82,9 +82,10 @@ def test_a_negative_control_a_wrong_window_is_caught(monkeypatch):
     assert not np.array_equal(got[2][:B], csr.groups[2].kv_lens), f"seed {seed}"
 
 
-def derive_again(pool, step, kernels, device: str):
+def derive_again(pool, step, kernel, device: str):
     """The committed (CPU) step's slot buffer copied to `device` with every derived array overwritten
-    (-7), then derived again by `kernels` (Triton's, or None: the torch ops); returns (buffer, offsets)."""
+    (-7), then derived again by `kernel` (Triton's, from the slot's staging, its head's rows and kv_lens
+    overwritten too; or None: the torch ops); returns (buffer, offsets)."""
     R, N = step.padded_batch_size, step.padded_num_tokens
     offsets = slot_views(pool.layout, pool.dev[step.slot], pool.host[step.slot], R, N).offsets
     buf = pool.dev[step.slot].clone().to(device)
@@ -95,38 +96,80 @@ def derive_again(pool, step, kernels, device: str):
     buf[offsets.qo : offsets.qo + R + 1] = -7
     buf[offsets.slots : offsets.slots + 2 * N] = -7
     d = pool.derivation
-    derive.derive_rows(buf, offsets, step.q_len, derive.Derivation(d.table.to(device), d.width, pool.spec.groups,
-                                                                   pool.spec.page_size, d.capacity, kernels))
+    again = derive.Derivation(d.table.to(device), d.width, pool.spec.groups, pool.spec.page_size, d.capacity, kernel)
+    if kernel is None:
+        derive.derive_rows(buf, offsets, step.q_len, again)
+    else:
+        buf[offsets.table_rows : offsets.table_rows + R] = -7
+        buf[offsets.kv_lens : offsets.kv_lens + R] = -7
+        derive.derive_staged(buf, staging_on(pool.host[step.slot], device), offsets, step.q_len, again, None, step.slot)
     return buf, offsets
 
 
+def staging_on(host: torch.Tensor, device: str) -> torch.Tensor:
+    """A copy of a CPU pool slot's staging where `device`'s kernel reads it: pinned for CUDA."""
+    return host.clone().pin_memory() if device == "cuda" else host.clone()
+
+
+def check_fused_updates(kernel, device: str, seed: int) -> None:
+    """The Triton kernel's table updates, derivation and fence against the torch ops (scatter, then derive)
+    on the same staging: updates in the rows of the step's requests (pages they read) and in a row outside
+    it, the rest of the lanes naming the dump; the fence written, the counter back at 0."""
+    rng = np.random.default_rng(seed)
+    spec, pool, plan, _ = _random_step(seed, 4, 1)
+    step = pool.commit(plan)
+    R, s, table = step.padded_batch_size, step.slot, pool.table
+    offsets = slot_views(pool.layout, pool.dev[s], pool.host[s], R, step.padded_num_tokens).offsets
+    src = pool.host[s].clone()
+    at, U, width = offsets.updates, offsets.update_capacity, table.width
+    outside = next(r for r in range(table.max_requests) if r not in set(plan.rows.tolist()))
+    pos = [int(r) * width + int(c) for r, kv in zip(plan.rows, plan.kv_lens) for c in rng.integers(0, -(-kv // 4), 2)]
+    pos = list(dict.fromkeys(pos))[: U - 1] + [outside * width + 3]
+    src[at : at + U] = table.dump
+    src[at : at + len(pos)] = torch.tensor(pos, dtype=torch.int32)
+    src[at + U : at + 2 * U] = torch.from_numpy(rng.integers(0, spec.num_pages, U).astype(np.int32))
+    src[offsets.fence] = 12345
+    ref_table, ref = table.dev.clone(), pool.dev[s].clone()
+    ref[: offsets.draft] = src[: offsets.draft]
+    derive.apply_updates(ref_table, ref, offsets)
+    d = pool.derivation
+    derive.derive_rows(ref, offsets, 1, derive.Derivation(ref_table, width, spec.groups, 4, d.capacity))
+    got_table, got = table.dev.clone().to(device), torch.full_like(pool.dev[s], -7).to(device)
+    again = derive.Derivation(got_table, width, spec.groups, 4, d.capacity, kernel, pool.num_slots)
+    fence = staging_on(torch.zeros(1, dtype=torch.int32), device)
+    derive.derive_staged(got, staging_on(src, device), offsets, 1, again, fence, s)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    got, got_table = got.cpu(), got_table.cpu()
+    assert torch.equal(got_table[:-1], ref_table[:-1]), f"seed {seed}: the table updates"
+    for a, b in ((0, offsets.updates), (offsets.qo, offsets.head_end)):
+        assert torch.equal(got[a:b], ref[a:b]), f"seed {seed}: buf[{a}:{b}]"
+    for dg, o in zip(step.groups, offsets.groups):
+        n = int(ref[o.kv_indptr + R])
+        assert torch.equal(got[o.indices : o.indices + n], ref[o.indices : o.indices + n]), f"seed {seed}: indices"
+    assert int(fence[0]) == 12345 and int(again.counters[s]) == 0, f"seed {seed}: fence {int(fence[0])}"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real: tests/capture/test_derive_gpu.py")
-def test_the_triton_kernels_equal_the_torch_ops_under_the_interpreter():
+def test_the_triton_kernel_equals_the_torch_ops_under_the_interpreter():
     pytest.importorskip("triton")
     assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py picks the interpreter before Triton is imported"
     from mstar_attn.capture import _derive_triton as module
 
-    kernels = module.scatter, module.derive
     for ps, q_len in ((1, 1), (4, 1), (16, 1), (4, 5), (16, 16)):
         seed = fresh_seed()
         spec, pool, plan, _ = _random_step(seed, ps, q_len)
         step = pool.commit(plan)  # the torch ops (CPU)
-        buf, offsets = derive_again(pool, step, kernels, "cpu")
+        buf, offsets = derive_again(pool, step, module.derive, "cpu")
         s = step.slot
-        assert torch.equal(buf[: offsets.head_end], pool.dev[s][: offsets.head_end]), f"seed {seed}"
+        assert torch.equal(buf[: offsets.updates], pool.dev[s][: offsets.updates]), f"seed {seed}"
+        assert torch.equal(buf[offsets.qo : offsets.head_end], pool.dev[s][offsets.qo : offsets.head_end]), f"seed {seed}"
         for dg, o in zip(step.groups, offsets.groups):
             o_idx = o.indices
             n = int(dg.kv_indptr[-1])
             assert torch.equal(buf[o_idx : o_idx + n], dg.kv_indices[:n]), f"seed {seed}"
-        table = pool.table.dev.clone()
-        at, U = offsets.updates, offsets.update_capacity
-        buf[at : at + 3] = torch.tensor([5, 9, 11], dtype=torch.int32)
-        buf[at + 3 : at + U] = table.shape[0] - 1
-        buf[at + U : at + 2 * U] = torch.arange(U, dtype=torch.int32) + 1000
-        want = table.clone()
-        derive.apply_updates(want, buf, offsets)
-        derive.apply_updates(table, buf, offsets, kernels)
-        assert torch.equal(table[:-1], want[:-1]), f"seed {seed}"
+    for _ in range(3):
+        check_fused_updates(module.derive, "cpu", fresh_seed())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real: tests/capture/test_derive_gpu.py")
@@ -150,9 +193,10 @@ def test_the_triton_derivation_of_token_tree_steps_past_16_tokens_equals_the_tor
         plan = build_tree_plan(StepRows(rows, np.full(B, q_len, np.int32), kv), spec, tree)
         step = pool.commit(plan)  # the torch ops (CPU)
         assert step.bucket is not None, (f"seed {seed}", q_len, B)
-        buf, offsets = derive_again(pool, step, (module.scatter, module.derive), "cpu")
+        buf, offsets = derive_again(pool, step, module.derive, "cpu")
         N = step.padded_num_tokens
-        assert torch.equal(buf[: offsets.head_end], pool.dev[step.slot][: offsets.head_end]), f"seed {seed}"
+        assert torch.equal(buf[: offsets.updates], pool.dev[step.slot][: offsets.updates]), f"seed {seed}"
+        assert torch.equal(buf[offsets.qo : offsets.head_end], pool.dev[step.slot][offsets.qo : offsets.head_end]), f"seed {seed}"
         slots = buf[offsets.slots : offsets.slots + 2 * N].view(torch.int64)
         assert torch.equal(slots, step.slot_mapping[:N]), (f"seed {seed}", q_len)
 

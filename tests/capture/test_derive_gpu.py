@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mstar_attn.capture import derive
-from tests.capture.test_derive import _random_step, derive_again
+from tests.capture.test_derive import _random_step, check_fused_updates, derive_again
 from tests.helpers import fresh_seed
 
 pytestmark = pytest.mark.gpu
@@ -14,16 +14,24 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 
-def test_the_triton_kernels_equal_the_torch_ops_on_the_gpu():
-    kernels = derive.triton_kernels()
+def test_the_triton_kernel_equals_the_torch_ops_on_the_gpu():
+    """The kernel reads the staging in pinned host memory, as a pool's commit has it."""
+    kernel = derive.triton_kernel()
     for ps, q_len in ((1, 1), (4, 1), (16, 1), (4, 5), (16, 16)):
         seed = fresh_seed()
         spec, pool, plan, _ = _random_step(seed, ps, q_len)  # (a CPU pool: the torch ops derive the step)
         step = pool.commit(plan)
-        buf, offsets = derive_again(pool, step, kernels, "cuda")
+        buf, offsets = derive_again(pool, step, kernel, "cuda")
         torch.cuda.synchronize()
-        assert torch.equal(buf[: offsets.head_end].cpu(), pool.dev[step.slot][: offsets.head_end]), f"seed {seed}"
+        ref = pool.dev[step.slot]
+        assert torch.equal(buf[: offsets.updates].cpu(), ref[: offsets.updates]), f"seed {seed}"
+        assert torch.equal(buf[offsets.qo : offsets.head_end].cpu(), ref[offsets.qo : offsets.head_end]), f"seed {seed}"
         for dg, o in zip(step.groups, offsets.groups):
             o_idx = o.indices
             n = int(dg.kv_indptr[-1])
             assert torch.equal(buf[o_idx : o_idx + n].cpu(), dg.kv_indices[:n]), f"seed {seed}"
+
+
+def test_the_triton_kernel_applies_the_staged_updates_and_writes_the_fence_on_the_gpu():
+    for _ in range(4):
+        check_fused_updates(derive.triton_kernel(), "cuda", fresh_seed())
