@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 
 def bucket_for(pool: PoolView, plan: AttentionPlan) -> int | None:
     """The captured batch size serving `plan`, or None when it runs unpadded (see DeviceStep)."""
-    mode = plan.mode
-    if mode is Mode.DECODE or (mode is Mode.VERIFY and plan.max_q_len <= pool.max_verify_q_len):
-        B = plan.batch_size
-        return pool.bucket_at[B] if B < len(pool.bucket_at) else None
+    mode, size = plan.mode, pool.sizing
+    if mode is Mode.DECODE or (mode is Mode.VERIFY and plan.max_q_len <= size.max_verify_q_len):
+        B, at = plan.batch_size, size.bucket_at
+        return at[B] if B < len(at) else None
     return None
 
 def validate(pool: PoolView, plan: AttentionPlan, draft_ok: bool = False) -> int | None:
@@ -38,12 +38,12 @@ def validate(pool: PoolView, plan: AttentionPlan, draft_ok: bool = False) -> int
         raise PlanError("commit: the plan was built for another AttentionSpec than this pool's")
     if plan.rows is not None and pool.table is None:
         raise PlanError("commit: a StepRows plan needs a pool with a page table (GraphBufferPool(spec, PoolLimits(..., max_requests=...)))")
-    L = pool.layout
+    L = pool.sizing.layout
     bucket = bucket_for(pool, plan)
     if plan.batch_size > L.max_rows or plan.num_tokens > (L.max_tokens if bucket else pool.max_num_tokens):
         raise PlanError(f"commit: batch {plan.batch_size} / tokens {plan.num_tokens} exceed the pool's "
                         f"max_batch_size {L.max_rows} / max_num_tokens {pool.max_num_tokens}")
-    ps = pool.spec.page_size
+    ps = plan.spec.page_size
     pad = (bucket - plan.batch_size) * -(-plan.max_q_len // ps) if bucket else 0
     if plan.rows is not None and plan.batch_size * -(-plan.max_kv_len // ps) + pad <= L.index_capacity:
         return bucket  # (no group reads more pages than every request reading its longest: no lazy arrays derived)

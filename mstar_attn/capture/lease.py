@@ -116,7 +116,7 @@ class SlotLeases:
         there, or waited for there), make `on` wait (on the GPU) for what that stream has queued so
         far: kernels that may still read the slot."""
         consumer, self.consumers[s] = self.consumers[s], None
-        if consumer is not None and on is not None and consumer != on:
+        if consumer is not None and on is not None and consumer is not on and consumer != on:
             self._reuse[s].record(consumer)
             on.wait_event(self._reuse[s])
 
@@ -125,7 +125,7 @@ class SlotLeases:
         FlashInfer's float workspace is shared by the slots, so two live steps running on two
         streams at once would race in it (overlap batches with one pool per stream)."""
         for other, c in enumerate(self.consumers):
-            if other != s and c is not None and c != stream:
+            if c is not None and c is not stream and other != s and c != stream:
                 raise PlanError(f"{where}: slot {other}'s step runs on another stream ({c}); a pool's steps run on "
                                 "one compute stream (use one pool per stream to overlap batches)")
         self.consumers[s] = stream

@@ -222,7 +222,7 @@ class GraphBufferPool(SizedBounds):
             ranges = [(o.indices, o.indices + gp.kv_indptr[-1] + -(-q_len // ps) * pad) for gp, o in zip(plan.groups, offsets.groups)]
         self.generations[s] += 1  # from here on the slot's previous steps are stale
         self.unstaged[s] = -1
-        self.next_slot = (s + 1) % self.num_slots
+        self.next_slot = (s + 1) % len(self.host)
         more = () if K == 1 else self.kept(("draft", s, rows, num_rows), bucket is not None,
                                            lambda: rounds.step_views(self.layout, dev, host, rows, num_rows))
         shapes = shapes_of(s, views, dev, ranges, bucket, q_len, more[: K - 1])
@@ -291,7 +291,7 @@ class GraphBufferPool(SizedBounds):
             raise
         generation = self.generations[s] = self.generations[s] + 1  # from here on the slot's previous step is stale
         self.unstaged[s] = generation if lazy else -1
-        self.next_slot = (s + 1) % self.num_slots
+        self.next_slot = (s + 1) % len(self.host)
         on, fenced = side or here, False  # the stream this commit's copies and host scheduling run on
         context = torch.cuda.stream(side) if side is not None else None
         if context is not None:

@@ -25,6 +25,8 @@ from mstar_attn.metadata.plan import AttentionPlan, Mode
 from mstar_attn.metadata.spec import AttentionSpec
 
 FREE = -1  # owner of a page no row holds; a page shared by n rows has owner -1 - n
+NO_UPDATES = np.zeros(0, np.int32)  # take_updates with none pending (read-only)
+NO_UPDATES.flags.writeable = False
 
 
 class PageTable:
@@ -64,6 +66,7 @@ class PageTable:
         self.low = np.ones(self.max_requests + 1, np.int32)
         self.span = np.zeros(self.max_requests + 1, np.uint32)
         self._ranges = (b"", None, None)  # (rows, low[rows], span[rows]) of the last decode check, until a change
+        self._scratch = (np.empty(0, np.int32), np.empty(0, np.bool_))  # the decode check's [B] int32 and bool scratch
 
     @property
     def pending(self) -> int:
@@ -179,7 +182,7 @@ class PageTable:
         """The flat positions changed since the last call (int32, repeats possible), and forget them.
         Their values are read from the mirror when sent, so a repeat carries the latest value."""
         if not self._pending:
-            return np.zeros(0, np.int32)
+            return NO_UPDATES
         pos = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
         self._pending = []
         return pos
@@ -193,7 +196,8 @@ class PageTable:
 
     def restore_updates(self, positions: np.ndarray) -> None:
         """Put back positions take_updates returned (a commit that failed before sending them)."""
-        self._pending.insert(0, positions)
+        if positions.shape[0]:
+            self._pending.insert(0, positions)
 
     def check_step(self, plan: AttentionPlan, slots: bool = True) -> np.ndarray | None:
         """PlanError unless `plan`'s rows are distinct table rows, each holding the pages its kv_len
@@ -215,8 +219,11 @@ class PageTable:
                 if key_ != key:
                     low, span = self.low[rows], self.span[rows]
                     self._ranges = (key, low, span)
-                ok = np.subtract(plan.kv_lens, low).view(np.uint32) < span
-                if ok.all():
+                diff, ok = self._scratch
+                if diff.shape[0] != B:
+                    diff, ok = self._scratch = (np.empty(B, np.int32), np.empty(B, np.bool_))
+                np.subtract(plan.kv_lens, low, out=diff)
+                if np.count_nonzero(np.less(diff.view(np.uint32), span, out=ok)) == B:
                     return None
             row_t, pos = rows, plan.kv_lens - 1  # (the exact check: its message, or a row past a shared page)
         else:

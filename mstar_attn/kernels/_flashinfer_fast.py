@@ -154,6 +154,8 @@ class ChunkRanges:
         self.tokens = chunk_pages * page_size
         self.low: np.ndarray | None = None  # per request: the least kv_len of its count
         self.span: np.ndarray | None = None  # per request: how many kv_lens from `low` share it (uint32)
+        self.diff: np.ndarray | None = None  # holds' scratch: [B] int32 (its uint32 view) and [B] bool
+        self.ok: np.ndarray | None = None
 
     def counts(self, kv_lens: np.ndarray) -> np.ndarray:
         """c_i [B] for these lengths, as FlashInfer's planners count them."""
@@ -170,9 +172,11 @@ class ChunkRanges:
             top = c == -(-self.cap // self.chunk_pages)
             span[top] = 2**31 - self.low[top].astype(np.int64)
         self.span = span.astype(np.uint32)
+        self.diff, self.ok = np.empty(c.shape, np.int32), np.empty(c.shape, np.bool_)
 
     def holds(self, kv_lens: np.ndarray) -> bool:
         low = self.low
         if low is None or low.shape != kv_lens.shape:
             return False
-        return bool(np.less((kv_lens - low).view(np.uint32), self.span).all())
+        np.subtract(kv_lens, low, out=self.diff)
+        return np.count_nonzero(np.less(self.diff.view(np.uint32), self.span, out=self.ok)) == low.shape[0]

@@ -158,8 +158,9 @@ class PoolState(PoolStateBase):
             if self.trees is None:
                 self.trees = TreeState(self)
             return self.trees.schedule(step)
-        if step.bucket is not None and plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before
-            kept = self.kept_steps.get((step.slot, step.padded_batch_size, step.q_len, plan.mode))
+        sh = step.shape  # (its fields read directly: the per-step path)
+        if sh.bucket is not None and plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before
+            kept = self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
             if kept is not None:
                 return kept.wrappers if kept.fixed else self._kept(step, kept)
         if plan.cascade is not None:
@@ -183,10 +184,10 @@ class PoolState(PoolStateBase):
     def _kept(self, step: DeviceStep, kept: KeptStep) -> tuple:
         """schedule for a shape whose groups all have a kept plan: a fixed group's wrapper as is, a split-KV
         group's while its plan holds (see _plan), else planned again."""
-        out = []
+        out, slot, plan = [], step.shape.slot, step.plan
         for g, fast in enumerate(kept.plans):
-            if fast is None or ((kept.private[g] or self.ws_owner.get((step.slot, g)) is fast.wrapper)
-                                and fast.holds(step.plan.kv_lens_of(g))):
+            if fast is None or ((kept.private[g] or self.ws_owner.get((slot, g)) is fast.wrapper)
+                                and fast.holds(plan.kv_lens_of(g))):
                 out.append(kept.wrappers[g])
             else:
                 out.append(self._plan(step, g, step.groups[g]))

@@ -25,6 +25,9 @@ from mstar_attn.metadata.tree import DraftTree
 
 __all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "build_tree_plan", "scratch_plan"]
 
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # (min / max of a per-step array without ndarray's wrappers)
+SHORT = 32  # a decode step of at most this many requests checks its lengths as Python lists
+
 
 def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_ownership: bool = True) -> AttentionPlan:
     """Validate a step and derive every index array the backends read. Pure; raises PlanError.
@@ -292,13 +295,17 @@ def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     B = kv.shape[0]
     if spec.own_page_groups or rows.shape[0] != B or not 0 < B < ARANGE.shape[0]:
         return _plan_rows(batch, spec)  # (its general checks name what is wrong)
-    lo, hi = int(kv.min()), int(kv.max())
+    if B <= SHORT:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
+        lengths, table_rows = kv.tolist(), rows.tolist()
+        lo, hi, first_row = min(lengths), max(lengths), min(table_rows)
+    else:  # (the ufuncs' own reduce: ndarray.min / max add a Python wrapper per call)
+        lo, hi, first_row = int(_MIN(kv)), int(_MAX(kv)), int(_MIN(rows))
     if lo < 1:
         fail_at("kv_lens", kv < 1, "kv_len (after the step) is smaller than q_len")
     if hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:
         check_lengths(q, kv, ps)  # (raises past the int32 range, naming the request)
         raise PlanError(f"kv_lens: more pages in all than int32 page offsets hold (longest {hi}, {B} requests)")
-    if rows.min() < 0:
+    if first_row < 0:
         fail_at("rows", rows < 0, "a page-table row is negative")
     backend = resolve_backend(spec, Mode.DECODE, B, B, 1, hi, None)
     plan = AttentionPlan(spec=spec, mode=Mode.DECODE, batch_size=B, num_tokens=B, max_q_len=1, max_kv_len=hi, q_lens=q,

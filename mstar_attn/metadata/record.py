@@ -34,6 +34,8 @@ class Mode(enum.Enum):
     EXTEND   anything else: chunked prefill, prefix-cache hits, long uniform chunks.
     """
 
+    __hash__ = object.__hash__  # (members compare by identity; Enum's own __hash__ is Python code, paid per dict lookup)
+
     DECODE = "decode"
     PREFILL = "prefill"
     VERIFY = "verify"
