@@ -30,23 +30,26 @@ def derive(buf, src, slots, table, windows, meta, counter, fence, BLOCK_R: tl.co
     idx_at, idx_stride = tl.load(meta + 10), tl.load(meta + 11)
     upd_at, U, fence_at = tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14)
     G = tl.num_programs(1)
+    # every read of src first, independent of each other: one round trip over the bus
     u = tl.arange(0, BLOCK_U)
     mu = u < U
     pos = tl.load(src + upd_at + u, mask=mu, other=0)
     val = tl.load(src + upd_at + U + u, mask=mu, other=0)
+    r = tl.arange(0, BLOCK_R)
+    kv = tl.load(src + kv_at + r, mask=r < R, other=0)
+    at = tl.minimum(i, R - 1)  # (program (R, 0) reads request R - 1's: unused)
+    row = tl.load(src + rows_at + at)
+    kv_i = tl.load(src + kv_at + at)
+    fence_value = tl.load(src + fence_at)
     if i == R:
         if g == 0:
             tl.store(table + pos, val, mask=mu)
     else:
-        row = tl.load(src + rows_at + i)
-        kv_i = tl.load(src + kv_at + i)
         lo = row.to(tl.int64) * width
         p64 = pos.to(tl.int64)
         tl.store(table + pos, val, mask=mu & (p64 >= lo) & (p64 < lo + width))
         tl.debug_barrier()
         w = tl.load(windows + g)
-        r = tl.arange(0, BLOCK_R)
-        kv = tl.load(src + kv_at + r, mask=r < R, other=0)
         need = (kv + ps - 1) // ps
         first = tl.where(w > 0, tl.maximum(kv - q_len - (w - 1), 0) // ps, 0)
         count = tl.where(r <= i, need - first, 0)  # requests 0..i: their pages end at this sum
@@ -82,4 +85,4 @@ def derive(buf, src, slots, table, windows, meta, counter, fence, BLOCK_R: tl.co
     done = tl.atomic_add(counter, 1)
     if done == (R + 1) * G - 1:
         tl.store(counter, 0)
-        tl.store(fence, tl.load(src + fence_at))
+        tl.store(fence, fence_value)

@@ -116,7 +116,7 @@ class PoolState(PoolStateBase):
         """XQA decode (fp8_math): PlanError if a request reads more pages than the pool's
         max_pages_per_request. Nothing else to refuse beyond what build_plan and the pool check (a token-tree
         step's mask, q x q bits a request, always fits its buffers)."""
-        if self._on_xqa(plan):
+        if self.xqa is not None and self._on_xqa(plan):
             self.xqa.tables.check(plan)
 
     def gather(self, step: DeviceStep) -> None:
@@ -184,10 +184,10 @@ class PoolState(PoolStateBase):
     def _kept(self, step: DeviceStep, kept: KeptStep) -> tuple:
         """schedule for a shape whose groups all have a kept plan: a fixed group's wrapper as is, a split-KV
         group's while its plan holds (see _plan), else planned again."""
-        out, slot, plan = [], step.shape.slot, step.plan
+        out, slot, plan, owner = [], step.shape.slot, step.plan, self.ws_owner
         for g, fast in enumerate(kept.plans):
-            if fast is None or ((kept.private[g] or self.ws_owner.get((slot, g)) is fast.wrapper)
-                                and fast.holds(plan.kv_lens_of(g))):
+            if fast is None or ((kept.private[g] or owner.get((slot, g)) is fast.wrapper)
+                                and fast.chunks.holds(plan.kv_lens_of(g))):
                 out.append(kept.wrappers[g])
             else:
                 out.append(self._plan(step, g, step.groups[g]))
