@@ -140,7 +140,9 @@ def rows_work(d: Derivation, dev: torch.Tensor, host: torch.Tensor, fence: torch
     d: the pool's Derivation, over its page table): copy the staged head, apply the table updates, derive the
     step's arrays (derived: a bucketed step; else they were staged) or gather the CSR page lists, then each
     backend's own arrays (PoolState.gather); with `fence` (a derived step on CUDA: the slot's pinned fence cell)
-    the last node copies the commit's generation there (capture/lease.py). Returns the work: device ops of fixed
+    the commit's generation is written there once the staging was read (capture/lease.py): by the derive kernel
+    (derive_staged: the whole derived work is that one launch, the copy and the updates included), else by a
+    last copy. Returns the work: device ops of fixed
     sizes (its copy moves the head up to offsets.draft, derived, or offsets.head_end int32 elements)."""
     U = offsets.update_capacity
     end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)

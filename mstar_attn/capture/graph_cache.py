@@ -1,4 +1,4 @@
-"""A commit's device work (copies, table scatter, derivations, gathers), captured as one CUDA graph per
+"""A commit's device work (copies, table updates, derivations, gathers), captured as one CUDA graph per
 key and replayed by every later commit of that key: its host cost is then one graph launch. A
 derived StepRows commit may leave its work for the step's first use (`defer`): a decode graph then
 replays it as its own first nodes (capture/graphs.py), and one launch per step serves both."""

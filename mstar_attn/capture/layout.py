@@ -55,7 +55,7 @@ class Offsets:
     kv_lens: int  # the requests' KV lengths [R] (a bucketed StepRows step's one length array)
     updates: int  # the table updates: positions [U] then values [U]
     update_capacity: int  # U
-    fence: int  # one cell: the commit's generation, which a derived commit's graph copies back (capture/lease.py)
+    fence: int  # one cell: the commit's generation, which a derived commit's graph writes back (capture/lease.py)
     qo: int  # qo_indptr [R+1]: a StepBatch commit copies from here
     slots: int  # slot_mapping (int64; an even int32 offset)
     groups: tuple[GroupOffsets, ...]

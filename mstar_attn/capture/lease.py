@@ -3,10 +3,11 @@ stream its step runs on. Host bookkeeping only; the pool (pool.py) is its one ow
 
 A commit writes slot s's pinned staging, and copies out of it run later on the GPU. Before the
 next commit into s rewrites the staging, those copies must have run: the commit records either an
-event after them, or (a derived StepRows commit, whose copies all sit in one captured graph: see
-GraphBufferPool.commit) a fence: the graph's last node copies the commit's generation, staged with
-the step, back into `fence` (pinned), so the host reads one int instead of paying an event record
-per step. `free(s)` waits for whichever the last commit left.
+event after them, or (a derived StepRows commit, whose reads of the staging all sit in one captured
+graph: see GraphBufferPool.commit) a fence: the commit's generation, staged with the step, written back
+into `fence` (pinned) once the graph has read the staging (on CUDA with Triton, by the derive kernel's
+last program: capture/derive.py; else by the graph's last node, a copy), so the host reads one int
+instead of paying an event record per step. `free(s)` waits for whichever the last commit left.
 """
 
 from __future__ import annotations
