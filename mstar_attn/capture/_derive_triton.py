@@ -6,18 +6,21 @@ import triton
 import triton.language as tl
 
 
+BLOCK_P: tl.constexpr = 128  # page entries a program copies per iteration
+
+
 @triton.jit
-def derive(buf, src, slots, table, windows, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
-           BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr):
+def derive(buf, src, table, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
     """Grid (R + 1, G). Program (i, g), i < R: request i's entries of layer group g; program (R, 0): every
     staged table update. src: the slot's staging (pinned host memory, read over the bus: no copy first);
-    buf: the slot's device buffer; slots: its slot_mapping (int64); counter: one int32 device cell, 0
-    between launches; fence: one int32 cell (pinned) the last program to finish reading src writes the
-    staged fence value to. meta (int32 [15], derive.Derivation.meta): R, q_len, page size, table width,
-    the offsets of the rows, kv_lens, qo_indptr, group 0's kv_indptr (its last_page_len and kv_lens
-    follow), the stride between groups' kv_indptr, group 0's first_page (groups R apart), group 0's
-    indices, the stride between groups' indices, the table updates (positions [U], then values [U]), U
-    and the fence cell.
+    buf: the slot's device buffer; counter: one int32 device cell, 0 between launches; fence: one int32
+    cell (pinned) the last program to finish reading src writes the staged fence value to. BLOCK_R: a
+    power of two >= R (and so 2 * BLOCK_R >= U); BLOCK_Q: a power of two >= q_len. meta (int32 [16 + G],
+    derive.Derivation.meta): R, q_len, page size, table width, the offsets of the rows, kv_lens,
+    qo_indptr, group 0's kv_indptr (its last_page_len and kv_lens follow), the stride between groups'
+    kv_indptr, group 0's first_page (groups R apart), group 0's indices, the stride between groups'
+    indices, the table updates (positions [U], then values [U]), U, the fence cell, the slot_mapping
+    (int64, at an even offset), then each group's window (0: none).
 
     A request's program applies the updates that fall in its own table row before reading the row (a
     barrier between: every thread of the program sees them); program (R, 0) applies them all, so rows
@@ -29,9 +32,10 @@ def derive(buf, src, slots, table, windows, meta, counter, fence, BLOCK_R: tl.co
     ptr_at, ptr_stride, first_at = tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
     idx_at, idx_stride = tl.load(meta + 10), tl.load(meta + 11)
     upd_at, U, fence_at = tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14)
+    slots = (buf + tl.load(meta + 15)).to(tl.pointer_type(tl.int64))
     G = tl.num_programs(1)
     # every read of src first, independent of each other: one round trip over the bus
-    u = tl.arange(0, BLOCK_U)
+    u = tl.arange(0, 2 * BLOCK_R)
     mu = u < U
     pos = tl.load(src + upd_at + u, mask=mu, other=0)
     val = tl.load(src + upd_at + U + u, mask=mu, other=0)
@@ -49,7 +53,7 @@ def derive(buf, src, slots, table, windows, meta, counter, fence, BLOCK_R: tl.co
         p64 = pos.to(tl.int64)
         tl.store(table + pos, val, mask=mu & (p64 >= lo) & (p64 < lo + width))
         tl.debug_barrier()
-        w = tl.load(windows + g)
+        w = tl.load(meta + 16 + g)
         need = (kv + ps - 1) // ps
         first = tl.where(w > 0, tl.maximum(kv - q_len - (w - 1), 0) // ps, 0)
         count = tl.where(r <= i, need - first, 0)  # requests 0..i: their pages end at this sum
@@ -82,7 +86,8 @@ def derive(buf, src, slots, table, windows, meta, counter, fence, BLOCK_R: tl.co
             m = j < n
             tl.store(dst + j, tl.load(src_row + j, mask=m), mask=m)
     # this program has read all it reads of src: the last one to get here writes the fence (and resets the count)
-    done = tl.atomic_add(counter, 1)
+    tl.debug_barrier()  # (every thread of the program past its reads before the count)
+    done = tl.atomic_add(counter, 1, sem="acq_rel")
     if done == (R + 1) * G - 1:
         tl.store(counter, 0)
         tl.store(fence, fence_value)

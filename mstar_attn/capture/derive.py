@@ -57,20 +57,21 @@ class Derivation:
     device, the last element a dump) and its width, each layer group's window W (0: none) on the host
     and as an int32 device tensor, the page size, each group's index capacity (P), and the Triton
     kernel (None: torch ops) with one int32 device counter per pool slot (num_slots; the kernel's
-    count of programs done, 0 between launches) and one cell it writes the fence to when it has none. Per slot shape it keeps the kernel's meta vector
-    (int32 [15] on the device, made at the shape's first, uncaptured, commit): bounded by the buckets."""
+    count of programs done, 0 between launches) and one cell it writes the fence to when it has none.
+    Per slot shape it keeps the kernel's meta vector (int32 [16 + G] on the device, made at the shape's
+    first, uncaptured, commit): bounded by the buckets."""
 
     def __init__(self, table: torch.Tensor, width: int, groups, page_size: int, capacity: int, kernel=None,
                  num_slots: int = 2):
         self.table, self.width, self.page_size, self.capacity, self.kernel = table, width, page_size, capacity, kernel
         self.windows = tuple(g.window or 0 for g in groups)
-        self.windows_dev = torch.tensor(self.windows, dtype=torch.int32, device=table.device)
-        self.counters = torch.zeros(num_slots + 1 if kernel is not None else 0, dtype=torch.int32, device=table.device)
+        # (one cell per 16 bytes, as the fences: one compiled kernel for every slot)
+        self.counters = torch.zeros(4 * (num_slots + 1) if kernel is not None else 0, dtype=torch.int32, device=table.device)
         self._meta: dict[tuple[int, int], torch.Tensor] = {}
 
     def memory(self) -> dict[str, tuple[int, int]]:
-        """Device bytes of the windows, the counters and the meta vectors made so far (host: none)."""
-        n = (self.windows_dev.numel() + self.counters.numel()) * 4 + sum(m.numel() * 4 for m in self._meta.values())
+        """Device bytes of the counters and the meta vectors made so far (host: none)."""
+        n = self.counters.numel() * 4 + sum(m.numel() * 4 for m in self._meta.values())
         return {f"derive meta ({len(self._meta)} shapes)": (n, 0)}
 
     def meta(self, offsets: Offsets, q_len: int) -> torch.Tensor:
@@ -83,7 +84,7 @@ class Derivation:
             m = self._meta[key] = torch.tensor(
                 [offsets.batch_size, q_len, self.page_size, self.width, offsets.table_rows, offsets.kv_lens, offsets.qo,
                  g[0].kv_indptr, stride[0], g[0].first_page, g[0].indices, stride[1], offsets.updates,
-                 offsets.update_capacity, offsets.fence], dtype=torch.int32,
+                 offsets.update_capacity, offsets.fence, offsets.slots, *self.windows], dtype=torch.int32,
                 device=self.table.device)
         return m
 
@@ -103,12 +104,11 @@ def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len:
     filled (q_len tokens per request); `fence` (an int32 [1] pinned cell, or None) gets the staged fence
     value once every program has read `src`. slot: the pool slot (its counter)."""
     R, G = offsets.batch_size, len(offsets.groups)
-    slots = buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64)
-    counter = d.counters[slot : slot + 1]
-    d.kernel[(R + 1, G)](buf, src, slots, d.table, d.windows_dev, d.meta(offsets, q_len), counter,
-                         d.counters[-1:] if fence is None else fence, BLOCK_R=max(16, 1 << (R - 1).bit_length()),
-                         BLOCK_Q=max(16, 1 << (q_len - 1).bit_length()), BLOCK_P=128,
-                         BLOCK_U=max(16, 1 << (offsets.update_capacity - 1).bit_length()))
+    if not 0 <= slot < d.counters.numel() // 4 - 1:
+        raise ValueError(f"derive_staged: slot {slot}, but the Derivation counts {d.counters.numel() // 4 - 1} slots")
+    d.kernel[(R + 1, G)](buf, src, d.table, d.meta(offsets, q_len), d.counters[4 * slot : 4 * slot + 1],
+                         d.counters[-4:-3] if fence is None else fence, BLOCK_R=max(16, 1 << (R - 1).bit_length()),
+                         BLOCK_Q=max(16, 1 << (q_len - 1).bit_length()))
 
 
 def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> None:

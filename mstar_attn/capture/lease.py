@@ -57,21 +57,27 @@ class SlotLeases:
     """num_slots slots of a pool on `device` (cuda: events and a pinned fence array; else host events).
 
     generations[s]: commits into slot s so far (a DeviceStep is live while its count is current).
-    ready[s]: the event after slot s's last event-proven commit; fence [num_slots] int32 pinned: the
-    generation (& FENCE_MASK) each slot's last fenced commit graph wrote back. consumers[s]: the
+    ready[s]: the event after slot s's last event-proven commit; fence [4 * num_slots] int32 pinned: the
+    generation (& FENCE_MASK) each slot's last fenced commit graph wrote back (slot s's: fence_cell(s)). consumers[s]: the
     stream slot s's step runs on, if it was committed on or waited for on a side stream."""
 
     def __init__(self, num_slots: int, cuda: bool):
         self.cuda = cuda
         self.generations = [0] * num_slots
         self.ready = [torch.cuda.Event() if cuda else HostEvent() for _ in range(num_slots)]
-        self.fence = torch.zeros(num_slots, dtype=torch.int32, pin_memory=cuda)
-        self.fence_np = self.fence.numpy()
+        # one cell per 16 bytes (a kernel writing slot s's cell compiles once for every slot: Triton specializes
+        # its pointer arguments on 16-byte alignment); fence_np[s] reads slot s's
+        self.fence = torch.zeros(num_slots * 4, dtype=torch.int32, pin_memory=cuda)
+        self.fence_np = self.fence.numpy()[::4]
         self.fenced = [False] * num_slots  # the slot's last commit is proven by its fence (else by ready[s])
         self.streams: list = [None] * num_slots  # the stream a fenced commit ran on (event_of records there)
         self.consumers: list = [None] * num_slots
         self._reuse = [torch.cuda.Event() if cuda else HostEvent() for _ in range(num_slots)]
         self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
+
+    def fence_cell(self, s: int) -> torch.Tensor:
+        """Slot s's fence cell: int32 [1], pinned on CUDA, 16-byte aligned."""
+        return self.fence[4 * s : 4 * s + 1]
 
     def next_fence(self, s: int) -> int:
         """The value slot s's next commit stages into its fence cell (its generation after the commit)."""

@@ -344,7 +344,7 @@ class GraphBufferPool(SizedBounds):
         return shape
 
     def _work(self, step: DeviceStep, state, offsets, derived: bool):
-        s, fence = step.slot, self.leases.fence[step.slot : step.slot + 1] if derived and self.cuda else None  # (last node)
+        s, fence = step.slot, self.leases.fence_cell(step.slot) if derived and self.cuda else None
         return derive.rows_work(self.derivation, self.dev[s], self.host[s], fence, step, state, offsets, derived)
 
     def _rows_device_work(self, step: DeviceStep, state, offsets, derived: bool, defer: bool, on) -> None:
