@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 
-BLOCK_P: tl.constexpr = 128  # page entries a program copies per iteration
+BLOCK_P = tl.constexpr(128)  # page entries a program copies per iteration (a global a kernel reads must be a constexpr)
 
 
 @triton.jit
