@@ -111,7 +111,6 @@ def main(out_dir: str) -> None:
         say(profile(commit_only, after))
         say(f"--- cProfile, StepBatch build_plan + commit B={B}")
         say(profile(lambda: old_pool.commit(build_plan(batch, spec)), run_old, 400))
-        del pool, old_pool, graphs
     # primitives
     x8 = np.arange(8, dtype=np.int32)
     ev = torch.cuda.Event()
