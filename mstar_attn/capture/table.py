@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar_attn.metadata._arrays import INT32_MAX, int_array, positive_int
+from mstar_attn.metadata._arrays import INT32_MAX, int_array, positive_int, within
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 from mstar_attn.metadata.spec import AttentionSpec
@@ -222,8 +222,7 @@ class PageTable:
                 diff, ok = self._scratch
                 if diff.shape[0] != B:
                     diff, ok = self._scratch = (np.empty(B, np.int32), np.empty(B, np.bool_))
-                np.subtract(plan.kv_lens, low, out=diff)
-                if np.count_nonzero(np.less(diff.view(np.uint32), span, out=ok)) == B:
+                if within(plan.kv_lens, low, span, diff, ok):
                     return None
             row_t, pos = rows, plan.kv_lens - 1  # (the exact check: its message, or a row past a shared page)
         else:

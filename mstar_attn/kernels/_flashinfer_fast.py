@@ -29,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mstar_attn.metadata._arrays import within
+
 VERSIONS = ("0.7.2", "0.7.2.post1")  # the FlashInfer releases whose internals this module reads
 FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
 
@@ -178,5 +180,4 @@ class ChunkRanges:
         low = self.low
         if low is None or low.shape != kv_lens.shape:
             return False
-        np.subtract(kv_lens, low, out=self.diff)
-        return np.count_nonzero(np.less(self.diff.view(np.uint32), self.span, out=self.ok)) == low.shape[0]
+        return within(kv_lens, low, self.span, self.diff, self.ok)

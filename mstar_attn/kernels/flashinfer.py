@@ -187,7 +187,7 @@ class PoolState(PoolStateBase):
         out, slot, plan, owner = [], step.shape.slot, step.plan, self.ws_owner
         for g, fast in enumerate(kept.plans):
             if fast is None or ((kept.private[g] or owner.get((slot, g)) is fast.wrapper)
-                                and fast.chunks.holds(plan.kv_lens_of(g))):
+                                and fast.holds(plan.kv_lens_of(g))):
                 out.append(kept.wrappers[g])
             else:
                 out.append(self._plan(step, g, step.groups[g]))

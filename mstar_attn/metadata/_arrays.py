@@ -73,6 +73,13 @@ def optional_array_field(**kw):
     return attrs.field(default=None, eq=attrs.cmp_using(eq=_same_or_none), repr=False, **kw)
 
 
+def within(values: np.ndarray, low: np.ndarray, span: np.ndarray, diff: np.ndarray, ok: np.ndarray) -> bool:
+    """Whether low[i] <= values[i] < low[i] + span[i] for every i: one subtraction and one unsigned comparison
+    each (values, low [B] int32; span [B] uint32), into the caller's scratch diff [B] int32 and ok [B] bool."""
+    np.subtract(values, low, out=diff)
+    return np.count_nonzero(np.less(diff.view(np.uint32), span, out=ok)) == low.shape[0]
+
+
 def read_only(*arrays: np.ndarray) -> None:
     for a in arrays:
         a.flags.writeable = False

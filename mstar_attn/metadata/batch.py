@@ -236,8 +236,7 @@ class StepRows:
         kv, rows = int_array("kv_lens", kv_lens, 1), int_array("rows", rows, 1)  # (read-only copies, as the fields'
         step, put = cls.__new__(cls), object.__setattr__  # converters make: set without converting again)
         put(step, "rows", rows)
-        n = kv.shape[0]
-        put(step, "q_lens", _ONES[:n] if n <= 65536 else _ones(n))
+        put(step, "q_lens", _ones(kv.shape[0]))
         put(step, "kv_lens", kv)
         put(step, "decode_step", True)
         return step
