@@ -123,7 +123,7 @@ def _shape_field(name: str, doc: str) -> property:
     return forwarded("shape", name, doc)
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # (instance dicts: see made)
 class DeviceStep:
     """What `run` and `write_kv` read for one committed plan, valid until its slot is committed again.
 
@@ -143,6 +143,16 @@ class DeviceStep:
     scheduled: tuple = attrs.field(default=(), eq=False, repr=False)  # backend state, one per group
     # [waited (on the stream that runs it), the caches a write_kv stored into (their K data pointers)]: host facts
     _flags: list = attrs.field(factory=lambda: [False, set()], eq=False, repr=False, alias="_flags")
+
+    @classmethod
+    def made(cls, plan: AttentionPlan, shape: StepShape, generation: int, slots: Slots) -> DeviceStep:
+        """The step __init__ makes of these arguments with the other fields' defaults (a commit on the current
+        stream, nothing scheduled yet): the per-step path's constructor, one dict write instead of a call per
+        field (tests/capture/test_pool.py)."""
+        step = object.__new__(cls)
+        step.__dict__.update(plan=plan, shape=shape, generation=generation, slots=slots, stream=None, scheduled=(),
+                             _flags=[False, set()])
+        return step
 
     slot = _shape_field("slot", "the pool slot (StepShape)")
     padded_batch_size = _shape_field("padded_batch_size", "requests, padding included (StepShape)")

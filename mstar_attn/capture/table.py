@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar_attn.metadata._arrays import INT32_MAX, int_array, positive_int, within
+from mstar_attn.metadata._arrays import INT32_MAX, Ranges, int_array, positive_int
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 from mstar_attn.metadata.spec import AttentionSpec
@@ -65,8 +65,7 @@ class PageTable:
         # kv_len (after the step) in low[r] .. low[r] + span[r] - 1 (span: uint32, 0 for none)
         self.low = np.ones(self.max_requests + 1, np.int32)
         self.span = np.zeros(self.max_requests + 1, np.uint32)
-        self._ranges = (b"", None, None)  # (rows, low[rows], span[rows]) of the last decode check, until a change
-        self._scratch = (np.empty(0, np.int32), np.empty(0, np.bool_))  # the decode check's [B] int32 and bool scratch
+        self._ranges: tuple[bytes, Ranges | None] = (b"", None)  # (rows, their Ranges) of the last decode check, until a change
 
     @property
     def pending(self) -> int:
@@ -145,7 +144,7 @@ class PageTable:
         self.flat[pos] = p
         self.counts[r] = c + 1
         self.span[r] += self.spec.page_size
-        self._ranges = (b"", None, None)
+        self._ranges = (b"", None)
         self._pending.append(pos)
 
     def release(self, row: int, keep: int = 0) -> np.ndarray:
@@ -169,7 +168,7 @@ class PageTable:
     def _held(self, row: int) -> None:
         """Row's decode range after its pages changed: kv_len low[row] .. counts[row] * page_size."""
         self.span[row] = max(int(self.counts[row]) * self.spec.page_size - int(self.low[row]) + 1, 0)
-        self._ranges = (b"", None, None)
+        self._ranges = (b"", None)
 
     def pages(self, row: int) -> np.ndarray:
         """A read-only copy of row's pages."""
@@ -215,14 +214,11 @@ class PageTable:
             raise PlanError(f"kv_lens: request {i} needs more than max_pages_per_request {self.width} pages")
         if plan.mode is Mode.DECODE:  # (from the lengths: a lazy plan's positions are not derived)
             if not slots:  # each row holds alone the page its token lands on iff its kv_len is in its range
-                key_, low, span = self._ranges
+                key_, ranges = self._ranges
                 if key_ != key:
-                    low, span = self.low[rows], self.span[rows]
-                    self._ranges = (key, low, span)
-                diff, ok = self._scratch
-                if diff.shape[0] != B:
-                    diff, ok = self._scratch = (np.empty(B, np.int32), np.empty(B, np.bool_))
-                if within(plan.kv_lens, low, span, diff, ok):
+                    ranges = Ranges(self.low[rows], self.span[rows])
+                    self._ranges = (key, ranges)
+                if ranges.holds(plan.kv_lens):
                     return None
             row_t, pos = rows, plan.kv_lens - 1  # (the exact check: its message, or a row past a shared page)
         else:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar_attn.metadata._arrays import within
+from mstar_attn.metadata._arrays import Ranges
 
 VERSIONS = ("0.7.2", "0.7.2.post1")  # the FlashInfer releases whose internals this module reads
 FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
@@ -148,16 +148,12 @@ class ChunkRanges:
     grid depend on the counts alone, and the kernels read each request's length from the device and
     clip its last chunk to it, so a plan made for other lengths serves a step iff every c_i is the
     same: iff each kv_len_i lies in ((c_i - 1) * T, c_i * T] with T = chunk_pages * page_size tokens
-    (unbounded above at the capped count). `holds` checks that with one subtraction and one unsigned
-    comparison per request. Pure numpy (tests/kernels/test_flashinfer_chunks.py)."""
+    (unbounded above at the capped count). `holds` checks that (metadata/_arrays.Ranges). Pure numpy (tests/kernels/test_flashinfer_chunks.py)."""
 
     def __init__(self, chunk_pages: int, page_size: int, cap: int | None):
         self.chunk_pages, self.page_size, self.cap = chunk_pages, page_size, cap
         self.tokens = chunk_pages * page_size
-        self.low: np.ndarray | None = None  # per request: the least kv_len of its count
-        self.span: np.ndarray | None = None  # per request: how many kv_lens from `low` share it (uint32)
-        self.diff: np.ndarray | None = None  # holds' scratch: [B] int32 (its uint32 view) and [B] bool
-        self.ok: np.ndarray | None = None
+        self.ranges: Ranges | None = None  # per request: the kv_lens of its count (from the last plan)
 
     def counts(self, kv_lens: np.ndarray) -> np.ndarray:
         """c_i [B] for these lengths, as FlashInfer's planners count them."""
@@ -168,16 +164,12 @@ class ChunkRanges:
 
     def plan(self, kv_lens: np.ndarray) -> None:
         c = self.counts(kv_lens)
-        self.low = ((c - 1) * self.tokens + 1).astype(np.int32)
+        low = ((c - 1) * self.tokens + 1).astype(np.int32)  # the least kv_len of each count
         span = np.full(c.shape, self.tokens, np.int64)
         if self.cap is not None:  # the capped count holds for any longer length (up to int32's)
             top = c == -(-self.cap // self.chunk_pages)
-            span[top] = 2**31 - self.low[top].astype(np.int64)
-        self.span = span.astype(np.uint32)
-        self.diff, self.ok = np.empty(c.shape, np.int32), np.empty(c.shape, np.bool_)
+            span[top] = 2**31 - low[top].astype(np.int64)
+        self.ranges = Ranges(low, span.astype(np.uint32))
 
     def holds(self, kv_lens: np.ndarray) -> bool:
-        low = self.low
-        if low is None or low.shape != kv_lens.shape:
-            return False
-        return within(kv_lens, low, self.span, self.diff, self.ok)
+        return self.ranges is not None and self.ranges.holds(kv_lens)

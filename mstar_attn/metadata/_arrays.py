@@ -73,11 +73,37 @@ def optional_array_field(**kw):
     return attrs.field(default=None, eq=attrs.cmp_using(eq=_same_or_none), repr=False, **kw)
 
 
-def within(values: np.ndarray, low: np.ndarray, span: np.ndarray, diff: np.ndarray, ok: np.ndarray) -> bool:
-    """Whether low[i] <= values[i] < low[i] + span[i] for every i: one subtraction and one unsigned comparison
-    each (values, low [B] int32; span [B] uint32), into the caller's scratch diff [B] int32 and ok [B] bool."""
-    np.subtract(values, low, out=diff)
-    return np.count_nonzero(np.less(diff.view(np.uint32), span, out=ok)) == low.shape[0]
+SHORT = 16  # per-request ranges of at most this many requests are checked as Python lists (numpy's fixed cost is higher)
+
+
+class Ranges:
+    """Per-request half-open ranges low[i] <= value < low[i] + span[i] of int32 values ([B] int32 low, [B] uint32
+    span: 0 for none), made once and checked per step by `holds` (a page-table row's decode lengths, a kept
+    FlashInfer plan's chunk counts). Host only; immutable after construction."""
+
+    __slots__ = ("low", "span", "_diff", "_ok", "_lists")
+
+    def __init__(self, low: np.ndarray, span: np.ndarray):
+        self.low, self.span = low, span
+        if low.shape[0] <= SHORT:  # the bounds as Python ints: low and low + span
+            lows = low.tolist()
+            self._lists = (lows, [lo + n for lo, n in zip(lows, span.tolist())])
+        else:  # the numpy check's scratch
+            self._lists, self._diff, self._ok = None, np.empty(low.shape[0], np.int32), np.empty(low.shape[0], np.bool_)
+
+    def holds(self, values: np.ndarray) -> bool:
+        """Whether every values[i] ([B] int32 host) lies in its range: one subtraction and one unsigned comparison
+        each (or, for at most SHORT requests, a Python loop). False for another number of values."""
+        lists = self._lists
+        if values.shape[0] != self.low.shape[0]:
+            return False
+        if lists is not None:
+            for v, lo, hi in zip(values.tolist(), *lists):
+                if not lo <= v < hi:
+                    return False
+            return True
+        np.subtract(values, self.low, out=self._diff)
+        return np.count_nonzero(np.less(self._diff.view(np.uint32), self.span, out=self._ok)) == self._ok.shape[0]
 
 
 def read_only(*arrays: np.ndarray) -> None:

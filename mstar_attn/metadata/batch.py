@@ -210,7 +210,7 @@ class StepBatch:
         return next((p for g, p in self.group_pages if g == group), None)
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # (an instance dict: decode writes it at once)
 class StepRows:
     """One step over a pool's page table (`GraphBufferPool.table`), all host int32 arrays, B requests.
 
@@ -234,11 +234,8 @@ class StepRows:
     def decode(cls, rows, kv_lens) -> StepRows:
         """A decode step: one new token per request."""
         kv, rows = int_array("kv_lens", kv_lens, 1), int_array("rows", rows, 1)  # (read-only copies, as the fields'
-        step, put = cls.__new__(cls), object.__setattr__  # converters make: set without converting again)
-        put(step, "rows", rows)
-        put(step, "q_lens", _ones(kv.shape[0]))
-        put(step, "kv_lens", kv)
-        put(step, "decode_step", True)
+        step = object.__new__(cls)  # converters make: set without converting again)
+        step.__dict__.update(rows=rows, q_lens=_ones(kv.shape[0]), kv_lens=kv, decode_step=True)
         return step
 
     @property

@@ -308,8 +308,7 @@ def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     if first_row < 0:
         fail_at("rows", rows < 0, "a page-table row is negative")
     backend = resolve_backend(spec, Mode.DECODE, B, B, 1, hi, None)
-    plan = AttentionPlan(spec=spec, mode=Mode.DECODE, batch_size=B, num_tokens=B, max_q_len=1, max_kv_len=hi, q_lens=q,
-                         kv_lens=kv, kv_indices=None, slot_mapping=None, backend=backend, rows=rows)
+    plan = AttentionPlan.rows_decode(spec, rows, q, kv, hi, backend)
     object.__setattr__(plan, "sealed", True)
     return plan
 

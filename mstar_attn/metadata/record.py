@@ -49,7 +49,7 @@ def _array_arg(name: str):
     return attrs.field(default=None, alias=name, eq=False, repr=False)
 
 
-@attrs.frozen(eq=False, kw_only=True)
+@attrs.frozen(eq=False, kw_only=True, slots=False)  # (instance dicts: see rows_decode)
 class AttentionPlan:
     """Everything any backend needs for one step, B requests and T new tokens, host arrays.
 
@@ -112,6 +112,18 @@ class AttentionPlan:
     kv_last_page_len = property(lambda self: self._array("kv_last_page_len"), doc="[B] int32")
     positions = property(lambda self: self._array("positions"), doc="[T] int64")
     groups = property(lambda self: self._array("groups"), doc="tuple[GroupPlan, ...], one per layer group")
+
+    @classmethod
+    def rows_decode(cls, spec: AttentionSpec, rows: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
+                    max_kv_len: int, backend: str) -> AttentionPlan:
+        """The lazy plan of a StepRows decode step (B = rows.shape[0] requests, one token each), field for field
+        what __init__ makes of these arguments (build_plan's per-step path: one dict write instead of a call per
+        field; not sealed: build_plan seals what it checked)."""
+        B = kv_lens.shape[0]
+        plan = object.__new__(cls)
+        plan.__dict__.update(_DECODE_DEFAULTS, spec=spec, batch_size=B, num_tokens=B, max_kv_len=max_kv_len,
+                             q_lens=q_lens, kv_lens=kv_lens, backend=backend, rows=rows, _cache={})
+        return plan
 
     @property
     def lazy(self) -> bool:
@@ -212,6 +224,11 @@ class AttentionPlan:
         own = self.groups[group].slot_mapping
         return self.slot_mapping if own is None else own
 
+
+# the fields rows_decode does not take, as __init__ sets them for a StepRows decode plan (tests/metadata/test_record.py)
+_DECODE_DEFAULTS = {**{a.name: a.default for a in attrs.fields(AttentionPlan) if a.default is not attrs.NOTHING
+                       and not isinstance(a.default, attrs.Factory)},
+                    "mode": Mode.DECODE, "max_q_len": 1, "kv_indices": None, "slot_mapping": None}
 
 _STORED = ("spec", "mode", "batch_size", "num_tokens", "max_q_len", "max_kv_len", "q_lens", "kv_lens", "kv_indices",
            "slot_mapping", "block_table", "backend", "rows", "draft_step", "cascade", "tree")

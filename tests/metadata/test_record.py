@@ -84,3 +84,22 @@ def test_evolving_a_read_plan_derives_again_and_a_hand_made_plan_without_arrays_
         prefill.positions
     with pytest.raises(PlanError, match="groups"):
         attrs.evolve(lazy, rows=None).groups
+
+
+def test_rows_decode_makes_the_plan_init_makes_field_for_field():
+    """AttentionPlan.rows_decode (build_plan's per-step constructor) against __init__ on the same arguments: every
+    attrs field, the instance's attribute names and a fresh derived-array cache of its own."""
+    seed = fresh_seed()
+    spec, lazy, _ = _steps(seed)
+    init = AttentionPlan(spec=spec, mode=Mode.DECODE, batch_size=lazy.batch_size, num_tokens=lazy.batch_size, max_q_len=1,
+                         max_kv_len=lazy.max_kv_len, q_lens=lazy.q_lens, kv_lens=lazy.kv_lens, kv_indices=None,
+                         slot_mapping=None, backend=lazy.backend, rows=lazy.rows)
+    object.__setattr__(init, "sealed", True)
+    assert set(vars(init)) == set(vars(lazy)), f"seed {seed}"
+    for field in attrs.fields(AttentionPlan):
+        a, b = getattr(init, field.name), getattr(lazy, field.name)
+        assert a is b or (field.name == "_cache" and a == b == {}), f"seed {seed}: field {field.name}: {a!r} vs {b!r}"
+    other = AttentionPlan.rows_decode(spec, lazy.rows, lazy.q_lens, lazy.kv_lens, lazy.max_kv_len, lazy.backend)
+    assert other._cache is not lazy._cache and not other.sealed and other == lazy, f"seed {seed}"
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        lazy.max_kv_len = 1
