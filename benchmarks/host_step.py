@@ -1,7 +1,8 @@
 """H100: host work per decode step, side by side with FlashInfer plan(), one process.
 
-(a) host µs per decode step at B = 1, 8, 64, 256 (~2k tokens, page 16, 32/8 heads, d 128), interleaved
-    rounds on the same lengths: FlashInfer's own plan(); the StepRows path (StepRows.decode +
+(a) host µs per decode step at B = 1, 8, 64, 256 (~2k tokens, page 16, 32/8 heads, d 128), the arms
+    taking turns call by call on the same lengths (`interleaved`; paired_ratio: the median of each turn's
+    StepRows step / plan()): FlashInfer's own plan(); the StepRows path (StepRows.decode +
     build_plan + commit(defer=True), the pages already in the table: `rows_step`), the same with the
     engine's table.append for the requests starting a page (`rows_step_append`), the same committed
     without defer (the commit launches its own device graph: `rows_step_no_defer`), the StepBatch path;
@@ -100,6 +101,29 @@ def host_us(fn, n=400, warmup=40, sync_every=50, after=None) -> list[float]:
     return out
 
 
+def interleaved(arms: dict, n=1200, warmup=40, sync_every=50) -> dict[str, list[float]]:
+    """Host µs of n calls of each arm, the arms taking turns call by call (their order rotating each turn), so slow
+    phases of a noisy host fall on every arm alike. arms: name -> (fn, after); after(fn's result) runs untimed."""
+    names = list(arms)
+    for _ in range(warmup):
+        for name in names:
+            fn, after = arms[name]
+            after(fn())
+    torch.cuda.synchronize()
+    out = {name: [] for name in names}
+    for i in range(n):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            fn, after = arms[name]
+            t0 = time.perf_counter()
+            r = fn()
+            out[name].append((time.perf_counter() - t0) * 1e6)
+            after(r)
+        if i % sync_every == 0:
+            torch.cuda.synchronize()
+    return out
+
+
 def one_layer(pool, cache) -> DecodeGraphs:
     """A decode graph of one attention layer over `cache` (what runs each step in part (a), untimed)."""
     q = torch.zeros(max(pool.buckets), 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -153,16 +177,13 @@ def part_a(spec, ws) -> list[dict]:
             raw.run(q, (cache.k, cache.v))
             torch.cuda.synchronize()
 
-        t = {"flashinfer_plan": [], "flashinfer_plan_hot": [], "rows_step": [], "rows_step_append": [],
-             "rows_step_no_defer": [], "batch_step": []}
-        for _ in range(3):  # interleaved rounds: the host's noise hits every side
-            t["flashinfer_plan"] += host_us(raw_plan, after=raw_after)
+        t = interleaved({  # call by call: the host's noise hits every arm alike
+            "flashinfer_plan": (raw_plan, raw_after), "rows_step": (lean.step_only, after),
+            "rows_step_append": (eng.step, after), "rows_step_no_defer": (eager.step_only, after),
+            "batch_step": (old, lambda step: (step.mark_stored(cache), fi.run(step, q, cache), torch.cuda.synchronize()))})
+        t["flashinfer_plan_hot"] = []
+        for _ in range(3):
             t["flashinfer_plan_hot"] += host_us(raw_plan)  # back to back, nothing between calls
-            t["rows_step"] += host_us(lean.step_only, after=after)
-            t["rows_step_append"] += host_us(eng.step, after=after)
-            t["rows_step_no_defer"] += host_us(eager.step_only, after=after)
-            t["batch_step"] += host_us(old, after=lambda step: (step.mark_stored(cache), fi.run(step, q, cache),
-                                                                torch.cuda.synchronize()))
         after(lean.step_only())
         rows_bytes = lean_pool.last_commit_bytes
         old()
@@ -171,6 +192,7 @@ def part_a(spec, ws) -> list[dict]:
         rows.append(dict(batch=B, **{f"{k}_us": v for k, v in med.items()}, **{f"{k}_iqr_us": spread(v) for k, v in t.items()},
                          **{f"{k}_mean_us": float(np.mean(v)) for k, v in t.items()},
                          ratio=med["rows_step"] / med["flashinfer_plan"], batch_ratio=med["batch_step"] / med["flashinfer_plan"],
+                         paired_ratio=statistics.median(np.divide(t["rows_step"], t["flashinfer_plan"])),
                          ratio_vs_hot_plan=med["rows_step"] / med["flashinfer_plan_hot"],
                          append_ratio=med["rows_step_append"] / med["flashinfer_plan"],
                          rows_h2d_bytes=rows_bytes, batch_h2d_bytes=old_pool.last_commit_bytes,

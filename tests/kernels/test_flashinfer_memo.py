@@ -74,7 +74,7 @@ def test_a_plan_reused_past_a_changed_chunk_count_is_caught(monkeypatch):
     planned (the capture's scratch steps plan 4 requests, the walk 3), some step's output is wrong."""
     seed = fresh_seed()
     monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "holds",
-                        lambda self, lens: self.chunks.low is not None and self.chunks.low.shape == lens.shape)
+                        lambda self, lens: self.chunks.ranges is not None and self.chunks.ranges.low.shape == lens.shape)
     wrong = 0
     for plan, out, want in _walk(seed, 40, True):
         try:
