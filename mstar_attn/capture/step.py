@@ -148,7 +148,7 @@ class DeviceStep:
     def made(cls, plan: AttentionPlan, shape: StepShape, generation: int, slots: Slots) -> DeviceStep:
         """The step __init__ makes of these arguments with the other fields' defaults (a commit on the current
         stream, nothing scheduled yet): the per-step path's constructor, one dict write instead of a call per
-        field (tests/capture/test_pool.py)."""
+        field (tests/capture/test_step.py)."""
         step = object.__new__(cls)
         step.__dict__.update(plan=plan, shape=shape, generation=generation, slots=slots, stream=None, scheduled=(),
                              _flags=[False, set()])

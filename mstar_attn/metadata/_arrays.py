@@ -79,7 +79,7 @@ SHORT = 16  # per-request ranges of at most this many requests are checked as Py
 class Ranges:
     """Per-request half-open ranges low[i] <= value < low[i] + span[i] of int32 values ([B] int32 low, [B] uint32
     span: 0 for none), made once and checked per step by `holds` (a page-table row's decode lengths, a kept
-    FlashInfer plan's chunk counts). Host only; immutable after construction."""
+    FlashInfer plan's chunk counts). Host only; its bounds never change after construction."""
 
     __slots__ = ("low", "span", "_diff", "_ok", "_lists")
 
