@@ -300,8 +300,7 @@ class GraphBufferPool(SizedBounds):
         try:
             if here is not None:
                 lease.after_consumer(s, on)
-            step = (DeviceStep.made(plan, shape, generation, self.slots) if side is None else
-                    DeviceStep(plan=plan, shape=shape, generation=generation, slots=self.slots, stream=side))
+            step = DeviceStep.made(plan, shape, generation, self.slots, side)
             self.last_commit_bytes = sent = table.send(updates) if left else 0  # (admissions past the head: sent first)
             if not lazy:
                 self._rows_device_work(step, state, offsets, True, False, on)

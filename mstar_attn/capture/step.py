@@ -145,12 +145,12 @@ class DeviceStep:
     _flags: list = attrs.field(factory=lambda: [False, set()], eq=False, repr=False, alias="_flags")
 
     @classmethod
-    def made(cls, plan: AttentionPlan, shape: StepShape, generation: int, slots: Slots) -> DeviceStep:
-        """The step __init__ makes of these arguments with the other fields' defaults (a commit on the current
-        stream, nothing scheduled yet): the per-step path's constructor, one dict write instead of a call per
-        field (tests/capture/test_step.py)."""
+    def made(cls, plan: AttentionPlan, shape: StepShape, generation: int, slots: Slots,
+             stream: torch.cuda.Stream | None = None) -> DeviceStep:
+        """The step __init__ makes of these arguments with the other fields' defaults (nothing scheduled yet): the
+        per-step path's constructor, one dict write instead of a call per field (tests/capture/test_step.py)."""
         step = object.__new__(cls)
-        step.__dict__.update(plan=plan, shape=shape, generation=generation, slots=slots, stream=None, scheduled=(),
+        step.__dict__.update(plan=plan, shape=shape, generation=generation, slots=slots, stream=stream, scheduled=(),
                              _flags=[False, set()])
         return step
 

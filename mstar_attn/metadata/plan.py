@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, fail_at, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, SHORT, fail_at, read_only
 import attrs
 
 from mstar_attn.metadata.backends import AUTO, AUTO_CASCADE, BACKENDS, CASCADE_BACKENDS, TREE_BACKENDS
@@ -26,7 +26,6 @@ from mstar_attn.metadata.tree import DraftTree
 __all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "GroupPlan", "Mode", "build_plan", "build_tree_plan", "scratch_plan"]
 
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # (min / max of a per-step array without ndarray's wrappers)
-SHORT = 32  # a decode step of at most this many requests checks its lengths as Python lists
 
 
 def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_ownership: bool = True) -> AttentionPlan:

@@ -27,6 +27,9 @@ def test_made_is_init_with_the_defaults_of_a_current_stream_commit():
     for field in attrs.fields(DeviceStep):
         a, b = getattr(init, field.name), getattr(made, field.name)
         assert a is b or a == b, f"seed {seed}: field {field.name}: {a!r} vs {b!r}"
+    side = object()  # (a side stream as the step holds it: a commit with stream=, checked before it gets here)
+    assert DeviceStep.made(step.plan, step.shape, step.generation, step.slots, side).stream is side is DeviceStep(
+        plan=step.plan, shape=step.shape, generation=step.generation, slots=step.slots, stream=side).stream, f"seed {seed}"
     made.mark_stored(None)
     assert made.kv_stored and not init.kv_stored and not step.kv_stored, f"seed {seed}: flags are not shared"
     assert step.live and step.slot == step.shape.slot and step.padded_batch_size >= B, f"seed {seed}"
