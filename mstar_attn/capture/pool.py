@@ -270,17 +270,15 @@ class GraphBufferPool(SizedBounds):
         derives every other array from them (derive.rows_work): deferred with `defer` (see commit),
         else one graph launch. Its StepShape is made once per slot and bucket shape. A backend state that
         plans from host arrays (not lazy_host_arrays) gets them staged, and runs after the device work."""
-        table, lease = self.table, self.leases
+        table, lease, q_len = self.table, self.leases, plan.max_q_len
         table.check_step(plan, slots=False)  # the last check, O(B)
         s = self.free_slot(slot)
-        q_len = plan.max_q_len
         shape = self._views.get(("shape", s, bucket, q_len))
         if shape is None:
             shape = self._derived_shape(s, bucket, q_len)
         offsets = self._offsets[(bucket, q_len)]
         updates = table.take_updates()  # (put back if the commit fails)
-        h = self.host_np[s]
-        lazy = state is None or state.lazy_host_arrays  # (none: nothing reads them)
+        h, lazy = self.host_np[s], state is None or state.lazy_host_arrays  # (lazy: no planner reads the host arrays)
         try:
             left = stage_derived(h, plan, offsets, bucket, q_len, updates, table, self.held[s])
             h[offsets.fence] = lease.next_fence(s)
@@ -293,7 +291,7 @@ class GraphBufferPool(SizedBounds):
         self.unstaged[s] = generation if lazy else -1
         self.next_slot = (s + 1) % len(self.host)
         on, fenced = side or here, False  # the stream this commit's copies and host scheduling run on
-        context = torch.cuda.stream(side) if side is not None else None
+        context = None if side is None else torch.cuda.stream(side)
         if context is not None:
             context.__enter__()
         self.last_commit_bytes = 0
@@ -305,14 +303,14 @@ class GraphBufferPool(SizedBounds):
             if not lazy:
                 self._rows_device_work(step, state, offsets, True, False, on)
             if state is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
-                object.__setattr__(step, "scheduled", state.schedule(step))
+                step.__dict__["scheduled"] = state.schedule(step)
             if lazy:  # (after the backend state's copies: their order does not matter, the arrays are the same)
                 # the graph writes back a fence that proves every copy out of the staging ran, unless the
                 # backend state planned from it (staged the host arrays) or anything was uploaded
                 fenced = side is None and self.unstaged[s] == generation and self.last_commit_bytes == sent
                 if defer and fenced:  # (_rows_device_work's deferred case, inline: the per-step path)
-                    key = ("derived", s, bucket, bucket * q_len, plan.backend)
-                    self.device_work.defer(s, generation, key, lambda: self._work(step, state, offsets, True), on)
+                    self.device_work.defer(s, generation, ("derived", s, bucket, bucket * q_len, plan.backend),
+                                           lambda: self._work(step, state, offsets, True), on)
                     self.last_commit_bytes += offsets.draft * 4
                 else:
                     self._rows_device_work(step, state, offsets, True, False, on)

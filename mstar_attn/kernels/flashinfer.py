@@ -26,6 +26,7 @@ from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaD
 from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
+from mstar_attn.metadata.spec import Kind
 
 if TYPE_CHECKING:
     from mstar_attn.capture.view import PoolView
@@ -48,6 +49,24 @@ class KeptStep:
     plans: tuple
     private: tuple
     fixed: bool
+    plain: tuple = ()  # per group: whether its kv_lens are the plan's own (PoolState.plain); () for none
+    split: tuple = attrs.field(init=False, eq=False, repr=False)  # the SplitGroups: what schedule checks per step
+
+    def __attrs_post_init__(self):
+        object.__setattr__(self, "split", tuple(
+            SplitGroup(group=g, plan=p, private=self.private[g], plain=g < len(self.plain) and self.plain[g])
+            for g, p in enumerate(self.plans) if p is not None))
+
+
+@attrs.frozen
+class SplitGroup:
+    """A KeptStep's layer group whose plan splits KV, re-planned when its chunk counts change: its index, its
+    FastDecodePlan, whether that plan has an int workspace of its own, whether the group's kv_lens are the plan's."""
+
+    group: int
+    plan: FastDecodePlan
+    private: bool
+    plain: bool
 
 
 class PoolState(PoolStateBase):
@@ -96,6 +115,8 @@ class PoolState(PoolStateBase):
         self.ws_owner: dict[tuple, object] = {}  # (slot, group) -> the wrapper that last planned into its shared int workspace
         self.private_keys: set[tuple] = set()  # kept plans of wrappers with an int workspace of their own
         self.fixed: dict[tuple, object] = {}  # (slot, group, padded batch, q_len[, draft step]) -> its wrapper, planned once for good
+        # per layer group: whether its kv_lens are the plan's own (not a window's, an own list's or the encoder's)
+        self.plain = tuple(g.kind is not Kind.WINDOW and i not in spec.own_page_groups for i, g in enumerate(spec.groups))
         self.kept_steps: dict[tuple, KeptStep] = {}  # (slot, padded batch, q_len, mode) -> its groups' kept plans (schedule)
         self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once
         self.sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
@@ -161,8 +182,14 @@ class PoolState(PoolStateBase):
         sh = step.shape  # (its fields read directly: the per-step path)
         if sh.bucket is not None and plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before
             kept = self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
-            if kept is not None:
-                return kept.wrappers if kept.fixed else self._kept(step, kept)
+            if kept is not None:  # (while every split group's plan holds, as _kept finds: the kept wrappers)
+                owner = self.ws_owner
+                for sg in kept.split:
+                    fast = sg.plan
+                    if not ((sg.private or owner.get((sh.slot, sg.group)) is fast.wrapper)
+                            and fast.holds(plan.kv_lens if sg.plain else plan.kv_lens_of(sg.group))):
+                        return self._kept(step, kept)
+                return kept.wrappers
         if plan.cascade is not None:
             levels = self.cascade.schedule(step)
             return tuple(levels[g] if g in levels else self._plan(step, g, dg) for g, dg in enumerate(step.groups))
@@ -178,7 +205,7 @@ class PoolState(PoolStateBase):
             if all(k in self.fixed or k in self.fast for k in keys):  # (every group planned by its kept plan from now on)
                 self.kept_steps[(step.slot, step.padded_batch_size, step.q_len, plan.mode)] = KeptStep(
                     wrappers=out, plans=plans, private=tuple(k in self.private_keys for k in keys),
-                    fixed=all(p is None for p in plans))
+                    fixed=all(p is None for p in plans), plain=self.plain)
         return out
 
     def _kept(self, step: DeviceStep, kept: KeptStep) -> tuple:

@@ -1,0 +1,51 @@
+"""metadata/batch.py: StepRows.decode (the per-step constructor) makes the step the constructor makes of the same
+rows and lengths, whatever form they come in, and holds read-only copies; what the constructor refuses it refuses
+with the same message."""
+
+import numpy as np
+import pytest
+
+from mstar_attn import PlanError
+from mstar_attn.metadata.batch import StepRows
+from tests.helpers import fresh_seed
+
+FORMS = {  # the forms an engine may hand over: int32 (the per-step case, copied at once), int64, lists, views
+    "int32": lambda a: a.astype(np.int32),
+    "int64": lambda a: a.astype(np.int64),
+    "list": lambda a: a.tolist(),
+    "strided int32": lambda a: np.repeat(a.astype(np.int32), 2)[::2],
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_decode_equals_the_constructor_and_copies(form):
+    for _ in range(20):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        B = int(rng.integers(1, 70))
+        rows, kv = FORMS[form](rng.permutation(900)[:B]), FORMS[form](rng.integers(1, 5000, B))
+        step = StepRows.decode(rows, kv)
+        want = StepRows(rows, np.ones(B, np.int32), kv)
+        assert step == want and step.decode_step and not want.decode_step, seed
+        for name in ("rows", "q_lens", "kv_lens"):
+            a = getattr(step, name)
+            assert a.dtype == np.int32 and a.shape == (B,) and not a.flags.writeable, (seed, name)
+        if isinstance(kv, np.ndarray):  # a copy: the engine's next in-place update does not reach the step
+            kv += 1
+            rows[0] += 1
+            assert np.array_equal(step.kv_lens, want.kv_lens) and np.array_equal(step.rows, want.rows), seed
+
+
+@pytest.mark.parametrize("rows, kv", [
+    (np.zeros((2, 2), np.int32), np.ones(4, np.int32)),  # a 2-D int32 array is not taken as a vector
+    (np.arange(3, dtype=np.int32), np.ones((3, 1), np.int32)),
+    (np.arange(3, dtype=np.int32), np.array([1.0, 2.0, 3.0])),  # floats are never truncated
+    (np.arange(3, dtype=np.int32), np.array([1, 2, 2**40])),  # past int32
+    ([0, 1, "2"], [1, 2, 3]),
+])
+def test_decode_refuses_what_the_constructor_refuses(rows, kv):
+    with pytest.raises(PlanError) as want:
+        StepRows(rows, np.ones(len(kv), np.int32), kv)
+    with pytest.raises(PlanError) as got:
+        StepRows.decode(rows, kv)
+    assert str(got.value) == str(want.value)
