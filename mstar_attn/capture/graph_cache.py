@@ -33,7 +33,7 @@ def capture_into(graph: torch.cuda.CUDAGraph, memory, fn: Callable[[], _T], mode
             gc.enable()
 
 
-@attrs.define(frozen=False)  # (made per step: a plain __init__; nothing changes one after it is made)
+@attrs.define  # (made per step: a plain __init__, not a frozen one; nothing changes one after it is made)
 class Pending:
     """A commit whose device work is deferred and not launched yet: its slot's generation, its graph key,
     and the stream it was committed on (None: a CPU pool)."""

@@ -115,7 +115,8 @@ class PoolState(PoolStateBase):
         self.ws_owner: dict[tuple, object] = {}  # (slot, group) -> the wrapper that last planned into its shared int workspace
         self.private_keys: set[tuple] = set()  # kept plans of wrappers with an int workspace of their own
         self.fixed: dict[tuple, object] = {}  # (slot, group, padded batch, q_len[, draft step]) -> its wrapper, planned once for good
-        # per layer group: whether its kv_lens are the plan's own (not a window's, an own list's or the encoder's)
+        # per layer group: whether its kv_lens are the plan's own (not a window's, an own list's or the encoder's;
+        # tests/metadata/test_record.py holds every plan form to it)
         self.plain = tuple(g.kind is not Kind.WINDOW and i not in spec.own_page_groups for i, g in enumerate(spec.groups))
         self.kept_steps: dict[tuple, KeptStep] = {}  # (slot, padded batch, q_len, mode) -> its groups' kept plans (schedule)
         self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once

@@ -42,6 +42,7 @@ def test_decode_equals_the_constructor_and_copies(form):
     (np.arange(3, dtype=np.int32), np.array([1.0, 2.0, 3.0])),  # floats are never truncated
     (np.arange(3, dtype=np.int32), np.array([1, 2, 2**40])),  # past int32
     ([0, 1, "2"], [1, 2, 3]),
+    (np.zeros((2, 2), np.int32), np.array([1.0, 2.0])),  # both wrong: the first field's error, as the constructor's
 ])
 def test_decode_refuses_what_the_constructor_refuses(rows, kv):
     with pytest.raises(PlanError) as want:

@@ -5,7 +5,7 @@ import attrs
 import numpy as np
 import pytest
 
-from mstar_attn import LayerGroup, Mode, PlanError, build_plan
+from mstar_attn import Kind, LayerGroup, Mode, PlanError, StepBatch, build_plan
 from mstar_attn.metadata.batch import StepRows
 from mstar_attn.metadata.record import AttentionPlan
 from tests.helpers import fresh_seed, spec_for
@@ -103,3 +103,19 @@ def test_rows_decode_makes_the_plan_init_makes_field_for_field():
     assert other._cache is not lazy._cache and not other.sealed and other == lazy, f"seed {seed}"
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         lazy.max_kv_len = 1
+
+
+def test_a_group_that_is_neither_window_nor_own_list_reads_the_plans_own_kv_lens():
+    """What FlashInfer's kept-schedule check relies on (kernels/flashinfer.py PoolState.plain): such a group's
+    kv_lens are the plan's, for the lazy and the eager StepRows plan and for a StepBatch plan of the same step."""
+    for _ in range(20):
+        seed = fresh_seed()
+        spec, lazy, eager = _steps(seed)
+        ps, B = spec.page_size, lazy.batch_size
+        pages = [(np.arange(-(-int(k) // ps)) + 7 * i) % spec.num_pages for i, k in enumerate(lazy.kv_lens)]
+        batch = StepBatch.from_pages(np.ones(B, np.int32), lazy.kv_lens, pages, ps)  # (page ids do not matter here)
+        for plan in (lazy, eager, build_plan(batch, spec, check_ownership=False)):
+            for g, group in enumerate(spec.groups):
+                if group.kind is not Kind.WINDOW and g not in spec.own_page_groups:
+                    assert np.array_equal(plan.kv_lens_of(g), plan.kv_lens), (seed, g)
+                    assert np.array_equal(plan.groups[g].kv_lens, plan.kv_lens), (seed, g)
