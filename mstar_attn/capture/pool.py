@@ -303,7 +303,7 @@ class GraphBufferPool(SizedBounds):
             if not lazy:
                 self._rows_device_work(step, state, offsets, True, False, on)
             if state is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
-                step.__dict__["scheduled"] = state.schedule(step)
+                object.__setattr__(step, "scheduled", state.schedule(step))
             if lazy:  # (after the backend state's copies: their order does not matter, the arrays are the same)
                 # the graph writes back a fence that proves every copy out of the staging ran, unless the
                 # backend state planned from it (staged the host arrays) or anything was uploaded

@@ -42,26 +42,18 @@ FIXED_CTAS_PER_SM = 2
 @attrs.frozen
 class KeptStep:
     """The kept plans of one bucketed step shape (slot, padded batch, q_len, mode) once every layer group has one:
-    per group its wrapper, and its FastDecodePlan (None: planned once for good, `fixed`) with whether
-    that plan sits in an int workspace of its own (`private`), not the slot and group's shared one."""
+    per group its wrapper, and the groups whose plan splits KV (`split`: re-planned when a chunk count changes;
+    the others were planned once for good)."""
 
     wrappers: tuple
-    plans: tuple
-    private: tuple
-    fixed: bool
-    plain: tuple = ()  # per group: whether its kv_lens are the plan's own (PoolState.plain); () for none
-    split: tuple = attrs.field(init=False, eq=False, repr=False)  # the SplitGroups: what schedule checks per step
-
-    def __attrs_post_init__(self):
-        object.__setattr__(self, "split", tuple(
-            SplitGroup(group=g, plan=p, private=self.private[g], plain=g < len(self.plain) and self.plain[g])
-            for g, p in enumerate(self.plans) if p is not None))
+    split: tuple  # SplitGroup, one per group with a FastDecodePlan
 
 
 @attrs.frozen
 class SplitGroup:
-    """A KeptStep's layer group whose plan splits KV, re-planned when its chunk counts change: its index, its
-    FastDecodePlan, whether that plan has an int workspace of its own, whether the group's kv_lens are the plan's."""
+    """A KeptStep's layer group whose plan splits KV: its index, its FastDecodePlan, whether that plan has an int
+    workspace of its own (not the slot and group's shared one), whether the group's kv_lens are the plan's own
+    (PoolState.plain)."""
 
     group: int
     plan: FastDecodePlan
@@ -183,14 +175,8 @@ class PoolState(PoolStateBase):
         sh = step.shape  # (its fields read directly: the per-step path)
         if sh.bucket is not None and plan.draft_step is None and plan.cascade is None:  # a bucketed shape planned before
             kept = self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
-            if kept is not None:  # (while every split group's plan holds, as _kept finds: the kept wrappers)
-                owner = self.ws_owner
-                for sg in kept.split:
-                    fast = sg.plan
-                    if not ((sg.private or owner.get((sh.slot, sg.group)) is fast.wrapper)
-                            and fast.holds(plan.kv_lens if sg.plain else plan.kv_lens_of(sg.group))):
-                        return self._kept(step, kept)
-                return kept.wrappers
+            if kept is not None:
+                return self._kept(step, kept)
         if plan.cascade is not None:
             levels = self.cascade.schedule(step)
             return tuple(levels[g] if g in levels else self._plan(step, g, dg) for g, dg in enumerate(step.groups))
@@ -202,24 +188,23 @@ class PoolState(PoolStateBase):
         out = tuple(self._plan(step, g, dg) for g, dg in enumerate(step.groups))
         if step.bucket is not None and plan.draft_step is None:
             keys = [(step.slot, g, step.padded_batch_size, step.q_len) for g in range(len(out))]
-            plans = tuple(None if k in self.fixed else self.fast.get(k) for k in keys)
             if all(k in self.fixed or k in self.fast for k in keys):  # (every group planned by its kept plan from now on)
-                self.kept_steps[(step.slot, step.padded_batch_size, step.q_len, plan.mode)] = KeptStep(
-                    wrappers=out, plans=plans, private=tuple(k in self.private_keys for k in keys),
-                    fixed=all(p is None for p in plans), plain=self.plain)
+                split = tuple(SplitGroup(group=g, plan=self.fast[k], private=k in self.private_keys, plain=self.plain[g])
+                              for g, k in enumerate(keys) if k not in self.fixed)
+                self.kept_steps[(step.slot, step.padded_batch_size, step.q_len, plan.mode)] = KeptStep(wrappers=out, split=split)
         return out
 
     def _kept(self, step: DeviceStep, kept: KeptStep) -> tuple:
-        """schedule for a shape whose groups all have a kept plan: a fixed group's wrapper as is, a split-KV
-        group's while its plan holds (see _plan), else planned again."""
-        out, slot, plan, owner = [], step.shape.slot, step.plan, self.ws_owner
-        for g, fast in enumerate(kept.plans):
-            if fast is None or ((kept.private[g] or owner.get((slot, g)) is fast.wrapper)
-                                and fast.holds(plan.kv_lens_of(g))):
-                out.append(kept.wrappers[g])
-            else:
-                out.append(self._plan(step, g, step.groups[g]))
-        return tuple(out)
+        """schedule for a shape whose groups all have a kept plan: the kept wrappers, each split-KV group's planned
+        again where its plan no longer holds (see _plan)."""
+        out, slot, plan, owner = None, step.shape.slot, step.plan, self.ws_owner
+        for sg in kept.split:  # (none: every group planned once for good)
+            fast = sg.plan
+            if not ((sg.private or owner.get((slot, sg.group)) is fast.wrapper)
+                    and fast.holds(plan.kv_lens if sg.plain else plan.kv_lens_of(sg.group))):
+                out = list(kept.wrappers) if out is None else out
+                out[sg.group] = self._plan(step, sg.group, step.groups[sg.group])
+        return kept.wrappers if out is None else tuple(out)
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """A draft round: XQA's page tables once (the steps list the same pages), the wrappers per step."""

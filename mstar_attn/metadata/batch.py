@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32, array_field, int_array, optional_array_field, positive_int
+from mstar_attn.metadata._arrays import array_field, int_array, optional_array_field, positive_int
 from mstar_attn.metadata.errors import PlanError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the batch sizes a pool pads decode / verify steps to by default
@@ -233,22 +233,11 @@ class StepRows:
     @classmethod
     def decode(cls, rows, kv_lens) -> StepRows:
         """A decode step: one new token per request."""
-        # read-only copies, as the fields' converters make (set without converting again); int32 vectors, the
-        # per-step case, copied at once as int_array would, else through int_array (its checks, its messages), in the
-        # constructor's field order (rows first: the same error when both are wrong)
-        if type(rows) is np.ndarray and rows.dtype is INT32 and rows.ndim == 1:
-            rows = rows.copy()
-            rows.flags.writeable = False
-        else:
-            rows = int_array("rows", rows, 1)
-        if type(kv_lens) is np.ndarray and kv_lens.dtype is INT32 and kv_lens.ndim == 1:
-            kv = kv_lens.copy()
-            kv.flags.writeable = False
-        else:
-            kv = int_array("kv_lens", kv_lens, 1)
+        # read-only copies, as the fields' converters make, in their order (rows first: the same error when both are
+        # wrong); set without converting again
+        rows, kv = int_array("rows", rows, 1), int_array("kv_lens", kv_lens, 1)
         step = object.__new__(cls)
-        n = kv.shape[0]
-        step.__dict__.update(rows=rows, q_lens=_ONES[:n] if n <= _ONES.shape[0] else _ones(n), kv_lens=kv, decode_step=True)
+        step.__dict__.update(rows=rows, q_lens=_ones(kv.shape[0]), kv_lens=kv, decode_step=True)
         return step
 
     @property
