@@ -7,7 +7,9 @@
     engine's table.append for the requests starting a page (`rows_step_append`), the same committed
     without defer (the commit launches its own device graph: `rows_step_no_defer`), the StepBatch path;
     host-to-device bytes per step. Every StepRows step is then run by a one-layer decode graph and
-    the GPU drained, untimed (a deferred commit's device work runs inside that graph).
+    the GPU drained, untimed (a deferred commit's device work runs inside that graph); the engine's
+    own update of its lengths follows, untimed, as plan()'s arguments are made outside its arm.
+    steady_share: the steps the pool served as steady commits (capture/steady.py).
 (b) kernel time of a replayed decode with a per-step split-KV plan vs the fixed schedule (planned
     once, split-KV off) on decode shapes B x context, interleaved rounds.
 (c) exposed host time: a 32-layer decode-attention graph (write_kv + run per layer) replayed back to
@@ -67,7 +69,15 @@ class Engine:
     def step_only(self):
         """A step whose pages are in the table already (room): StepRows.decode + build_plan + commit."""
         self.kv += 1
+        return self.commit_only()
+
+    def commit_only(self):
+        """step_only without the engine's own update of its lengths (kv += 1): the library's calls alone, what
+        part (a) times (advance() runs after the step, untimed)."""
         return self.pool.commit(build_plan(StepRows.decode(self.rows, self.kv), self.pool.spec), defer=self.defer)
+
+    def advance(self) -> None:
+        self.kv += 1
 
     def step(self):
         self.kv += 1
@@ -177,10 +187,14 @@ def part_a(spec, ws) -> list[dict]:
             raw.run(q, (cache.k, cache.v))
             torch.cuda.synchronize()
 
-        t = interleaved({  # call by call: the host's noise hits every arm alike
-            "flashinfer_plan": (raw_plan, raw_after), "rows_step": (lean.step_only, after),
-            "rows_step_append": (eng.step, after), "rows_step_no_defer": (eager.step_only, after),
+        before = {e: e.pool.steady.commits for e in (lean, eng)}
+        lean.advance(), eager.advance()
+        t = interleaved({  # call by call: the host's noise hits every arm alike (the lengths advance untimed)
+            "flashinfer_plan": (raw_plan, raw_after), "rows_step": (lean.commit_only, lambda st: (after(st), lean.advance())),
+            "rows_step_append": (eng.step, after), "rows_step_no_defer": (eager.commit_only, lambda st: (after(st), eager.advance())),
             "batch_step": (old, lambda step: (step.mark_stored(cache), fi.run(step, q, cache), torch.cuda.synchronize()))})
+        # the share of the steps (the 40 warm-up calls too) the pool served as steady commits (capture/steady.py)
+        steady = {k: (e.pool.steady.commits - before[e]) / (len(t[k]) + 40) for k, e in (("rows_step", lean), ("rows_step_append", eng))}
         t["flashinfer_plan_hot"] = []
         for _ in range(3):
             t["flashinfer_plan_hot"] += host_us(raw_plan)  # back to back, nothing between calls
@@ -196,7 +210,8 @@ def part_a(spec, ws) -> list[dict]:
                          ratio_vs_hot_plan=med["rows_step"] / med["flashinfer_plan_hot"],
                          append_ratio=med["rows_step_append"] / med["flashinfer_plan"],
                          rows_h2d_bytes=rows_bytes, batch_h2d_bytes=old_pool.last_commit_bytes,
-                         fixed_schedule=bool(sched.fixed), split_kv_plans=len(sched.fast)))
+                         fixed_schedule=bool(sched.fixed), split_kv_plans=len(sched.fast),
+                         steady_share=steady["rows_step"], steady_share_append=steady["rows_step_append"]))
         print(rows[-1], flush=True)
         del pool, old_pool, lean_pool, eager_pool, run
     return rows

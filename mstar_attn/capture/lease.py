@@ -69,6 +69,7 @@ class SlotLeases:
         # its pointer arguments on 16-byte alignment); fence_np[s] reads slot s's
         self.fence = torch.zeros(num_slots * 4, dtype=torch.int32, pin_memory=cuda)
         self.fence_np = self.fence.numpy()[::4]
+        self.fence_ints = memoryview(self.fence.numpy())  # the same cells read as Python ints (slot s's: [4 * s])
         self.fenced = [False] * num_slots  # the slot's last commit is proven by its fence (else by ready[s])
         self.streams: list = [None] * num_slots  # the stream a fenced commit ran on (event_of records there)
         self.consumers: list = [None] * num_slots
@@ -87,7 +88,7 @@ class SlotLeases:
         """Return once the copies out of slot s's staging that its last commit queued have run."""
         if self.fenced[s]:
             want = self.generations[s] & FENCE_MASK
-            if self.fence_np[s] == want:
+            if self.fence_ints[4 * s] == want:
                 return
             self.stalls += 1
             start, nap = time.perf_counter(), 10e-6
@@ -110,6 +111,19 @@ class SlotLeases:
         self.fenced[s], self.streams[s] = fenced, on
         if not fenced:
             self.ready[s].record(on)
+
+    def take(self, s: int, on) -> bool:
+        """A steady commit's lease (capture/steady.py), on stream `on` (None: a CPU pool), proven by its fence
+        on CUDA: when slot s is free now (free(s) would not wait) and no slot's step runs on another stream
+        (after_consumer and claim_consumer would do nothing, or raise), claim s as record does and return
+        True; else False, nothing changed (the general commit waits, or raises)."""
+        for c in self.consumers:
+            if c is not None and c is not on:
+                return False
+        if not (self.fence_ints[4 * s] == self.generations[s] & FENCE_MASK if self.fenced[s] else self.ready[s].query()):
+            return False
+        self.consumers[s], self.streams[s], self.fenced[s] = on, on, on is not None
+        return True
 
     def event_of(self, s: int):
         """An event after slot s's last commit (recorded now on that commit's stream if its fence proves it)."""

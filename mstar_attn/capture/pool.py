@@ -1,20 +1,16 @@
 """GraphBufferPool: persistent, double-buffered device copies of plans, and the committed step.
 
-State lives here and nowhere else: per slot, one pinned int32 host staging buffer and its device
-twin (laid out by `Layout`), plus each backend's PoolState (FlashInfer wrappers, FA4 page
-tables) bound to that slot's tensors. `commit(plan)` checks everything first (a commit that raises
-changes nothing), fills the next slot's staging from the plan's host arrays, issues one
-non-blocking host-to-device copy per layer group of exactly the bytes the step uses, runs the
-backend's host-side scheduling, and returns a `DeviceStep`. Two slots let the host commit step
-N+1 while the GPU still copies or reads step N; a slot's staging is rewritten only once the
-copies out of it (and the backend's own pinned planning buffers) have run, which an event
-recorded at commit proves, or for a derived StepRows commit that planned nothing on the host, the
-fence its graph writes back (capture/lease.py).
+State lives here and nowhere else: per slot, one pinned int32 staging buffer and its device twin (laid out
+by `Layout`), and each backend's PoolState (FlashInfer wrappers, FA4 page tables) bound to them. `commit(plan)`
+checks everything first (a commit that raises changes nothing), stages the plan into the next slot, queues
+its copies and device work, runs the backend's host scheduling and returns a `DeviceStep`; a slot's next
+decode step that differs by its lengths only takes the steady commit (steady.py). Two slots let the host
+commit step N+1 while the GPU reads step N; a slot's staging is rewritten only once the copies out of it
+have run, which an event recorded at commit proves, or the fence a derived commit's graph writes back (lease.py).
 
 Everything the pool keeps is bounded by its constructor's arguments: views are cached only for bucketed shapes
 (slots x buckets x q_lens), backend states keep one state per slot, group, bucket and q_len (memory_report()).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +26,7 @@ from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits,
 from mstar_attn.capture.lease import CurrentStream, SlotLeases, check_slot, check_stream
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
+from mstar_attn.capture.steady import SteadySlots, SteadyTerms
 from mstar_attn.capture.step import DeviceStep, MemoryReport, Slots, StepShape, shapes_of
 from mstar_attn.capture.table import PageTable
 from mstar_attn.capture.view import PoolView, SizedBounds
@@ -99,6 +96,9 @@ class GraphBufferPool(SizedBounds):
             spec, max_requests, self.max_pages_per_request, self.device, "cross table")
         self.device_work = CommitGraphs(self.device, slots)  # the commits' device work, one graph per bucketed key
         self.slots = Slots(leases=self.leases, work=self.device_work, device=self.device)  # (what a DeviceStep reads)
+        # per slot, its last general decode commit's decisions, for the steady commits after it (steady.py)
+        self.steady = SteadySlots(slots, self.leases, self.device_work, self.slots, self.host_np, self.unstaged,
+                                  self.current_stream)
         self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
             self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
             derive.triton_kernel() if cuda and derive.USE_TRITON else None, slots)
@@ -165,6 +165,11 @@ class GraphBufferPool(SizedBounds):
         A graph of the caller's own never launches it: call step.prepare() before capturing or
         replaying one over the step.
         """
+        if defer and stream is None and slot is None and (step := self.steady.commit(plan, self.next_slot, self.table)):
+            self.next_slot = (step.slot + 1) % len(self.host)  # (a steady decode step: steady.py)
+            self.last_commit_bytes = self.steady.records[step.slot].sent
+            self.bytes_to_device += self.last_commit_bytes
+            return step
         bucket = checks.validate(self.view, plan)  # the plan's bucket (None: unpadded)
         if stream is not None:
             stream = check_stream(self.device, stream, "commit")
@@ -245,7 +250,7 @@ class GraphBufferPool(SizedBounds):
                 else:
                     if left:  # more table updates than the step's region holds (admissions): sent first
                         self.last_commit_bytes += table.send(updates)
-                    self._rows_device_work(steps[0], state, offsets, False, False, on)
+                    self._rows_device_work(steps[0], state, offsets, False)
                 if state is not None:  # (fresh objects no caller has seen yet: set, not rebuilt)
                     scheduled = state.schedule_round(list(steps)) if round_ else (state.schedule(steps[0]),)
                     for st, sch in zip(steps, scheduled):
@@ -301,25 +306,29 @@ class GraphBufferPool(SizedBounds):
             step = DeviceStep.made(plan, shape, generation, self.slots, side)
             self.last_commit_bytes = sent = table.send(updates) if left else 0  # (admissions past the head: sent first)
             if not lazy:
-                self._rows_device_work(step, state, offsets, True, False, on)
+                self._rows_device_work(step, state, offsets, True)
             if state is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
                 object.__setattr__(step, "scheduled", state.schedule(step))
             if lazy:  # (after the backend state's copies: their order does not matter, the arrays are the same)
                 # the graph writes back a fence that proves every copy out of the staging ran, unless the
                 # backend state planned from it (staged the host arrays) or anything was uploaded
                 fenced = side is None and self.unstaged[s] == generation and self.last_commit_bytes == sent
-                if defer and fenced:  # (_rows_device_work's deferred case, inline: the per-step path)
-                    self.device_work.defer(s, generation, ("derived", s, bucket, bucket * q_len, plan.backend),
-                                           lambda: self._work(step, state, offsets, True), on)
+                if defer and fenced:  # (the work left for the step's first use: see commit)
+                    key, work = ("derived", s, bucket, bucket * q_len, plan.backend), lambda st: self._work(st, state, offsets, True)
+                    self.device_work.defer(s, generation, key, lambda: work(step), on)
                     self.last_commit_bytes += offsets.draft * 4
+                    terms = SteadyTerms(()) if state is None else state.steady(step)
+                    if terms is not None and plan.lazy and not updates.shape[0]:  # (the head holds no update)
+                        self.steady.record(s, plan, step, terms, table, self.layout.index_capacity, (key, work, offsets))
                 else:
-                    self._rows_device_work(step, state, offsets, True, False, on)
+                    self._rows_device_work(step, state, offsets, True)
                 fenced = fenced and here is not None
             if side is None and here is not None:  # (see commit)
                 lease.claim_consumer(s, here, "commit")
         except BaseException:
             table.restore_updates(updates)
             self.device_work.drop(s)  # (a deferred work of this commit: never launched)
+            self.steady.drop(s)
             fenced = False
             raise
         finally:
@@ -345,16 +354,11 @@ class GraphBufferPool(SizedBounds):
         s, fence = step.slot, self.leases.fence_cell(step.slot) if derived and self.cuda else None
         return derive.rows_work(self.derivation, self.dev[s], self.host[s], fence, step, state, offsets, derived)
 
-    def _rows_device_work(self, step: DeviceStep, state, offsets, derived: bool, defer: bool, on) -> None:
-        """A StepRows commit's device work (derive.rows_work): replayed as one graph for a bucketed CUDA step
-        (captured at the first commit of its key), so its host cost is one launch; with `defer`, not even
-        that: the step's first use launches it, on the commit's stream `on` (None: the CPU)."""
+    def _rows_device_work(self, step: DeviceStep, state, offsets, derived: bool) -> None:
+        """A StepRows commit's device work (derive.rows_work), launched now: replayed as one graph for a bucketed CUDA
+        step (captured at the first commit of its key), so its host cost is one launch (deferred: _commit_derived)."""
         key = ("derived" if derived else "staged", step.slot, step.padded_batch_size, step.padded_num_tokens, step.plan.backend)
-        make = lambda: self._work(step, state, offsets, derived)  # noqa: E731
-        if defer:
-            self.device_work.defer(step.slot, step.generation, key, make, on)
-        else:
-            self.device_work.run(key, derived, make())
+        self.device_work.run(key, derived, self._work(step, state, offsets, derived))
         self.last_commit_bytes += (offsets.draft if derived else offsets.head_end) * 4  # (what the work's copy moves)
 
     def stage_host(self, step: DeviceStep) -> None:
@@ -367,6 +371,7 @@ class GraphBufferPool(SizedBounds):
     def free_slot(self, slot: int | None, where: str = "commit") -> int:
         """The slot a commit fills, once every deferred device work is launched and its last copies have run."""
         s = self.next_slot if slot is None else slot
+        self.steady.drop(s)
         if any(self.device_work.pending):
             self.device_work.launch_all(where)
         self.leases.free(s)

@@ -146,12 +146,12 @@ class DeviceStep:
 
     @classmethod
     def made(cls, plan: AttentionPlan, shape: StepShape, generation: int, slots: Slots,
-             stream: torch.cuda.Stream | None = None) -> DeviceStep:
-        """The step __init__ makes of these arguments with the other fields' defaults (nothing scheduled yet): the
-        per-step path's constructor, one dict write instead of a call per field (tests/capture/test_step.py)."""
+             stream: torch.cuda.Stream | None = None, scheduled: tuple = ()) -> DeviceStep:
+        """The step __init__ makes of these arguments with the other fields' defaults: the per-step path's
+        constructor, one dict write instead of a call per field (tests/capture/test_step.py)."""
         step = object.__new__(cls)
-        step.__dict__.update(plan=plan, shape=shape, generation=generation, slots=slots, stream=stream, scheduled=(),
-                             _flags=[False, set()])
+        step.__dict__.update(plan=plan, shape=shape, generation=generation, slots=slots, stream=stream,
+                             scheduled=scheduled, _flags=[False, set()])
         return step
 
     slot = _shape_field("slot", "the pool slot (StepShape)")

@@ -66,6 +66,7 @@ class PageTable:
         self.low = np.ones(self.max_requests + 1, np.int32)
         self.span = np.zeros(self.max_requests + 1, np.uint32)
         self._ranges: tuple[bytes, Ranges | None] = (b"", None)  # (rows, their Ranges) of the last decode check, until a change
+        self.changes = 0  # assign, append and release calls that changed a row so far (a steady commit's record: steady.py)
 
     @property
     def pending(self) -> int:
@@ -145,6 +146,7 @@ class PageTable:
         self.counts[r] = c + 1
         self.span[r] += self.spec.page_size
         self._ranges = (b"", None)
+        self.changes += 1
         self._pending.append(pos)
 
     def release(self, row: int, keep: int = 0) -> np.ndarray:
@@ -169,6 +171,12 @@ class PageTable:
         """Row's decode range after its pages changed: kv_len low[row] .. counts[row] * page_size."""
         self.span[row] = max(int(self.counts[row]) * self.spec.page_size - int(self.low[row]) + 1, 0)
         self._ranges = (b"", None)
+        self.changes += 1
+
+    def decode_ranges(self, rows: np.ndarray) -> Ranges:
+        """Per request of a decode step over `rows` ([B] int32 table rows), the kv_lens (after the step) for which
+        the row holds alone the page its token lands on: what check_step accepts of a decode step (Ranges [B])."""
+        return Ranges(self.low[rows], self.span[rows])
 
     def pages(self, row: int) -> np.ndarray:
         """A read-only copy of row's pages."""
@@ -216,7 +224,7 @@ class PageTable:
             if not slots:  # each row holds alone the page its token lands on iff its kv_len is in its range
                 key_, ranges = self._ranges
                 if key_ != key:
-                    ranges = Ranges(self.low[rows], self.span[rows])
+                    ranges = self.decode_ranges(rows)
                     self._ranges = (key, ranges)
                 if ranges.holds(plan.kv_lens):
                     return None

@@ -21,6 +21,10 @@ and its PoolState is a `PoolStateBase`: `GraphBufferPool.commit` calls
     schedule(step)          host-side scheduling; returns one run object per layer group, which
                             run() reads as step.scheduled[group]
     schedule_round(steps)   the same for the K steps of a draft round (default: schedule each)
+    steady(step)            after schedule, for a deferred decode step: a SteadyTerms (capture/steady.py)
+                            promising that its schedule serves the slot's next decode steps of the same
+                            rows whose lengths lie in given ranges, so the pool may skip check and
+                            schedule for them; or None, no promise (the default)
     memory()                {name: (device bytes, pinned bytes)} of what it holds
 
 `lazy_host_arrays` True promises that schedule reads a derived step's pinned O(rows) arrays, and
@@ -35,6 +39,7 @@ import warnings
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from mstar_attn.capture.steady import SteadyTerms
     from mstar_attn.capture.step import DeviceStep
     from mstar_attn.metadata.plan import AttentionPlan
 
@@ -49,6 +54,7 @@ class PoolState(Protocol):
     def gather(self, step: DeviceStep) -> None: ...
     def schedule(self, step: DeviceStep) -> tuple: ...
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]: ...
+    def steady(self, step: DeviceStep) -> SteadyTerms | None: ...
     def memory(self) -> dict[str, tuple[int, int]]: ...
 
 
@@ -75,6 +81,10 @@ class PoolStateBase:
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """One run object per layer group for each step of a draft round."""
         return [self.schedule(st) for st in steps]
+
+    def steady(self, step: DeviceStep) -> SteadyTerms | None:
+        """No promise: every step of this backend takes the pool's general commit (check and schedule)."""
+        return None
 
     def memory(self) -> dict[str, tuple[int, int]]:
         return {}

@@ -33,6 +33,7 @@ from mstar_attn.cache import PagedKVCache
 from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
 from mstar_attn.kernels._tables import BlockTables
+from mstar_attn.capture.steady import SteadyTerms
 from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
@@ -76,6 +77,11 @@ class PoolState(PoolStateBase):
         """A StepRows step's page tables, gathered on the device (see BlockTables.gather)."""
         if step.plan.backend != VARLEN:
             self.tables.gather(step)
+
+    def steady(self, step: DeviceStep) -> SteadyTerms | None:
+        """A StepRows step's page tables are gathered on the device by its slot's work, for any lengths: its
+        schedule (the slot's table views) serves every later decode step of its shape (None for varlen)."""
+        return None if step.plan.rows is None or step.plan.backend == VARLEN else SteadyTerms(scheduled=step.scheduled)
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """A draft round's steps list the same pages (each reads its own kv_lens): one set of tables for all."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 import flashinfer
+import numpy as np
 import torch
 
 from mstar_attn.cache import PagedKVCache
@@ -23,6 +24,7 @@ from mstar_attn.kernels._flashinfer_tree import TreeRun, TreeState
 from mstar_attn.kernels._common import with_sinks, write_kv  # noqa: F401  (write_kv: this backend's)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, fixed_workspace_bytes, share_workspace, split_kv, supported
 from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
+from mstar_attn.capture.steady import SteadyTerms
 from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
@@ -205,6 +207,27 @@ class PoolState(PoolStateBase):
                 out = list(kept.wrappers) if out is None else out
                 out[sg.group] = self._plan(step, sg.group, step.groups[sg.group])
         return kept.wrappers if out is None else tuple(out)
+
+    def steady(self, step: DeviceStep) -> SteadyTerms | None:
+        """After schedule: the shape's kept wrappers, while no other wrapper plans into the slot (the pool's
+        promise) and each split-KV group's chunk counts hold: over the plan's kv_lens, its ChunkRanges; a window
+        group's count, where it is the same for every length the group can have (1 .. window + page_size - 1),
+        holds for any. None for a step whose schedule is not kept (XQA, a cascade, a draft or tree step, a shape
+        not yet kept) or a window or own-list group whose count may change (its lengths are not the plan's)."""
+        plan, sh = step.plan, step.shape
+        kept = None if self._on_xqa(plan) or plan.tree is not None or plan.draft_step is not None or \
+            plan.cascade is not None else self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
+        if kept is None or any(a is not b for a, b in zip(step.scheduled, kept.wrappers)):
+            return None
+        ranges, groups, ps = [], self.pool.spec.groups, self.pool.spec.page_size
+        for sg in kept.split:
+            r, group = sg.plan.chunks.ranges, groups[sg.group]
+            if r is not None and sg.plain:
+                ranges.append(r)
+            elif r is None or group.kind is not Kind.WINDOW or sg.group in self.pool.spec.own_page_groups or \
+                    not ((r.low <= 1).all() and (r.low + r.span.astype(np.int64) > group.window + ps - 1).all()):
+                return None
+        return SteadyTerms(scheduled=kept.wrappers, ranges=tuple(ranges))
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """A draft round: XQA's page tables once (the steps list the same pages), the wrappers per step."""

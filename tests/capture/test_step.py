@@ -12,8 +12,8 @@ from tests.helpers import fresh_seed, pool_of, spec_for
 def test_made_is_init_with_the_defaults_of_a_current_stream_commit():
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    spec = spec_for(page_size=4, num_pages=300)
-    pool = pool_of(spec, device="cpu", max_batch_size=16, max_num_tokens=64, max_num_pages=300, max_requests=32,
+    spec = spec_for(page_size=4, num_pages=320)  # (8 requests x 40 pages)
+    pool = pool_of(spec, device="cpu", max_batch_size=16, max_num_tokens=64, max_num_pages=320, max_requests=32,
                    max_pages_per_request=40)
     B = int(rng.integers(1, 9))
     rows = rng.permutation(32)[:B].astype(np.int32)

@@ -1,7 +1,9 @@
 """FlashInfer split-KV plans kept while every request's KV chunk count holds (FastDecodePlan.holds), on
 the H100: decode steps walking lengths across chunk and page boundaries, replayed, per request
 against the reference; some steps reuse the plan, some plan again; a plan reused past a changed
-count (the negative control) is caught (GPU only)."""
+count (the negative control) is caught. Committed with defer=True, the steps whose counts hold are
+steady commits (capture/steady.py, PoolState.steady's chunk ranges): the same checks, and a steady
+record that ignores the chunk ranges (its negative control) is caught too (GPU only)."""
 
 import numpy as np
 import pytest
@@ -34,14 +36,16 @@ def _table_graphs(spec, cache, max_batch: int):
     return pool, graphs
 
 
-def _walk(seed: int, steps: int, tensor_cores: bool):
-    """Decode `steps` steps of 3 requests (bucket 4: split-KV) from random lengths, one token a step.
-    Yields (plan, the replayed output, the reference's)."""
+def _walk(seed: int, steps: int, tensor_cores: bool, defer: bool = False, pools: list | None = None):
+    """Decode `steps` steps of 3 requests (bucket 4: split-KV) from random lengths, one token a step, committed
+    with `defer`. Yields (plan, the replayed output, the reference's); the pool is appended to `pools`."""
     rng = np.random.default_rng(seed)
     heads = (32, 8) if tensor_cores else (8, 8)  # GQA 4: tensor cores; MHA: FlashInfer's CUDA-core decode
     spec = AttentionSpec(heads[0], heads[1], 128, 16, 600, groups=GPU_GROUPS[:2])
     cache = random_cache(spec, seed)
     pool, graphs = _table_graphs(spec, cache, 4)
+    if pools is not None:
+        pools.append(pool)
     kv = rng.integers(100, 1500, 3).astype(np.int32)
     free = list(rng.permutation(600).astype(np.int32))
     for r, k in enumerate(kv):
@@ -51,22 +55,40 @@ def _walk(seed: int, steps: int, tensor_cores: bool):
         kv += rng.integers(1, 40, 3).astype(np.int32)  # (several tokens a step: chunk boundaries come sooner)
         kv = np.minimum(kv, 127 * 16)
         plan = build_plan(StepRows.decode(np.arange(3, dtype=np.int32), kv), spec)
-        step = marked(pool.commit(plan), cache)  # (random K/V already at every slot)
+        step = marked(pool.commit(plan, defer=defer), cache)  # (random K/V already at every slot)
         out = graphs(step, q=q)[:3].clone()
         yield plan, out, reference.run(step, q.float(), cache)
 
 
-@pytest.mark.parametrize("tensor_cores", [True, False])
-def test_a_split_plan_is_reused_while_the_chunk_counts_hold(tensor_cores, monkeypatch):
+@pytest.mark.parametrize("tensor_cores,defer", [(True, False), (False, False), (True, True), (False, True)])
+def test_a_split_plan_is_reused_while_the_chunk_counts_hold(tensor_cores, defer, monkeypatch):
     seed = fresh_seed()
-    planned = []
+    planned, pools = [], []
     replan = _flashinfer_fast.FastDecodePlan.replan
     monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "replan", lambda self, *a: (planned.append(1), replan(self, *a)))
     n = 0
-    for plan, out, want in _walk(seed, 40, tensor_cores):
+    for plan, out, want in _walk(seed, 40, tensor_cores, defer, pools):
         assert_close_per_request(out, want, plan, torch.bfloat16, f"seed {seed}, step {n}")
         n += 1
     assert 0 < len(planned) < n, (f"seed {seed}", len(planned), n)  # both paths ran
+    steady = pools[0].steady.commits
+    assert (0 < steady < n) if defer else steady == 0, (f"seed {seed}", steady, len(planned), n)
+
+
+def test_a_steady_record_past_a_changed_chunk_count_is_caught(monkeypatch):
+    """The steady commit's negative control: with PoolState.steady promising its wrappers for any lengths
+    (its chunk ranges dropped), some steady step's output is wrong."""
+    seed = fresh_seed()
+    promise = fi.PoolState.steady
+    monkeypatch.setattr(fi.PoolState, "steady", lambda self, step: None if (t := promise(self, step)) is None
+                        else type(t)(scheduled=t.scheduled))
+    wrong, pools = 0, []
+    for plan, out, want in _walk(seed, 40, True, True, pools):
+        try:
+            assert_close_per_request(out, want, plan, torch.bfloat16, f"seed {seed}")
+        except AssertionError:
+            wrong += 1
+    assert wrong > 0 and pools[0].steady.commits > 0, f"seed {seed}"
 
 
 def test_a_plan_reused_past_a_changed_chunk_count_is_caught(monkeypatch):

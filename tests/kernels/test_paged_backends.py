@@ -7,7 +7,7 @@ what only one backend has stays in its own file (test_flashinfer.py, test_flash_
 import pytest
 
 from tests.helpers import fresh_seed
-from tests.support.paged_scenarios import check_modes, check_replay, many_steps, no_sync_on_the_step_path, table_steps
+from tests.support.paged_scenarios import check_modes, check_replay, many_steps, no_sync_on_the_step_path, steady_steps, table_steps
 from tests.support.paged_backends import BACKENDS, params
 
 pytestmark = pytest.mark.gpu
@@ -49,6 +49,15 @@ def test_page_table_steps_eager_and_replayed(name):
     module, seed = BACKENDS[name].load(), fresh_seed()
     counts = table_steps(module.run, module.write_kv, name, seed)
     assert counts.get(128, 0) >= 3 and counts.get(None, 0) >= 2, (seed, counts)
+
+
+@pytest.mark.parametrize("name", params("table", lambda b: [()]))
+def test_steady_decode_steps_replayed(name):
+    """Decode walks over fixed rows committed with defer=True (steady commits where the lengths stay in their
+    slot's ranges: capture/steady.py), replayed, a full and a window group, per request against the reference."""
+    module, seed = BACKENDS[name].load(), fresh_seed()
+    steady = steady_steps(module.run, module.write_kv, name, seed)
+    assert steady >= 20, (seed, steady)
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))

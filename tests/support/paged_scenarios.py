@@ -235,3 +235,51 @@ def table_steps(run, write_kv, backend: str, seed: int, steps: int = 30, heads=(
         for r, k in zip(rows, kv):
             kv_len[int(r)] = int(k)
     return counts
+
+
+def steady_steps(run, write_kv, backend: str, seed: int, steps: int = 30) -> int:
+    """Decode walks over fixed rows, one token a step, committed with defer=True and replayed: B = 3 (bucket 8:
+    FlashInfer's split-KV, chunk counts changing on the way) and B = 100 (bucket 128: its fixed schedule), a full
+    and a window group. Steps whose lengths stay in their slot's ranges are steady commits (capture/steady.py).
+    Every output per request against the reference on the same pages given as a StepBatch, and the cache
+    against the reference's write_kv. Returns the steady commits."""
+    from mstar_attn.capture.graphs import DecodeGraphs
+    from mstar_attn.metadata.batch import StepRows
+
+    rng = np.random.default_rng(seed)
+    ps = 16
+    spec = AttentionSpec(32, 8, 128, ps, 9000, groups=GPU_GROUPS[:2], backend=backend)
+    cache = random_cache(spec, seed)
+    pool = pool_of(spec, max_batch_size=128, max_num_tokens=512, max_num_pages=spec.num_pages, buckets=(8, 128),
+                   max_requests=200, max_pages_per_request=100)
+    static = {n: torch.zeros(128, h, 128, device="cuda", dtype=torch.bfloat16) for n, h in (("q", 32), ("k", 8), ("v", 8))}
+
+    def layer(step, x, g):
+        write_kv(step, x["k"], x["v"], cache)
+        return run(step, x["q"], cache, group=g)
+
+    graphs = [DecodeGraphs(pool, lambda s, x, g=g: layer(s, x, g), static) for g in range(2)]
+    for gr in graphs:
+        gr.capture(q_lens=(1,))
+    free = list(rng.permutation(spec.num_pages).astype(np.int32))
+    for B, first_row in ((3, 0), (100, 100)):
+        rows = np.arange(first_row, first_row + B, dtype=np.int32)
+        kv = rng.integers(10, 1400, B).astype(np.int32)
+        for r, k in zip(rows, kv):
+            pool.table.assign(int(r), [free.pop() for _ in range(-(-(int(k) + steps) // ps))])
+        ones = np.ones(B, np.int32)
+        for i in range(steps):
+            kv = kv + 1
+            plan = build_plan(StepRows.decode(rows, kv), spec)
+            step = pool.commit(plan, defer=True)
+            csr = build_plan(StepBatch.from_pages(ones, kv, [pool.table.pages(int(r))[: -(-int(k) // ps)] for r, k in zip(rows, kv)],
+                                                  ps), spec, check_ownership=False)
+            x = {n: torch.randn(B, h, 128, device="cuda", dtype=torch.bfloat16) for n, h in (("q", 32), ("k", 8), ("v", 8))}
+            ref_cache = PagedKVCache(cache.k.clone(), cache.v.clone())
+            reference.write_kv(csr, x["k"], x["v"], ref_cache)
+            for g in range(2):
+                out = graphs[g](step, **x)[:B].clone()
+                assert torch.equal(cache.k[:-1], ref_cache.k[:-1]) and torch.equal(cache.v[:-1], ref_cache.v[:-1]), (f"seed {seed}", B, i, g)
+                want = reference.run(csr, x["q"].float(), ref_cache, group=g)
+                assert_close_per_request(out, want, csr, torch.bfloat16, (f"seed {seed}", B, i, g, step.bucket))
+    return pool.steady.commits

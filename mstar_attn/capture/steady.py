@@ -1,0 +1,155 @@
+"""The steady decode commit: a slot's next decode step that differs from its last one by its KV lengths only.
+
+While an engine decodes, commit after commit into one slot names the same rows, in the same bucket, for
+the same backend, over an unchanged page table; only the lengths move. Every check and decision of the
+pool's general transaction then has the same outcome as for that slot's last commit, except those that
+read the lengths, and each of those is a per-request range of kv_len:
+
+- the table's (PageTable.check_step): the row holds alone the page its token lands on;
+- the backend state's (PoolStateBase.steady): its kept schedule serves these lengths without planning
+  (FlashInfer: every request's KV chunk count is the same);
+- the pool's (checks.validate): every group's pages fit the slot's index region, one bound on the longest.
+
+So the general commit of such a step leaves a `Steady` record for its slot: what it decided, the
+intersection of those ranges, and the bound. The next commit into that slot (two commits later with two
+slots) is served from the record when it is a lazy decode plan (build_plan of StepRows.decode) of the
+same spec, backend and rows, committed with defer=True on the same current stream, the table unchanged,
+the slot free now (its fence written back), no deferred work pending and every length in range:
+`SteadySlots.commit` then stages the lengths and the fence, and defers the slot's device work exactly as
+the general commit would, at a fraction of its host work. Anything else (a change of rows, table, bucket,
+stream or slot, a length out of range, a busy slot, any other plan) takes the general transaction,
+which checks everything, raises PlanError where it must, waits where it must, and leaves a new record.
+
+A record is dropped when its slot is committed by the general transaction (GraphBufferPool.free_slot),
+so it never outlives what it recorded: the slot's staged head (rows, padding, an empty update region) and
+the backend's plans in the slot's workspaces. `tests/capture/test_steady.py` holds the two paths to the
+same arrays, table and lease state step by step, through changes of every kind.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable
+
+import attrs
+import numpy as np
+
+from mstar_attn.capture.lease import FENCE_MASK
+from mstar_attn.capture.step import DeviceStep
+from mstar_attn.metadata._arrays import Ranges
+from mstar_attn.metadata.plan import AttentionPlan
+
+if TYPE_CHECKING:
+    from mstar_attn.capture.graph_cache import CommitGraphs
+    from mstar_attn.capture.lease import SlotLeases
+    from mstar_attn.capture.step import Slots, StepShape
+    from mstar_attn.capture.table import PageTable
+
+
+@attrs.frozen
+class SteadyTerms:
+    """A backend state's promise for a committed step (PoolStateBase.steady): `scheduled` (its schedule) serves
+    every later decode step of the same slot, rows and bucket, committed before anything else goes into that
+    slot, whose kv_lens [B] lie in each of `ranges` (metadata/_arrays.Ranges over the B requests; none: any
+    lengths)."""
+
+    scheduled: tuple
+    ranges: tuple = ()
+
+
+@attrs.frozen(eq=False)
+class Steady:
+    """What a slot's last general commit of a decode step decided, for the steady commits after it.
+
+    spec, backend, rows (the step's rows as bytes), table_changes (PageTable.changes then): what a steady
+    step must share with it. max_kv_len: the longest kv_len whose pages fit the slot's index region for
+    this batch (checks.validate's bound). ranges: Ranges [B], the kv_lens the table and the backend state
+    both accept. shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
+    work's graph key and a function of the step making that work. kv_at, fence_at: where the lengths and the
+    fence sit in the slot's staging; sent: the bytes a deferred commit counts. stream: the stream it ran on
+    (None: a CPU pool) and stream_key, its id (torch's current-stream tuple).
+    """
+
+    spec: object
+    backend: str
+    rows: bytes
+    table_changes: int
+    max_kv_len: int
+    ranges: Ranges
+    shape: StepShape
+    scheduled: tuple
+    work_key: tuple
+    work: Callable[[DeviceStep], Callable[[], None]]
+    kv_at: int
+    fence_at: int
+    sent: int
+    stream: object = None
+    stream_key: object = None
+
+
+def intersect(ranges: tuple) -> Ranges:
+    """One Ranges holding exactly the values every one of `ranges` (each over the same B requests) holds."""
+    low = np.max([r.low.astype(np.int64) for r in ranges], axis=0)
+    high = np.min([r.low.astype(np.int64) + r.span.astype(np.int64) for r in ranges], axis=0)
+    return Ranges(low.astype(np.int32), np.maximum(high - low, 0).astype(np.uint32))
+
+
+class SteadySlots:
+    """Per slot of a pool, the Steady record of its last general decode commit (or None), and the steady
+    commit. It reads and updates what the general transaction does: the slots' leases and generations,
+    the deferred device work, the staging, the table's change count (the pool's own parts, given at
+    construction). commits: steady commits so far."""
+
+    def __init__(self, num_slots: int, leases: SlotLeases, work: CommitGraphs, slots: Slots, host_np: list,
+                 unstaged: list, current):
+        self.records: list[Steady | None] = [None] * num_slots
+        self.leases, self.work, self.slots, self.host_np, self.unstaged = leases, work, slots, host_np, unstaged
+        self.host_ints = [memoryview(h) for h in host_np]  # each slot's staging, its cells written as Python ints
+        self.current = current  # the pool's CurrentStream (None: a CPU pool)
+        # the current stream's id: torch's (id, device, type) tuple where it has one, else the Stream
+        self.stream_key = (lambda: None) if current is None else (current if current.ident is None else
+                                                                  functools.partial(current.ident, current.index))
+        self.commits = 0
+
+    def drop(self, s: int) -> None:
+        """Slot s is committed by the general transaction: its record no longer holds."""
+        self.records[s] = None
+
+    def record(self, s: int, plan: AttentionPlan, step: DeviceStep, terms: SteadyTerms, table: PageTable,
+               capacity: int, work: tuple) -> None:
+        """Keep slot s's record after the general commit of the lazy decode `plan` as `step`, deferred, on the
+        current stream, with no table update (its head then holds the rows, padding and an empty update region).
+        terms: the backend state's (a host-only backend: SteadyTerms(())). capacity: the slot's index region
+        (Layout.index_capacity). work: (its device work's graph key, a function of a step making that work,
+        its Offsets)."""
+        key, make, offsets = work
+        B, ps = plan.batch_size, plan.spec.page_size
+        pad = step.shape.padded_batch_size - B
+        here = None if self.current is None else self.current()
+        self.records[s] = Steady(
+            spec=plan.spec, backend=plan.backend, rows=plan.rows.tobytes(), table_changes=table.changes,
+            max_kv_len=(capacity - pad) // B * ps, ranges=intersect((table.decode_ranges(plan.rows), *terms.ranges)),
+            shape=step.shape, scheduled=terms.scheduled, work_key=key, work=make, kv_at=offsets.kv_lens,
+            fence_at=offsets.fence, sent=offsets.draft * 4, stream=here, stream_key=self.stream_key())
+
+    def commit(self, plan: AttentionPlan, s: int, table: PageTable) -> DeviceStep | None:
+        """Slot s's steady commit of `plan` (GraphBufferPool.commit with defer=True, no stream, no slot), or
+        None, nothing changed: the general transaction commits it."""
+        b = self.records[s]
+        if b is None or plan.__class__ is not AttentionPlan:
+            return None
+        kv = plan.kv_lens
+        if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and plan.max_kv_len <= b.max_kv_len
+                and plan.lazy and table.changes == b.table_changes and plan.rows.tobytes() == b.rows
+                and not any(self.work.pending) and self.stream_key() == b.stream_key and b.ranges.holds(kv)
+                and self.leases.take(s, b.stream)):
+            return None
+        generations, at = self.leases.generations, b.kv_at
+        generation = generations[s] + 1
+        self.host_np[s][at : at + kv.shape[0]] = kv
+        self.host_ints[s][b.fence_at] = generation & FENCE_MASK
+        generations[s] = self.unstaged[s] = generation
+        step = DeviceStep.made(plan, b.shape, generation, self.slots, None, b.scheduled)
+        self.work.defer(s, generation, b.work_key, lambda: b.work(step), b.stream)
+        self.commits += 1
+        return step
