@@ -20,7 +20,7 @@ from line_profiler import LineProfiler
 from benchmarks import cases
 from benchmarks.host_step import PS, Engine, one_layer, table_pool
 from mstar_attn import AttentionSpec, PagedKVCache
-from mstar_attn.capture import checks, graph_cache, lease, pool, stage, table
+from mstar_attn.capture import checks, graph_cache, lease, pool, stage, steady, table
 from mstar_attn.kernels import _flashinfer_fast, flashinfer as fi
 from mstar_attn.metadata import _arrays, batch, plan, record
 
@@ -28,7 +28,7 @@ from mstar_attn.metadata import _arrays, batch, plan, record
 def functions() -> list:
     """The functions a StepRows decode step runs, by module."""
     P, F = pool.GraphBufferPool, fi.PoolState
-    return [P.commit, P._commit_derived, P.free_slot, checks.validate, checks.bucket_for, table.PageTable.check_step,
+    return [P.commit, steady.SteadySlots.commit, lease.SlotLeases.take, P._commit_derived, P.free_slot, checks.validate, checks.bucket_for, table.PageTable.check_step,
             stage.stage_derived, lease.SlotLeases.free, lease.SlotLeases.after_consumer, lease.SlotLeases.claim_consumer,
             lease.SlotLeases.record, lease.CurrentStream.__call__, graph_cache.CommitGraphs.defer, F.schedule, F._kept,
             _arrays.Ranges.holds, _flashinfer_fast.FastDecodePlan.holds, batch.StepRows.decode, plan.build_plan,
