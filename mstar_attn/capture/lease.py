@@ -114,14 +114,13 @@ class SlotLeases:
 
     def take(self, s: int, on) -> bool:
         """A steady commit's lease (capture/steady.py), on stream `on` (None: a CPU pool), proven by its fence
-        on CUDA: when slot s is free now (free(s) would not wait) and no slot's step runs on another stream
-        (after_consumer and claim_consumer would do nothing, or raise), claim s as record does and return
-        True; else False, nothing changed (the general commit waits, or raises)."""
+        on CUDA: when no slot's step runs on another stream (after_consumer and claim_consumer would do nothing,
+        or raise), wait until slot s is free (free), claim it as record does and return True; else False,
+        nothing changed (the general commit takes it)."""
         for c in self.consumers:
-            if c is not None and c is not on:
+            if c is not None and c is not on and c != on:
                 return False
-        if not (self.fence_ints[4 * s] == self.generations[s] & FENCE_MASK if self.fenced[s] else self.ready[s].query()):
-            return False
+        self.free(s)
         self.consumers[s], self.streams[s], self.fenced[s] = on, on, on is not None
         return True
 

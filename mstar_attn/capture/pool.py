@@ -26,7 +26,7 @@ from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits,
 from mstar_attn.capture.lease import CurrentStream, SlotLeases, check_slot, check_stream
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
-from mstar_attn.capture.steady import SteadySlots, SteadyTerms
+from mstar_attn.capture.steady import SteadySlots, SteadyTerms, decode_rows
 from mstar_attn.capture.step import DeviceStep, MemoryReport, Slots, StepShape, shapes_of
 from mstar_attn.capture.table import PageTable
 from mstar_attn.capture.view import PoolView, SizedBounds
@@ -317,9 +317,9 @@ class GraphBufferPool(SizedBounds):
                     key, work = ("derived", s, bucket, bucket * q_len, plan.backend), lambda st: self._work(st, state, offsets, True)
                     self.device_work.defer(s, generation, key, lambda: work(step), on)
                     self.last_commit_bytes += offsets.draft * 4
-                    terms = SteadyTerms(()) if state is None else state.steady(step)
-                    if terms is not None and plan.lazy and not updates.shape[0]:  # (the head holds no update)
-                        self.steady.record(s, plan, step, terms, table, self.layout.index_capacity, (key, work, offsets))
+                    if decode_rows(plan) and not updates.shape[0] and (terms := SteadyTerms(scheduled=()) if state is None
+                                                                       else getattr(state, "steady", lambda st: None)(step)):
+                        self.steady.record(s, plan, step, terms, table, self.layout.index_capacity, (key, work, offsets), here)
                 else:
                     self._rows_device_work(step, state, offsets, True)
                 fenced = fenced and here is not None

@@ -14,10 +14,11 @@ So the general commit of such a step leaves a `Steady` record for its slot: what
 intersection of those ranges, and the bound. The next commit into that slot (two commits later with two
 slots) is served from the record when it is a lazy decode plan (build_plan of StepRows.decode) of the
 same spec, backend and rows, committed with defer=True on the same current stream, the table unchanged,
-the slot free now (its fence written back), no deferred work pending and every length in range:
-`SteadySlots.commit` then stages the lengths and the fence, and defers the slot's device work exactly as
-the general commit would, at a fraction of its host work. Anything else (a change of rows, table, bucket,
-stream or slot, a length out of range, a busy slot, any other plan) takes the general transaction,
+no slot's step on another stream, no deferred work pending and every length in range. Once the slot is free
+(SlotLeases.take waits for it as the general commit does), `SteadySlots.commit` stages the lengths and the
+fence, and defers the slot's device work exactly as the general commit would, at a fraction of its host
+work. Anything else (a change of rows, table, bucket, stream or slot, a length out of range, a draft,
+cascade or tree plan, any other plan) takes the general transaction,
 which checks everything, raises PlanError where it must, waits where it must, and leaves a new record.
 
 A record is dropped when its slot is committed by the general transaction (GraphBufferPool.free_slot),
@@ -87,6 +88,12 @@ class Steady:
     stream_key: object = None
 
 
+def decode_rows(plan: AttentionPlan) -> bool:
+    """Whether `plan` is a lazy StepRows decode plan (build_plan of StepRows.decode) and nothing else: no draft
+    step (those commit as a round), no cascade, no token tree (each of those schedules otherwise)."""
+    return plan.lazy and plan.tree is None and plan.draft_step is None and plan.cascade is None
+
+
 def intersect(ranges: tuple) -> Ranges:
     """One Ranges holding exactly the values every one of `ranges` (each over the same B requests) holds."""
     low = np.max([r.low.astype(np.int64) for r in ranges], axis=0)
@@ -116,21 +123,20 @@ class SteadySlots:
         self.records[s] = None
 
     def record(self, s: int, plan: AttentionPlan, step: DeviceStep, terms: SteadyTerms, table: PageTable,
-               capacity: int, work: tuple) -> None:
+               capacity: int, work: tuple, stream) -> None:
         """Keep slot s's record after the general commit of the lazy decode `plan` as `step`, deferred, on the
         current stream, with no table update (its head then holds the rows, padding and an empty update region).
-        terms: the backend state's (a host-only backend: SteadyTerms(())). capacity: the slot's index region
+        terms: the backend state's (a host-only backend: SteadyTerms(scheduled=())). capacity: the slot's index region
         (Layout.index_capacity). work: (its device work's graph key, a function of a step making that work,
-        its Offsets)."""
+        its Offsets). stream: the commit's (the current stream; None on a CPU pool)."""
         key, make, offsets = work
         B, ps = plan.batch_size, plan.spec.page_size
         pad = step.shape.padded_batch_size - B
-        here = None if self.current is None else self.current()
         self.records[s] = Steady(
             spec=plan.spec, backend=plan.backend, rows=plan.rows.tobytes(), table_changes=table.changes,
             max_kv_len=(capacity - pad) // B * ps, ranges=intersect((table.decode_ranges(plan.rows), *terms.ranges)),
             shape=step.shape, scheduled=terms.scheduled, work_key=key, work=make, kv_at=offsets.kv_lens,
-            fence_at=offsets.fence, sent=offsets.draft * 4, stream=here, stream_key=self.stream_key())
+            fence_at=offsets.fence, sent=offsets.draft * 4, stream=stream, stream_key=self.stream_key())
 
     def commit(self, plan: AttentionPlan, s: int, table: PageTable) -> DeviceStep | None:
         """Slot s's steady commit of `plan` (GraphBufferPool.commit with defer=True, no stream, no slot), or
@@ -140,7 +146,7 @@ class SteadySlots:
             return None
         kv = plan.kv_lens
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and plan.max_kv_len <= b.max_kv_len
-                and plan.lazy and table.changes == b.table_changes and plan.rows.tobytes() == b.rows
+                and decode_rows(plan) and table.changes == b.table_changes and plan.rows.tobytes() == b.rows
                 and not any(self.work.pending) and self.stream_key() == b.stream_key and b.ranges.holds(kv)
                 and self.leases.take(s, b.stream)):
             return None

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from mstar_attn.cache import PagedKVCache
+from mstar_attn.capture.steady import SteadyTerms
 from mstar_attn.kernels import _check
 from mstar_attn.kernels._common import write_kv  # noqa: F401  (this backend's write_kv)
 from mstar_attn.kernels._tables import BlockTables
-from mstar_attn.capture.steady import SteadyTerms
 from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan

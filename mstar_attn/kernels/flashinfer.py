@@ -18,13 +18,13 @@ import numpy as np
 import torch
 
 from mstar_attn.cache import PagedKVCache
+from mstar_attn.capture.steady import SteadyTerms
 from mstar_attn.kernels import _cascade, _check
 from mstar_attn.kernels import _flashinfer_tree
 from mstar_attn.kernels._flashinfer_tree import TreeRun, TreeState
 from mstar_attn.kernels._common import with_sinks, write_kv  # noqa: F401  (write_kv: this backend's)
 from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, fixed_workspace_bytes, share_workspace, split_kv, supported
 from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
-from mstar_attn.capture.steady import SteadyTerms
 from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
