@@ -174,8 +174,10 @@ class PageTable:
         self.changes += 1
 
     def decode_ranges(self, rows: np.ndarray) -> Ranges:
-        """Per request of a decode step over `rows` ([B] int32 table rows), the kv_lens (after the step) for which
-        the row holds alone the page its token lands on: what check_step accepts of a decode step (Ranges [B])."""
+        """Per request of a decode step over `rows` ([B] int32 table rows), kv_lens (after the step) for which the
+        row holds alone the page its token lands on (Ranges [B]): only lengths check_step accepts of a decode step,
+        and all of them for a row whose shared pages come first (a row given its own pages before shared ones may
+        have more that check_step accepts)."""
         return Ranges(self.low[rows], self.span[rows])
 
     def pages(self, row: int) -> np.ndarray:

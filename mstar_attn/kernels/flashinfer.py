@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import attrs
 import flashinfer
-import numpy as np
 import torch
 
 from mstar_attn.cache import PagedKVCache
@@ -27,6 +26,7 @@ from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, fixed_workspace_
 from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
 from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.groups import window_decode_ranges
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 from mstar_attn.metadata.spec import Kind
 
@@ -210,23 +210,21 @@ class PoolState(PoolStateBase):
 
     def steady(self, step: DeviceStep) -> SteadyTerms | None:
         """After schedule: the shape's kept wrappers, while no other wrapper plans into the slot (the pool's
-        promise) and each split-KV group's chunk counts hold: over the plan's kv_lens, its ChunkRanges; a window
-        group's count, where it is the same for every length the group can have (1 .. window + page_size - 1),
-        holds for any. None for a step whose schedule is not kept (XQA, a cascade, a draft or tree step, a shape
-        not yet kept) or a window or own-list group whose count may change (its lengths are not the plan's)."""
+        promise) and each split-KV group's chunk counts hold: its ChunkRanges, over the plan's kv_lens, or for a
+        window group over its own lengths, mapped back to the plan's (groups.window_decode_ranges). None for a step
+        whose schedule is not kept (XQA, a cascade, a draft or tree step, a shape not yet kept) or whose split-KV
+        group keeps its own page list."""
         plan, sh = step.plan, step.shape
         kept = None if self._on_xqa(plan) or plan.tree is not None or plan.draft_step is not None or \
             plan.cascade is not None else self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
         if kept is None or any(a is not b for a, b in zip(step.scheduled, kept.wrappers)):
             return None
-        ranges, groups, ps = [], self.pool.spec.groups, self.pool.spec.page_size
+        spec, ranges = self.pool.spec, []
         for sg in kept.split:
-            r, group = sg.plan.chunks.ranges, groups[sg.group]
-            if r is not None and sg.plain:
-                ranges.append(r)
-            elif r is None or group.kind is not Kind.WINDOW or sg.group in self.pool.spec.own_page_groups or \
-                    not ((r.low <= 1).all() and (r.low + r.span.astype(np.int64) > group.window + ps - 1).all()):
+            r, group = sg.plan.chunks.ranges, spec.groups[sg.group]
+            if r is None or not (sg.plain or group.kind is Kind.WINDOW and sg.group not in spec.own_page_groups):
                 return None
+            ranges.append(r if sg.plain else window_decode_ranges(group, plan.kv_lens, r, spec.page_size))
         return SteadyTerms(scheduled=kept.wrappers, ranges=tuple(ranges))
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:

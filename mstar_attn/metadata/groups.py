@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, array_field, fail_at, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, Ranges, array_field, fail_at, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.batch import CrossRows, GroupPages
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.pages import check_indptr, check_page_ids, gather_ranges, scan_ownership
@@ -74,6 +74,22 @@ def first_read_page(group: LayerGroup, q: np.ndarray, kv: np.ndarray, ps: int) -
     if group.kind is not Kind.WINDOW:
         return np.zeros_like(kv)
     return np.maximum(kv - q - (group.window - 1), 0) // ps
+
+
+def window_decode_ranges(group: LayerGroup, kv: np.ndarray, ranges: Ranges, ps: int) -> Ranges:
+    """For a decode step with kv_lens kv ([B] int32, each length's group lengths in `ranges`, a Ranges over the
+    window group's own lengths kv - first_read_page * ps), the plan kv_lens [B] whose group lengths stay in
+    `ranges`: within the step's first read page (a monotone stretch: the group length is kv itself up to
+    window + ps - 1, then kv - m * ps over the m-th page past the window), or any length for a request whose
+    range holds every length the group can have (1 .. window + ps - 1). Host only, numpy."""
+    W, k = group.window, kv.astype(np.int64)
+    m = np.maximum(k - W, 0) // ps  # the first page read (q_len 1: first_read_page)
+    low, high = ranges.low.astype(np.int64), ranges.low.astype(np.int64) + ranges.span.astype(np.int64)
+    lo = np.maximum(np.where(m == 0, 1, W + m * ps), low + m * ps)
+    hi = np.minimum(W + (m + 1) * ps, high + m * ps)  # (exclusive)
+    every = (low <= 1) & (high > W + ps - 1)
+    lo, hi = np.where(every, 1, lo), np.where(every, INT32_MAX, hi)
+    return Ranges(lo.astype(np.int32), np.maximum(hi - lo, 0).astype(np.uint32))
 
 
 def window_plan(group: LayerGroup, kv_indptr, kv_indices, last_page_len, q, kv, need, ps: int) -> GroupPlan:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from mstar_attn import AttentionSpec, GroupPages, LayerGroup, PlanError, StepBatch, build_plan
 from mstar_attn.metadata.batch import StepRows
 from mstar_attn.metadata.plan import scratch_plan
-from tests.helpers import draw_lengths
+from tests.helpers import draw_lengths, fresh_seed
 
 
 def hybrid_spec(ps, window, num_pages=4096, own=True):
@@ -228,3 +228,37 @@ def test_auto_never_picks_a_prefix_free_backend_for_cross_layers(head_dim):
                           spec)  # (one encoder page all requests read: parallel samples of one input)
         assert plan.mode.value == "prefill" and not BACKENDS[plan.backend].prefix_free, plan.backend
 
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_window_decode_ranges_hold_exactly_the_lengths_whose_group_lengths_stay_in_range(ps):
+    """groups.window_decode_ranges (a steady decode commit's window-group terms): every plan kv_len it holds has
+    its window-group length (as a lazy decode plan derives it) inside the given range (sound); it holds the step's
+    own kv_len and every kv_len over the same first read page whose group length is in range (all it may hold);
+    any length where the range holds every group length. Brute force over kv_lens 1 .. window + 6 pages."""
+    from mstar_attn.metadata._arrays import Ranges
+    from mstar_attn.metadata.groups import window_decode_ranges
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    W = int(rng.integers(1, 50))
+    group = LayerGroup("window", window=W)
+    spec = AttentionSpec(4, 2, 64, ps, 4000, groups=(group,), backend="reference")
+    top = W + 6 * ps
+    B = 8
+    kv = rng.integers(1, top, B).astype(np.int32)
+    glen = build_plan(StepRows.decode(np.arange(B, dtype=np.int32), kv), spec).kv_lens_of(0)
+    low = np.maximum(glen - rng.integers(0, 3 * ps, B), 1).astype(np.int32)
+    span = rng.integers(1, 4 * ps, B)
+    span[rng.random(B) < 0.25] = 2**31 - 1 - low[0]  # (unbounded above, as a capped chunk count is)
+    span[0] = 0 if rng.random() < 0.2 else span[0]  # (sometimes an empty range)
+    given = Ranges(low, span.astype(np.uint32))
+    got = window_decode_ranges(group, kv, given, ps)
+    every = [bool(low[i] <= 1 and int(low[i]) + int(span[i]) > W + ps - 1) for i in range(B)]
+    for x in range(1, top + 3 * ps):
+        lens = build_plan(StepRows.decode(np.arange(B, dtype=np.int32), np.full(B, x, np.int32)), spec).kv_lens_of(0)
+        for i in range(B):
+            held = int(got.low[i]) <= x < int(got.low[i]) + int(got.span[i])
+            inside = int(low[i]) <= int(lens[i]) < int(low[i]) + int(span[i])
+            same_page = max(x - W, 0) // ps == max(int(kv[i]) - W, 0) // ps
+            assert held == (inside and (same_page or every[i])), (f"seed {seed}", W, ps, i, x, int(kv[i]), held, inside)
