@@ -77,18 +77,18 @@ def first_read_page(group: LayerGroup, q: np.ndarray, kv: np.ndarray, ps: int) -
 
 
 def window_decode_ranges(group: LayerGroup, kv: np.ndarray, ranges: Ranges, ps: int) -> Ranges:
-    """For a decode step with kv_lens kv ([B] int32, each length's group lengths in `ranges`, a Ranges over the
-    window group's own lengths kv - first_read_page * ps), the plan kv_lens [B] whose group lengths stay in
-    `ranges`: within the step's first read page (a monotone stretch: the group length is kv itself up to
-    window + ps - 1, then kv - m * ps over the m-th page past the window), or any length for a request whose
-    range holds every length the group can have (1 .. window + ps - 1). Host only, numpy."""
+    """For a decode step (q_len 1) with kv_lens kv ([B] int32, each request's window-group length in `ranges`, a
+    Ranges over the group's own lengths kv - first_read_page * ps), the plan kv_lens [B] whose group lengths stay
+    in `ranges`: within the step's first read page (a monotone stretch: the group length is kv itself up to
+    window + ps - 1, then kv - m * ps over the m-th page past the window), or every length from max(low, 1) on for
+    a request whose range holds every length past the window (window .. window + ps - 1). Host only, numpy."""
     W, k = group.window, kv.astype(np.int64)
     m = np.maximum(k - W, 0) // ps  # the first page read (q_len 1: first_read_page)
     low, high = ranges.low.astype(np.int64), ranges.low.astype(np.int64) + ranges.span.astype(np.int64)
     lo = np.maximum(np.where(m == 0, 1, W + m * ps), low + m * ps)
     hi = np.minimum(W + (m + 1) * ps, high + m * ps)  # (exclusive)
-    every = (low <= 1) & (high > W + ps - 1)
-    lo, hi = np.where(every, 1, lo), np.where(every, INT32_MAX, hi)
+    wide = (low <= W) & (high >= W + ps)  # (past the window every length lies in the range: up to int32's)
+    lo, hi = np.where(wide, np.maximum(low, 1), lo), np.where(wide, 2**31, hi)
     return Ranges(lo.astype(np.int32), np.maximum(hi - lo, 0).astype(np.uint32))
 
 

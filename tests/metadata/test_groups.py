@@ -233,32 +233,38 @@ def test_auto_never_picks_a_prefix_free_backend_for_cross_layers(head_dim):
 @pytest.mark.parametrize("ps", [1, 4, 16])
 def test_window_decode_ranges_hold_exactly_the_lengths_whose_group_lengths_stay_in_range(ps):
     """groups.window_decode_ranges (a steady decode commit's window-group terms): every plan kv_len it holds has
-    its window-group length (as a lazy decode plan derives it) inside the given range (sound); it holds the step's
-    own kv_len and every kv_len over the same first read page whose group length is in range (all it may hold);
-    any length where the range holds every group length. Brute force over kv_lens 1 .. window + 6 pages."""
+    its window-group length (as a lazy decode plan derives it) inside the given range (sound); it holds every
+    kv_len over the step's first read page whose group length is in range, and for a range holding every length
+    past the window (window .. window + ps - 1), every kv_len whose group length is in range (all it may hold).
+    Brute force over kv_lens 1 .. window + 6 pages, plus lengths near int32's end; each kind of range is drawn."""
     from mstar_attn.metadata._arrays import Ranges
-    from mstar_attn.metadata.groups import window_decode_ranges
+    from mstar_attn.metadata.groups import first_read_page, window_decode_ranges
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     W = int(rng.integers(1, 50))
     group = LayerGroup("window", window=W)
     spec = AttentionSpec(4, 2, 64, ps, 4000, groups=(group,), backend="reference")
-    top = W + 6 * ps
-    B = 8
+    top, B = W + 6 * ps, 12
     kv = rng.integers(1, top, B).astype(np.int32)
     glen = build_plan(StepRows.decode(np.arange(B, dtype=np.int32), kv), spec).kv_lens_of(0)
-    low = np.maximum(glen - rng.integers(0, 3 * ps, B), 1).astype(np.int32)
-    span = rng.integers(1, 4 * ps, B)
-    span[rng.random(B) < 0.25] = 2**31 - 1 - low[0]  # (unbounded above, as a capped chunk count is)
-    span[0] = 0 if rng.random() < 0.2 else span[0]  # (sometimes an empty range)
-    given = Ranges(low, span.astype(np.uint32))
+    low = np.maximum(glen - rng.integers(0, 3 * ps, B), 1).astype(np.int64)
+    span = rng.integers(1, 4 * ps, B).astype(np.int64)
+    low[:3] = (1, min(W, int(glen[1])), 1)  # (a range over every length, one past the window only, one capped:)
+    span[:3] = (2**31 - 1, 2**31 - low[1], W + ps)
+    span[3] = 0  # (an empty range)
+    given = Ranges(low.astype(np.int32), span.astype(np.uint32))
     got = window_decode_ranges(group, kv, given, ps)
-    every = [bool(low[i] <= 1 and int(low[i]) + int(span[i]) > W + ps - 1) for i in range(B)]
-    for x in range(1, top + 3 * ps):
-        lens = build_plan(StepRows.decode(np.arange(B, dtype=np.int32), np.full(B, x, np.int32)), spec).kv_lens_of(0)
+    wide = (low <= W) & (low + span >= W + ps)
+    assert wide[:3].all() and not wide[3], f"seed {seed}"
+    for x in [*range(1, top + 3 * ps), 2**31 - 3 * ps, 2**31 - 2 * ps]:
+        if x < top + 3 * ps:  # (as a lazy decode plan derives them; past int32's page offsets, by first_read_page)
+            lens = build_plan(StepRows.decode(np.arange(B, dtype=np.int32), np.full(B, x, np.int32)), spec).kv_lens_of(0)
+        else:
+            one = np.full(B, x, np.int64)
+            lens = one - first_read_page(group, np.ones(B, np.int64), one, ps) * ps
         for i in range(B):
             held = int(got.low[i]) <= x < int(got.low[i]) + int(got.span[i])
             inside = int(low[i]) <= int(lens[i]) < int(low[i]) + int(span[i])
             same_page = max(x - W, 0) // ps == max(int(kv[i]) - W, 0) // ps
-            assert held == (inside and (same_page or every[i])), (f"seed {seed}", W, ps, i, x, int(kv[i]), held, inside)
+            assert held == (inside and (same_page or wide[i])), (f"seed {seed}", W, ps, i, x, int(kv[i]), held, inside)
