@@ -97,7 +97,7 @@ class GraphBufferPool(SizedBounds):
         self.device_work = CommitGraphs(self.device, slots)  # the commits' device work, one graph per bucketed key
         self.slots = Slots(leases=self.leases, work=self.device_work, device=self.device)  # (what a DeviceStep reads)
         # per slot, its last general decode commit's decisions, for the steady commits after it (steady.py)
-        self.steady = SteadySlots(slots, self.leases, self.device_work, self.slots, self.host_np, self.unstaged,
+        self.steady = SteadySlots(self.slots, self.host_np, self.unstaged, self.table, self.layout.index_capacity,
                                   self.current_stream)
         self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
             self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
@@ -165,9 +165,9 @@ class GraphBufferPool(SizedBounds):
         A graph of the caller's own never launches it: call step.prepare() before capturing or
         replaying one over the step.
         """
-        if defer and stream is None and slot is None and (step := self.steady.commit(plan, self.next_slot, self.table)):
-            self.next_slot = (step.slot + 1) % len(self.host)  # (a steady decode step: steady.py)
-            self.last_commit_bytes = self.steady.records[step.slot].sent
+        if defer and stream is None and slot is None and (step := self.steady.commit(plan, self.next_slot)):
+            self.next_slot = (step.slot + 1) % len(self.host)  # (a steady decode step: steady.py; its deferred copy)
+            self.last_commit_bytes = self.steady.records[step.slot].offsets.draft * 4
             self.bytes_to_device += self.last_commit_bytes
             return step
         bucket = checks.validate(self.view, plan)  # the plan's bucket (None: unpadded)
@@ -319,7 +319,7 @@ class GraphBufferPool(SizedBounds):
                     self.last_commit_bytes += offsets.draft * 4
                     if decode_rows(plan) and not updates.shape[0] and (terms := SteadyTerms(scheduled=()) if state is None
                                                                        else getattr(state, "steady", lambda st: None)(step)):
-                        self.steady.record(s, plan, step, terms, table, self.layout.index_capacity, (key, work, offsets), here)
+                        self.steady.record(s, step, terms, key, work, offsets, here)
                 else:
                     self._rows_device_work(step, state, offsets, True)
                 fenced = fenced and here is not None

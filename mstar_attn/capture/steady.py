@@ -41,8 +41,7 @@ from mstar_attn.metadata._arrays import Ranges
 from mstar_attn.metadata.plan import AttentionPlan
 
 if TYPE_CHECKING:
-    from mstar_attn.capture.graph_cache import CommitGraphs
-    from mstar_attn.capture.lease import SlotLeases
+    from mstar_attn.capture.layout import Offsets
     from mstar_attn.capture.step import Slots, StepShape
     from mstar_attn.capture.table import PageTable
 
@@ -66,9 +65,9 @@ class Steady:
     step must share with it. max_kv_len: the longest kv_len whose pages fit the slot's index region for
     this batch (checks.validate's bound). ranges: Ranges [B], the kv_lens the table and the backend state
     both accept. shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
-    work's graph key and a function of the step making that work. kv_at, fence_at: where the lengths and the
-    fence sit in the slot's staging; sent: the bytes a deferred commit counts. stream: the stream it ran on
-    (None: a CPU pool) and stream_key, its id (torch's current-stream tuple).
+    work's graph key and a function of the step making that work. offsets: where the step sits in the slot
+    (layout.Offsets: its lengths, its fence, the head the work copies). stream: the stream it ran on (None: a
+    CPU pool) and stream_key, its id (torch's current-stream tuple).
     """
 
     spec: object
@@ -81,9 +80,7 @@ class Steady:
     scheduled: tuple
     work_key: tuple
     work: Callable[[DeviceStep], Callable[[], None]]
-    kv_at: int
-    fence_at: int
-    sent: int
+    offsets: Offsets
     stream: object = None
     stream_key: object = None
 
@@ -103,16 +100,17 @@ def intersect(ranges: tuple) -> Ranges:
 
 class SteadySlots:
     """Per slot of a pool, the Steady record of its last general decode commit (or None), and the steady
-    commit. It reads and updates what the general transaction does: the slots' leases and generations,
-    the deferred device work, the staging, the table's change count (the pool's own parts, given at
-    construction). commits: steady commits so far."""
+    commit. It reads and updates what the general transaction does (the pool's own parts, given at
+    construction): the slots' leases and deferred device work (slots: step.Slots), each slot's pinned staging
+    (host_np: int32 numpy views) and unstaged mark, the page table's change count. capacity: a slot's index
+    region (Layout.index_capacity); current: the pool's CurrentStream (None: a CPU pool). commits: steady
+    commits so far. Holds one record per slot (pageable host: the record and its two [B] range arrays)."""
 
-    def __init__(self, num_slots: int, leases: SlotLeases, work: CommitGraphs, slots: Slots, host_np: list,
-                 unstaged: list, current):
-        self.records: list[Steady | None] = [None] * num_slots
-        self.leases, self.work, self.slots, self.host_np, self.unstaged = leases, work, slots, host_np, unstaged
+    def __init__(self, slots: Slots, host_np: list, unstaged: list, table: PageTable | None, capacity: int, current):
+        self.records: list[Steady | None] = [None] * len(host_np)
+        self.leases, self.work, self.slots, self.table = slots.leases, slots.work, slots, table
+        self.host_np, self.unstaged, self.capacity = host_np, unstaged, capacity
         self.host_ints = [memoryview(h) for h in host_np]  # each slot's staging, its cells written as Python ints
-        self.current = current  # the pool's CurrentStream (None: a CPU pool)
         # the current stream's id: torch's (id, device, type) tuple where it has one, else the Stream
         self.stream_key = (lambda: None) if current is None else (current if current.ident is None else
                                                                   functools.partial(current.ident, current.index))
@@ -122,23 +120,22 @@ class SteadySlots:
         """Slot s is committed by the general transaction: its record no longer holds."""
         self.records[s] = None
 
-    def record(self, s: int, plan: AttentionPlan, step: DeviceStep, terms: SteadyTerms, table: PageTable,
-               capacity: int, work: tuple, stream) -> None:
-        """Keep slot s's record after the general commit of the lazy decode `plan` as `step`, deferred, on the
-        current stream, with no table update (its head then holds the rows, padding and an empty update region).
-        terms: the backend state's (a host-only backend: SteadyTerms(scheduled=())). capacity: the slot's index region
-        (Layout.index_capacity). work: (its device work's graph key, a function of a step making that work,
-        its Offsets). stream: the commit's (the current stream; None on a CPU pool)."""
-        key, make, offsets = work
+    def record(self, s: int, step: DeviceStep, terms: SteadyTerms, key: tuple, work, offsets: Offsets, stream) -> None:
+        """Keep slot s's record after the general commit of a plain decode plan (decode_rows) as `step`, deferred,
+        on the current stream `stream` (None: a CPU pool), with no table update (its head then holds the rows,
+        padding and an empty update region). terms: the backend state's (a host-only backend:
+        SteadyTerms(scheduled=())). key, work: the deferred device work's graph key and a function of a step
+        making that work; offsets: the step's layout.Offsets."""
+        plan, table = step.plan, self.table
         B, ps = plan.batch_size, plan.spec.page_size
         pad = step.shape.padded_batch_size - B
         self.records[s] = Steady(
             spec=plan.spec, backend=plan.backend, rows=plan.rows.tobytes(), table_changes=table.changes,
-            max_kv_len=(capacity - pad) // B * ps, ranges=intersect((table.decode_ranges(plan.rows), *terms.ranges)),
-            shape=step.shape, scheduled=terms.scheduled, work_key=key, work=make, kv_at=offsets.kv_lens,
-            fence_at=offsets.fence, sent=offsets.draft * 4, stream=stream, stream_key=self.stream_key())
+            max_kv_len=(self.capacity - pad) // B * ps, ranges=intersect((table.decode_ranges(plan.rows), *terms.ranges)),
+            shape=step.shape, scheduled=terms.scheduled, work_key=key, work=work, offsets=offsets, stream=stream,
+            stream_key=self.stream_key())
 
-    def commit(self, plan: AttentionPlan, s: int, table: PageTable) -> DeviceStep | None:
+    def commit(self, plan: AttentionPlan, s: int) -> DeviceStep | None:
         """Slot s's steady commit of `plan` (GraphBufferPool.commit with defer=True, no stream, no slot), or
         None, nothing changed: the general transaction commits it."""
         b = self.records[s]
@@ -146,14 +143,14 @@ class SteadySlots:
             return None
         kv = plan.kv_lens
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and plan.max_kv_len <= b.max_kv_len
-                and decode_rows(plan) and table.changes == b.table_changes and plan.rows.tobytes() == b.rows
+                and decode_rows(plan) and self.table.changes == b.table_changes and plan.rows.tobytes() == b.rows
                 and not any(self.work.pending) and self.stream_key() == b.stream_key and b.ranges.holds(kv)
                 and self.leases.take(s, b.stream)):
             return None
-        generations, at = self.leases.generations, b.kv_at
+        generations, offsets = self.leases.generations, b.offsets
         generation = generations[s] + 1
-        self.host_np[s][at : at + kv.shape[0]] = kv
-        self.host_ints[s][b.fence_at] = generation & FENCE_MASK
+        self.host_np[s][offsets.kv_lens : offsets.kv_lens + kv.shape[0]] = kv
+        self.host_ints[s][offsets.fence] = generation & FENCE_MASK
         generations[s] = self.unstaged[s] = generation
         step = DeviceStep.made(plan, b.shape, generation, self.slots, None, b.scheduled)
         self.work.defer(s, generation, b.work_key, lambda: b.work(step), b.stream)

@@ -21,7 +21,8 @@ and its PoolState is a `PoolStateBase`: `GraphBufferPool.commit` calls
     schedule(step)          host-side scheduling; returns one run object per layer group, which
                             run() reads as step.scheduled[group]
     schedule_round(steps)   the same for the K steps of a draft round (default: schedule each)
-    steady(step)            after schedule, for a deferred decode step: a SteadyTerms (capture/steady.py)
+    steady(step)            after schedule, for a deferred plain StepRows decode step (steady.decode_rows):
+                            a SteadyTerms (capture/steady.py)
                             promising that its schedule serves the slot's next decode steps of the same
                             rows whose lengths lie in given ranges, so the pool may skip check and
                             schedule for them; or None, no promise (the default)

@@ -212,11 +212,10 @@ class PoolState(PoolStateBase):
         """After schedule: the shape's kept wrappers, while no other wrapper plans into the slot (the pool's
         promise) and each split-KV group's chunk counts hold: its ChunkRanges, over the plan's kv_lens, or for a
         window group over its own lengths, mapped back to the plan's (groups.window_decode_ranges). None for a step
-        whose schedule is not kept (XQA, a cascade, a draft or tree step, a shape not yet kept) or whose split-KV
-        group keeps its own page list."""
+        whose schedule is not kept (XQA, a shape not yet kept) or whose split-KV group keeps its own page list.
+        (The pool asks for plain decode steps only: steady.decode_rows.)"""
         plan, sh = step.plan, step.shape
-        kept = None if self._on_xqa(plan) or plan.tree is not None or plan.draft_step is not None or \
-            plan.cascade is not None else self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
+        kept = None if self._on_xqa(plan) else self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
         if kept is None or any(a is not b for a, b in zip(step.scheduled, kept.wrappers)):
             return None
         spec, ranges = self.pool.spec, []

@@ -25,16 +25,8 @@ _ONES.flags.writeable = False
 
 
 def _ones(n: int) -> np.ndarray:
-    """[n] int32 ones, read-only (a view for up to 65536, the same one each time for up to 4096)."""
-    ones = _ONE_VIEWS.get(n)
-    if ones is None:
-        ones = _ONES[:n] if n <= _ONES.shape[0] else np.ones(n, np.int32)
-        if n <= 4096:  # (bounded: 4096 views of one buffer)
-            _ONE_VIEWS[n] = ones
-    return ones
-
-
-_ONE_VIEWS: dict[int, np.ndarray] = {}
+    """[n] int32 ones, read-only (a view for up to 65536)."""
+    return _ONES[:n] if n <= _ONES.shape[0] else np.ones(n, np.int32)
 
 
 def _vector(name: str):

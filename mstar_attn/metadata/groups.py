@@ -82,8 +82,8 @@ def window_decode_ranges(group: LayerGroup, kv: np.ndarray, ranges: Ranges, ps: 
     in `ranges`: within the step's first read page (a monotone stretch: the group length is kv itself up to
     window + ps - 1, then kv - m * ps over the m-th page past the window), or every length from max(low, 1) on for
     a request whose range holds every length past the window (window .. window + ps - 1). Host only, numpy."""
-    W, k = group.window, kv.astype(np.int64)
-    m = np.maximum(k - W, 0) // ps  # the first page read (q_len 1: first_read_page)
+    W = group.window
+    m = first_read_page(group, 1, kv.astype(np.int64), ps)
     low, high = ranges.low.astype(np.int64), ranges.low.astype(np.int64) + ranges.span.astype(np.int64)
     lo = np.maximum(np.where(m == 0, 1, W + m * ps), low + m * ps)
     hi = np.minimum(W + (m + 1) * ps, high + m * ps)  # (exclusive)
