@@ -7,15 +7,27 @@ import triton.language as tl
 
 
 BLOCK_P = tl.constexpr(128)  # page entries a program copies per iteration (a global a kernel reads must be a constexpr)
+BLOCK_HEAD = 1024  # int32 elements a program of copy_head moves
+
+
+@triton.jit
+def copy_head(dst, src, n, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n], int32: src the slot's pinned staging (read over the bus), dst its device buffer; grid
+    (cdiv(n, BLOCK),). A kernel, not a copy node: the derive kernel after it starts without a switch from the
+    copy engine (H100: a copy node left ~7-11 µs idle before the next kernel)."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = j < n
+    tl.store(dst + j, tl.load(src + j, mask=m), mask=m)
 
 
 @triton.jit
 def derive(buf, src, table, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
     """Grid (R + 1, G). Program (i, g), i < R: request i's entries of layer group g; program (R, 0): every
-    staged table update. src: the slot's staging (pinned host memory, read over the bus: no copy first);
-    buf: the slot's device buffer; counter: one int32 device cell, 0 between launches; fence: one int32
-    cell (pinned) the last program to finish reading src writes the staged fence value to. BLOCK_R: a
-    power of two >= R (and so 2 * BLOCK_R >= U); BLOCK_Q: a power of two >= q_len. meta (int32 [16 + G],
+    staged table update. src: the slot's staging (pinned host memory, read over the bus; past
+    derive.COPY_FIRST requests its device copy, buf itself); buf: the slot's device buffer; counter: one
+    int32 device cell, 0 between launches; fence: one int32 cell (pinned) the last program to finish
+    reading src writes the staged fence value to. BLOCK_R: a power of two >= R (and so 2 * BLOCK_R >= U);
+    BLOCK_Q: a power of two >= q_len. meta (int32 [16 + G],
     derive.Derivation.meta): R, q_len, page size, table width, the offsets of the rows, kv_lens,
     qo_indptr, group 0's kv_indptr (its last_page_len and kv_lens follow), the stride between groups'
     kv_indptr, group 0's first_page (groups R apart), group 0's indices, the stride between groups'

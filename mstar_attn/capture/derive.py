@@ -20,9 +20,10 @@ q_len 1, verify: 2..16, a token-tree verify step up to PoolLimits.max_tree_nodes
 These are exactly the arrays build_plan computes on the host for the same step (plus the padding
 requests commit used to stage): tests/capture/test_derive.py checks the two against each other.
 On CUDA with Triton installed the whole derivation is one launch that reads the slot's pinned staging
-directly (no copy first), applies the table updates, writes the device's copy of the head, derives
-every entry (one program per request and layer group, copying only the pages it reads) and, once every
-program has read the staging, writes the commit's fence back (capture/lease.py): one GPU item per step.
+directly (no copy first; past COPY_FIRST requests a copy kernel first, see there), applies the table
+updates, writes the device's copy of the head, derives every entry (one program per request and layer
+group, copying only the pages it reads) and, once every program has read the staging, writes the
+commit's fence back (capture/lease.py): one GPU item per step (two past COPY_FIRST).
 Elsewhere: the head copy, torch ops, and the fence copy.
 """
 
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
 USE_TRITON = True  # the one-launch Triton path on CUDA (False: the torch ops, as on the CPU)
+# Past this many requests (padded) the kernel reads a device copy of the head, not the pinned staging: each of its
+# R + 1 programs reads all R lengths for its prefix sum, R^2 small reads over the bus (H100: 4-5 µs at R <= 8,
+# 17 µs at 64, 49 µs at 256), against one small copy kernel first (_derive_triton.copy_head) and reads from
+# device memory.
+COPY_FIRST = 16
 
 
 @functools.cache
@@ -50,6 +56,14 @@ def triton_kernel():
     except ImportError:
         return None
     return _derive_triton.derive
+
+
+@functools.cache
+def _copy_kernel():
+    """(copy_head, its block) of capture/_derive_triton.py: imported where the derive kernel runs."""
+    from mstar_attn.capture import _derive_triton
+
+    return _derive_triton.copy_head, _derive_triton.BLOCK_HEAD
 
 
 class Derivation:
@@ -102,10 +116,15 @@ def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len:
     `src` (the slot's int32 staging, pinned on CUDA: read in place) into the slot buffer `buf` (int32, on
     the table's device): the table updates applied, the head's rows and kv_lens copied, every derived array
     filled (q_len tokens per request); `fence` (an int32 [1] pinned cell, or None) gets the staged fence
-    value once every program has read `src`. slot: the pool slot (its counter)."""
+    value once every program has read `src`. slot: the pool slot (its counter). Past COPY_FIRST requests a
+    copy kernel moves the head (up to offsets.draft) into `buf` first and the kernel reads that: two GPU items."""
     R, G = offsets.batch_size, len(offsets.groups)
     if not 0 <= slot < d.counters.numel() // 4 - 1:
         raise ValueError(f"derive_staged: slot {slot}, but the Derivation counts {d.counters.numel() // 4 - 1} slots")
+    if R > COPY_FIRST:  # (the kernel then rewrites the head's rows and lengths in place with the values it read)
+        copy, block = _copy_kernel()
+        copy[(-(-offsets.draft // block),)](buf, src, offsets.draft, BLOCK=block)
+        src = buf
     d.kernel[(R + 1, G)](buf, src, d.table, d.meta(offsets, q_len), d.counters[4 * slot : 4 * slot + 1],
                          d.counters[-4:-3] if fence is None else fence, BLOCK_R=max(16, 1 << (R - 1).bit_length()),
                          BLOCK_Q=max(16, 1 << (q_len - 1).bit_length()))

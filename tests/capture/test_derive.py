@@ -151,8 +151,11 @@ def check_fused_updates(kernel, device: str, seed: int) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real: tests/capture/test_derive_gpu.py")
-def test_the_triton_kernel_equals_the_torch_ops_under_the_interpreter():
+@pytest.mark.parametrize("copy_first", [False, True])
+def test_the_triton_kernel_equals_the_torch_ops_under_the_interpreter(copy_first, monkeypatch):
+    """copy_first: the kernel reads the head's device copy (derive.COPY_FIRST, here at every size), else the staging."""
     pytest.importorskip("triton")
+    monkeypatch.setattr(derive, "COPY_FIRST", 0 if copy_first else 1 << 30)
     assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py picks the interpreter before Triton is imported"
     from mstar_attn.capture import _derive_triton as module
 
