@@ -47,7 +47,7 @@ def trace(fn, n: int) -> dict:
 
 
 def arm(B: int, ctx: int, copy_first: int, layers: int = 32) -> dict:
-    derive.COPY_FIRST = copy_first  # (read when each step's work is captured: set before the pool's first step)
+    derive.COPY_FIRST = copy_first  # (a pool's Derivation reads it when the pool is made)
     spec = AttentionSpec(32, 8, 128, PS, B * (ctx // PS + 120) + 64)
     cache = PagedKVCache.allocate(spec, "cuda")
     for t in (cache.k, cache.v):
@@ -79,13 +79,15 @@ def arm(B: int, ctx: int, copy_first: int, layers: int = 32) -> dict:
 def main(out_dir: str) -> None:
     default = derive.COPY_FIRST
     rows = []
-    for B, ctx in ((1, 512), (8, 512), (64, 2048), (256, 2048)):
-        for name, limit in ARMS.items():
-            r = arm(B, ctx, limit)
-            rows.append(dict(batch=B, context=ctx, arm=name, **r))
-            print(B, name, round(r["device_work_us"], 2), {k: [round(c, 2), round(m, 2)] for k, (c, m) in r["items"].items()}, flush=True)
-            torch.cuda.empty_cache()
-    derive.COPY_FIRST = default
+    try:
+        for B, ctx in ((1, 512), (8, 512), (64, 2048), (256, 2048)):
+            for name, limit in ARMS.items():
+                r = arm(B, ctx, limit)
+                rows.append(dict(batch=B, context=ctx, arm=name, **r))
+                print(B, name, round(r["device_work_us"], 2), {k: [round(c, 2), round(m, 2)] for k, (c, m) in r["items"].items()}, flush=True)
+                torch.cuda.empty_cache()
+    finally:
+        derive.COPY_FIRST = default
     json.dump(dict(device=torch.cuda.get_device_name(), copy_first_default=default, rows=rows),
               open(f"{out_dir}/derive_kernel_h100.json", "w"), indent=1)
 

@@ -1,6 +1,7 @@
-"""The Triton kernel of capture/derive.py (imported only where Triton is installed): `derive`, a bucketed
-StepRows commit's whole device work in one launch, read straight from the slot's pinned staging. See
-derive.py for the arrays and tests/capture/test_derive.py for its check against the torch ops."""
+"""The Triton kernels of capture/derive.py (imported only where Triton is installed): `derive`, a bucketed
+StepRows commit's whole device work in one launch, read straight from the slot's pinned staging, and
+`copy_head`, which past derive.COPY_FIRST requests first copies that staging's head to the device for it. See
+derive.py for the arrays and tests/capture/test_derive.py for their check against the torch ops."""
 
 import triton
 import triton.language as tl

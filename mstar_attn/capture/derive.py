@@ -44,7 +44,7 @@ USE_TRITON = True  # the one-launch Triton path on CUDA (False: the torch ops, a
 # Past this many requests (padded) the kernel reads a device copy of the head, not the pinned staging: each of its
 # R + 1 programs reads all R lengths for its prefix sum, R^2 small reads over the bus (H100: 4-5 µs at R <= 8,
 # 17 µs at 64, 49 µs at 256), against one small copy kernel first (_derive_triton.copy_head) and reads from
-# device memory.
+# device memory. A Derivation reads it when made (Derivation.copy_first).
 COPY_FIRST = 16
 
 
@@ -58,7 +58,6 @@ def triton_kernel():
     return _derive_triton.derive
 
 
-@functools.cache
 def _copy_kernel():
     """(copy_head, its block) of capture/_derive_triton.py: imported where the derive kernel runs."""
     from mstar_attn.capture import _derive_triton
@@ -73,11 +72,15 @@ class Derivation:
     kernel (None: torch ops) with one int32 device counter per pool slot (num_slots; the kernel's
     count of programs done, 0 between launches) and one cell it writes the fence to when it has none.
     Per slot shape it keeps the kernel's meta vector (int32 [16 + G] on the device, made at the shape's
-    first, uncaptured, commit): bounded by the buckets."""
+    first, uncaptured, commit): bounded by the buckets. copy_first (default: COPY_FIRST when made): past
+    this many requests the kernel reads the head's device copy, which the copy kernel (with the kernel) makes
+    first; fixed for the Derivation's life, so a key's captured work never changes its reads."""
 
     def __init__(self, table: torch.Tensor, width: int, groups, page_size: int, capacity: int, kernel=None,
-                 num_slots: int = 2):
+                 num_slots: int = 2, copy_first: int | None = None):
         self.table, self.width, self.page_size, self.capacity, self.kernel = table, width, page_size, capacity, kernel
+        self.copy_first = COPY_FIRST if copy_first is None else copy_first
+        self.copy_kernel, self.copy_block = _copy_kernel() if kernel is not None else (None, 0)
         self.windows = tuple(g.window or 0 for g in groups)
         # (one cell per 16 bytes, as the fences: one compiled kernel for every slot)
         self.counters = torch.zeros(4 * (num_slots + 1) if kernel is not None else 0, dtype=torch.int32, device=table.device)
@@ -112,18 +115,17 @@ def apply_updates(table: torch.Tensor, buf: torch.Tensor, offsets: Offsets) -> N
 
 def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation,
                   fence: torch.Tensor | None, slot: int) -> None:
-    """A bucketed StepRows step's whole device work by the Triton kernel, one launch: from its staged head in
-    `src` (the slot's int32 staging, pinned on CUDA: read in place) into the slot buffer `buf` (int32, on
-    the table's device): the table updates applied, the head's rows and kv_lens copied, every derived array
-    filled (q_len tokens per request); `fence` (an int32 [1] pinned cell, or None) gets the staged fence
-    value once every program has read `src`. slot: the pool slot (its counter). Past COPY_FIRST requests a
-    copy kernel moves the head (up to offsets.draft) into `buf` first and the kernel reads that: two GPU items."""
+    """A bucketed StepRows step's whole device work by the Triton kernels: from its staged head in `src` (the
+    slot's int32 staging, pinned on CUDA) into the slot buffer `buf` (int32, on the table's device): the table
+    updates applied, the head's rows and kv_lens copied, every derived array filled (q_len tokens per request);
+    `fence` (an int32 [1] pinned cell, or None) gets the staged fence value once the staging was read. slot: the
+    pool slot (its counter). Up to d.copy_first requests one launch reads `src` in place; past it the copy kernel
+    moves the head (up to offsets.draft) into `buf` first and the derive kernel reads that: two launches."""
     R, G = offsets.batch_size, len(offsets.groups)
     if not 0 <= slot < d.counters.numel() // 4 - 1:
         raise ValueError(f"derive_staged: slot {slot}, but the Derivation counts {d.counters.numel() // 4 - 1} slots")
-    if R > COPY_FIRST:  # (the kernel then rewrites the head's rows and lengths in place with the values it read)
-        copy, block = _copy_kernel()
-        copy[(-(-offsets.draft // block),)](buf, src, offsets.draft, BLOCK=block)
+    if R > d.copy_first:  # (the kernel then rewrites the head's rows and lengths in place with the values it read)
+        d.copy_kernel[(-(-offsets.draft // d.copy_block),)](buf, src, offsets.draft, BLOCK=d.copy_block)
         src = buf
     d.kernel[(R + 1, G)](buf, src, d.table, d.meta(offsets, q_len), d.counters[4 * slot : 4 * slot + 1],
                          d.counters[-4:-3] if fence is None else fence, BLOCK_R=max(16, 1 << (R - 1).bit_length()),
@@ -160,13 +162,13 @@ def rows_work(d: Derivation, dev: torch.Tensor, host: torch.Tensor, fence: torch
     step's arrays (derived: a bucketed step; else they were staged) or gather the CSR page lists, then each
     backend's own arrays (PoolState.gather); with `fence` (a derived step on CUDA: the slot's pinned fence cell)
     the commit's generation is written there once the staging was read (capture/lease.py): by the derive kernel
-    (derive_staged: the whole derived work is that one launch, the copy and the updates included), else by a
-    last copy. Returns the work: device ops of fixed
+    (derive_staged: the whole derived work, the copy and the updates included, in one or two launches), else by
+    a last copy. Returns the work: device ops of fixed
     sizes (its copy moves the head up to offsets.draft, derived, or offsets.head_end int32 elements)."""
     U = offsets.update_capacity
     end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)
 
-    fused = derived and d.kernel is not None  # (one launch reads the staging and writes the fence)
+    fused = derived and d.kernel is not None  # (the Triton kernels read the staging and write the fence)
 
     def work():
         if fused:

@@ -76,9 +76,6 @@ def optional_array_field(**kw):
 SHORT = 32  # per-request checks over at most this many requests run on Python lists (numpy's fixed cost per call is higher)
 
 
-_ALL = np.logical_and.reduce  # (the ufunc's own reduce: np.count_nonzero / ndarray.all add Python wrappers per call)
-
-
 class Ranges:
     """Per-request half-open ranges low[i] <= value < low[i] + span[i] of int32 values ([B] int32 low, [B] uint32
     span: 0 for none), made once and checked per step by `holds` (a page-table row's decode lengths, a kept
@@ -106,7 +103,7 @@ class Ranges:
                     return False
             return True
         np.subtract(values, self.low, out=self._diff)
-        return bool(_ALL(np.less(self._diff.view(np.uint32), self.span, out=self._ok)))
+        return np.count_nonzero(np.less(self._diff.view(np.uint32), self.span, out=self._ok)) == self._ok.shape[0]
 
 
 def read_only(*arrays: np.ndarray) -> None:

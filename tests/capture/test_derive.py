@@ -82,6 +82,16 @@ def test_a_negative_control_a_wrong_window_is_caught(monkeypatch):
     assert not np.array_equal(got[2][:B], csr.groups[2].kv_lens), f"seed {seed}"
 
 
+def copy_reads(monkeypatch, copy_first: bool) -> None:
+    """Derivations made from now on read the head's device copy at every size (copy_first; the copy kernel in blocks of
+    16 elements, so over several programs) or the pinned staging at every size."""
+    monkeypatch.setattr(derive, "COPY_FIRST", 0 if copy_first else 1 << 30)
+    if copy_first and derive.triton_kernel() is not None:
+        from mstar_attn.capture import _derive_triton
+
+        monkeypatch.setattr(_derive_triton, "BLOCK_HEAD", 16)
+
+
 def derive_again(pool, step, kernel, device: str):
     """The committed (CPU) step's slot buffer copied to `device` with every derived array overwritten
     (-7), then derived again by `kernel` (Triton's, from the slot's staging, its head's rows and kv_lens
@@ -155,7 +165,7 @@ def check_fused_updates(kernel, device: str, seed: int) -> None:
 def test_the_triton_kernel_equals_the_torch_ops_under_the_interpreter(copy_first, monkeypatch):
     """copy_first: the kernel reads the head's device copy (derive.COPY_FIRST, here at every size), else the staging."""
     pytest.importorskip("triton")
-    monkeypatch.setattr(derive, "COPY_FIRST", 0 if copy_first else 1 << 30)
+    copy_reads(monkeypatch, copy_first)
     assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py picks the interpreter before Triton is imported"
     from mstar_attn.capture import _derive_triton as module
 

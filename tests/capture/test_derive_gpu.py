@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mstar_attn.capture import derive
-from tests.capture.test_derive import _random_step, check_fused_updates, derive_again
+from tests.capture.test_derive import _random_step, check_fused_updates, copy_reads, derive_again
 from tests.helpers import fresh_seed
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 def test_the_triton_kernel_equals_the_torch_ops_on_the_gpu(copy_first, monkeypatch):
     """The kernel reads the staging in pinned host memory, as a pool's commit has it, or (copy_first: what
     derive.COPY_FIRST does past that many requests, here at every size) the head's copy in the slot buffer."""
-    monkeypatch.setattr(derive, "COPY_FIRST", 0 if copy_first else 1 << 30)
+    copy_reads(monkeypatch, copy_first)
     kernel = derive.triton_kernel()
     for ps, q_len in ((1, 1), (4, 1), (16, 1), (4, 5), (16, 16)):
         seed = fresh_seed()
@@ -37,6 +37,6 @@ def test_the_triton_kernel_equals_the_torch_ops_on_the_gpu(copy_first, monkeypat
 
 @pytest.mark.parametrize("copy_first", [False, True])
 def test_the_triton_kernel_applies_the_staged_updates_and_writes_the_fence_on_the_gpu(copy_first, monkeypatch):
-    monkeypatch.setattr(derive, "COPY_FIRST", 0 if copy_first else 1 << 30)
+    copy_reads(monkeypatch, copy_first)
     for _ in range(4):
         check_fused_updates(derive.triton_kernel(), "cuda", fresh_seed())
