@@ -97,8 +97,8 @@ class GraphBufferPool(SizedBounds):
         self.device_work = CommitGraphs(self.device, slots)  # the commits' device work, one graph per bucketed key
         self.slots = Slots(leases=self.leases, work=self.device_work, device=self.device)  # (what a DeviceStep reads)
         # per slot, its last general decode commit's decisions, for the steady commits after it (steady.py)
-        self.steady = SteadySlots(self.slots, self.host_np, self.unstaged, self.table, self.layout.index_capacity,
-                                  self.current_stream)
+        self.steady = SteadySlots(self.slots, self.host_np, self.unstaged, self.held, self.table,
+                                  self.layout.index_capacity, self.current_stream)
         self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
             self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
             derive.triton_kernel() if cuda and derive.USE_TRITON else None, slots)
@@ -317,8 +317,8 @@ class GraphBufferPool(SizedBounds):
                     key, work = ("derived", s, bucket, bucket * q_len, plan.backend), lambda st: self._work(st, state, offsets, True)
                     self.device_work.defer(s, generation, key, lambda: work(step), on)
                     self.last_commit_bytes += offsets.draft * 4
-                    if decode_rows(plan) and not updates.shape[0] and (terms := SteadyTerms(scheduled=()) if state is None
-                                                                       else getattr(state, "steady", lambda st: None)(step)):
+                    if decode_rows(plan) and (terms := SteadyTerms(scheduled=()) if state is None
+                                              else getattr(state, "steady", lambda st: None)(step)):
                         self.steady.record(s, step, terms, key, work, offsets, here)
                 else:
                     self._rows_device_work(step, state, offsets, True)

@@ -101,6 +101,14 @@ def stage_table(h: np.ndarray, offsets: Offsets, table_rows: np.ndarray, rows: i
     B = table_rows.shape[0]
     h[offsets.table_rows : offsets.table_rows + B] = table_rows
     h[offsets.table_rows + B : offsets.table_rows + rows] = table.scratch_row
+    return stage_updates(h, offsets, updates, table)
+
+
+def stage_updates(h: np.ndarray, offsets: Offsets, updates: np.ndarray, table: PageTable) -> int:
+    """The table entries changed since the last commit (updates: [n] int32 flat positions, from
+    PageTable.take_updates) into staging h's update region: positions, then their values from the
+    table's mirror; the region's other lanes name the dump. Returns n when n is more than the region
+    holds (U; then none are staged and the caller sends them all directly), else 0."""
     n, U, at = updates.shape[0], offsets.update_capacity, offsets.updates
     left = n if n > U else 0  # more than the step's region holds (admissions): all go straight to the device
     n = 0 if left else n

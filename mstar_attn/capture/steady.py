@@ -1,11 +1,13 @@
 """The steady decode commit: a slot's next decode step that differs from its last one by its KV lengths only.
 
 While an engine decodes, commit after commit into one slot names the same rows, in the same bucket, for
-the same backend, over an unchanged page table; only the lengths move. Every check and decision of the
+the same backend, over a page table that changes only by appends (a request starting a page); only the
+lengths and those pages move. Every check and decision of the
 pool's general transaction then has the same outcome as for that slot's last commit, except those that
 read the lengths, and each of those is a per-request range of kv_len:
 
-- the table's (PageTable.check_step): the row holds alone the page its token lands on;
+- the table's (PageTable.check_step): the row holds alone the page its token lands on (an append only
+  widens that range: the record takes the table's ranges again when the table changed by appends alone);
 - the backend state's (PoolStateBase.steady): its kept schedule serves these lengths without planning
   (FlashInfer: every request's KV chunk count is the same);
 - the pool's (checks.validate): every group's pages fit the slot's index region, one bound on the longest.
@@ -13,12 +15,14 @@ read the lengths, and each of those is a per-request range of kv_len:
 So the general commit of such a step leaves a `Steady` record for its slot: what it decided, the
 intersection of those ranges, and the bound. The next commit into that slot (two commits later with two
 slots) is served from the record when it is a lazy decode plan (build_plan of StepRows.decode) of the
-same spec, backend and rows, committed with defer=True on the same current stream, the table unchanged,
-no slot's step on another stream, no deferred work pending and every length in range. Once the slot is free
-(SlotLeases.take waits for it as the general commit does), `SteadySlots.commit` stages the lengths and the
-fence, and defers the slot's device work exactly as the general commit would, at a fraction of its host
-work. Anything else (a change of rows, table, bucket, stream or slot, a length out of range, a draft,
-cascade or tree plan, any other plan) takes the general transaction,
+same spec, backend and rows, committed with defer=True on the same current stream, the table changed by
+appends alone (PageTable.reshapes: no assign or release since), its pending updates fitting the step's
+update region, no slot's step on another stream, no deferred work pending and every length in range. Once
+the slot is free (SlotLeases.take waits for it as the general commit does), `SteadySlots.commit` stages the
+lengths, the table updates and the fence, and defers the slot's device work exactly as the general commit
+would (the device work applies the updates before it reads the table), at a fraction of its host work.
+Anything else (a change of rows, an assign or release, a bucket, stream or slot, a length out of range, a
+draft, cascade or tree plan, any other plan) takes the general transaction,
 which checks everything, raises PlanError where it must, waits where it must, and leaves a new record.
 
 A record is dropped when its slot is committed by the general transaction (GraphBufferPool.free_slot),
@@ -36,6 +40,7 @@ import attrs
 import numpy as np
 
 from mstar_attn.capture.lease import FENCE_MASK
+from mstar_attn.capture.stage import stage_updates
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata._arrays import Ranges
 from mstar_attn.metadata.plan import AttentionPlan
@@ -61,10 +66,10 @@ class SteadyTerms:
 class Steady:
     """What a slot's last general commit of a decode step decided, for the steady commits after it.
 
-    spec, backend, rows (the step's rows as bytes), table_changes (PageTable.changes then): what a steady
+    spec, backend, rows (the step's rows as bytes), table_reshapes (PageTable.reshapes then): what a steady
     step must share with it. max_kv_len: the longest kv_len whose pages fit the slot's index region for
-    this batch (checks.validate's bound). ranges: Ranges [B], the kv_lens the table and the backend state
-    both accept. shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
+    this batch (checks.validate's bound). ranges: Ranges [B], the kv_lens the table (at table_changes,
+    PageTable.changes) and the backend state both accept; promise: the backend state's own (SteadyTerms.ranges). shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
     work's graph key and a function of the step making that work. offsets: where the step sits in the slot
     (layout.Offsets: its lengths, its fence, the head the work copies). stream: the stream it ran on (None: a
     CPU pool) and stream_key, its id (torch's current-stream tuple).
@@ -73,9 +78,11 @@ class Steady:
     spec: object
     backend: str
     rows: bytes
+    table_reshapes: int
     table_changes: int
     max_kv_len: int
     ranges: Ranges
+    promise: tuple
     shape: StepShape
     scheduled: tuple
     work_key: tuple
@@ -102,14 +109,16 @@ class SteadySlots:
     """Per slot of a pool, the Steady record of its last general decode commit (or None), and the steady
     commit. It reads and updates what the general transaction does (the pool's own parts, given at
     construction): the slots' leases and deferred device work (slots: step.Slots), each slot's pinned staging
-    (host_np: int32 numpy views) and unstaged mark, the page table's change count. capacity: a slot's index
-    region (Layout.index_capacity); current: the pool's CurrentStream (None: a CPU pool). commits: steady
-    commits so far. Holds one record per slot (pageable host: the record and its two [B] range arrays)."""
+    (host_np: int32 numpy views), unstaged mark and StagedHead (held: whether its update region is all dump
+    lanes), the page table. capacity: a slot's index region (Layout.index_capacity); current: the pool's
+    CurrentStream (None: a CPU pool). commits: steady commits so far. Holds one record per slot (pageable
+    host: the record and its [B] range arrays)."""
 
-    def __init__(self, slots: Slots, host_np: list, unstaged: list, table: PageTable | None, capacity: int, current):
+    def __init__(self, slots: Slots, host_np: list, unstaged: list, held: list, table: PageTable | None, capacity: int,
+                 current):
         self.records: list[Steady | None] = [None] * len(host_np)
         self.leases, self.work, self.slots, self.table = slots.leases, slots.work, slots, table
-        self.host_np, self.unstaged, self.capacity = host_np, unstaged, capacity
+        self.host_np, self.unstaged, self.held, self.capacity = host_np, unstaged, held, capacity
         self.host_ints = [memoryview(h) for h in host_np]  # each slot's staging, its cells written as Python ints
         # the current stream's id: torch's (id, device, type) tuple where it has one, else the Stream
         self.stream_key = (lambda: None) if current is None else (current if current.ident is None else
@@ -122,34 +131,46 @@ class SteadySlots:
 
     def record(self, s: int, step: DeviceStep, terms: SteadyTerms, key: tuple, work, offsets: Offsets, stream) -> None:
         """Keep slot s's record after the general commit of a plain decode plan (decode_rows) as `step`, deferred,
-        on the current stream `stream` (None: a CPU pool), with no table update (its head then holds the rows,
-        padding and an empty update region). terms: the backend state's (a host-only backend:
+        on the current stream `stream` (None: a CPU pool), its table updates staged (its head then holds the rows,
+        padding and those updates; the pool's StagedHead says whether any). terms: the backend state's (a host-only backend:
         SteadyTerms(scheduled=())). key, work: the deferred device work's graph key and a function of a step
         making that work; offsets: the step's layout.Offsets."""
         plan, table = step.plan, self.table
         B, ps = plan.batch_size, plan.spec.page_size
         pad = step.shape.padded_batch_size - B
         self.records[s] = Steady(
-            spec=plan.spec, backend=plan.backend, rows=plan.rows.tobytes(), table_changes=table.changes,
-            max_kv_len=(self.capacity - pad) // B * ps, ranges=intersect((table.decode_ranges(plan.rows), *terms.ranges)),
+            spec=plan.spec, backend=plan.backend, rows=plan.rows.tobytes(), table_reshapes=table.reshapes,
+            table_changes=table.changes, max_kv_len=(self.capacity - pad) // B * ps,
+            ranges=intersect((table.decode_ranges(plan.rows), *terms.ranges)), promise=terms.ranges,
             shape=step.shape, scheduled=terms.scheduled, work_key=key, work=work, offsets=offsets, stream=stream,
             stream_key=self.stream_key())
 
     def commit(self, plan: AttentionPlan, s: int) -> DeviceStep | None:
         """Slot s's steady commit of `plan` (GraphBufferPool.commit with defer=True, no stream, no slot), or
         None, nothing changed: the general transaction commits it."""
-        b = self.records[s]
+        b, table = self.records[s], self.table
         if b is None or plan.__class__ is not AttentionPlan:
             return None
         kv = plan.kv_lens
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and plan.max_kv_len <= b.max_kv_len
-                and decode_rows(plan) and self.table.changes == b.table_changes and plan.rows.tobytes() == b.rows
-                and not any(self.work.pending) and self.stream_key() == b.stream_key and b.ranges.holds(kv)
-                and self.leases.take(s, b.stream)):
+                and decode_rows(plan) and table.reshapes == b.table_reshapes and plan.rows.tobytes() == b.rows
+                and not any(self.work.pending) and self.stream_key() == b.stream_key):
             return None
-        generations, offsets = self.leases.generations, b.offsets
+        if table.changes != b.table_changes:  # pages appended since: the appended rows' decode ranges grew
+            if table.pending > b.offsets.update_capacity:  # (more than the step's update region holds)
+                return None
+            table_ranges = table.decode_ranges(plan.rows)
+            b = self.records[s] = attrs.evolve(b, table_changes=table.changes, ranges=intersect(
+                (table_ranges, *b.promise)) if b.promise else table_ranges)
+        if not (b.ranges.holds(kv) and self.leases.take(s, b.stream)):
+            return None
+        generations, offsets, h = self.leases.generations, b.offsets, self.host_np[s]
         generation = generations[s] + 1
-        self.host_np[s][offsets.kv_lens : offsets.kv_lens + kv.shape[0]] = kv
+        h[offsets.kv_lens : offsets.kv_lens + kv.shape[0]] = kv
+        updates, held = table.take_updates(), self.held[s]
+        if updates.shape[0] or not held.clean:  # (the device work applies the staged updates before it reads the table)
+            stage_updates(h, offsets, updates, table)
+            held.clean = not updates.shape[0]
         self.host_ints[s][offsets.fence] = generation & FENCE_MASK
         generations[s] = self.unstaged[s] = generation
         step = DeviceStep.made(plan, b.shape, generation, self.slots, None, b.scheduled)

@@ -67,6 +67,7 @@ class PageTable:
         self.span = np.zeros(self.max_requests + 1, np.uint32)
         self._ranges: tuple[bytes, Ranges | None] = (b"", None)  # (rows, their Ranges) of the last decode check, until a change
         self.changes = 0  # assign, append and release calls that changed a row so far (a steady commit's record: steady.py)
+        self.reshapes = 0  # of those, the assign and release calls: what a steady commit cannot absorb (appends it can)
 
     @property
     def pending(self) -> int:
@@ -172,6 +173,7 @@ class PageTable:
         self.span[row] = max(int(self.counts[row]) * self.spec.page_size - int(self.low[row]) + 1, 0)
         self._ranges = (b"", None)
         self.changes += 1
+        self.reshapes += 1
 
     def decode_ranges(self, rows: np.ndarray) -> Ranges:
         """Per request of a decode step over `rows` ([B] int32 table rows), kv_lens (after the step) for which the

@@ -1,9 +1,10 @@
 """capture/steady.py on the CPU: the steady decode commit held to the general transaction it stands in for.
 
 A decode step into a slot whose last general commit left a record is served steady when only its lengths
-moved; then its arrays, slot staging and buffer, device table, generations, next slot and bytes equal those
-of the same steps committed through the general path (a pool that never defers), and its outputs equal per
-request. Any change (table, rows, an explicit slot, defer=False, pending work) takes the general path, and
+moved and pages were appended; then its arrays, slot staging and buffer, device table, generations, next slot
+and bytes equal those of the same steps committed through the general path (a pool that never defers), and its
+outputs equal per request. Any other change (an assign or release, rows, an explicit slot, defer=False, pending
+work) takes the general path, and
 every step stays equal to the same step by pages. A bad step still raises PlanError with nothing changed,
 also in steady state. And the bookkeeping under it (intersect, PageTable.decode_ranges, PageTable.changes)
 holds exactly what the checks accept."""
@@ -47,17 +48,22 @@ def _every_array_equal(step, other, label):
         assert torch.equal(getattr(step, name), getattr(other, name)), (label, name)
 
 
+@pytest.mark.parametrize("appends", [False, True])
 @pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize("groups", SPECS.values(), ids=SPECS.keys())
-def test_the_steady_commit_is_taken_and_equals_the_general_one(slots, groups):
+def test_the_steady_commit_is_taken_and_equals_the_general_one(slots, groups, appends):
+    """appends: each request starts with the pages its first step needs (and perhaps a spare) and is given one
+    more (the same page in both pools' tables) when its next token starts a page: the engine's decode loop."""
     seed = fresh_seed()
     rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
     spec, steps, B = _spec(groups), 30, int(rng.integers(2, 9))
     kv = rng.integers(10, 200, B).astype(np.int32)
     a, b = (table_pool(spec, width=160, num_slots=slots) for _ in range(2))  # a defers (steady), b never
-    rows, _ = admit(a, rng, kv + steps)  # (room for every step: no appends)
+    rows, _ = admit(a, rng, kv + (1 if appends else steps))  # (without appends: room for every step)
     for r in rows:
         b.table.assign(int(r), a.table.pages(int(r)))
+    free = iter(rng.permutation(np.flatnonzero(a.table.owner[:-1] == -1)).astype(np.int32))
+    steady_appends = 0  # steady commits of steps with an append
     cache = PagedKVCache.allocate(spec, "cpu")
     for t in (cache.k, cache.v):
         t.copy_(torch.randn(t.shape, generator=gen))
@@ -65,12 +71,17 @@ def test_the_steady_commit_is_taken_and_equals_the_general_one(slots, groups):
     H, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     for i in range(steps):
         kv = kv + 1
+        grow = rows[kv > a.table.counts[rows] * PS]  # (their new token starts a page past the ones they hold)
+        if grow.shape[0]:
+            pages = [next(free) for _ in grow]
+            a.table.append(grow, pages), b.table.append(grow, pages)
         plan = build_plan(StepRows.decode(rows, kv), spec)
         s, gens, n0, bytes_a, bytes_b = a.next_slot, list(a.generations), a.steady.commits, a.bytes_to_device, b.bytes_to_device
         sa, sb = a.commit(plan, defer=True), b.commit(plan)
         label = (f"seed {seed}", slots, i)
         steady = a.steady.commits - n0
         assert steady in (0, 1) and (steady or i < 4), label
+        steady_appends += steady and grow.shape[0] > 0
         assert sa.slot == sb.slot == s and sa.generation == sb.generation == gens[s] + 1, label
         assert a.generations == b.generations == [g + (k == s) for k, g in enumerate(gens)], label
         assert a.next_slot == b.next_slot == (s + 1) % slots, label
@@ -93,16 +104,18 @@ def test_the_steady_commit_is_taken_and_equals_the_general_one(slots, groups):
                 for r in range(B):
                     assert torch.equal(x[r], y[r]), (label, g, r)
     assert a.steady.commits >= steps - 4 and b.steady.commits == 0, (seed, a.steady.commits)
+    assert steady_appends > 0 or not appends, (seed, "no steady commit took an append")
     for p in (a, b):
         assert torch.equal(p.table.dev[:-1], torch.from_numpy(p.table.flat)), seed
 
 
 @pytest.mark.parametrize("slots", [1, 2])
-def test_every_change_takes_the_general_path_and_every_step_stays_right(slots):
+def test_every_change_but_an_append_takes_the_general_path_and_every_step_stays_right(slots):
     """A random walk of decode steps over table changes (append, release and assign), row changes (a
     permutation, a subset), non-deferred commits and commits into an explicit slot, each step used now,
     after the next commit, or never: every used step equals the same step by pages; a commit is steady
-    exactly when its slot's record still holds, never the first one into a slot after a change."""
+    exactly when its slot's record still holds (an append it absorbs), never the first one into a slot after
+    another change."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     spec = _spec(GROUPS)
@@ -127,7 +140,7 @@ def test_every_change_takes_the_general_path_and_every_step_stays_right(slots):
             held = {rows[sel].tobytes()} | {rec.rows for rec in pool.steady.records if rec is not None}
             while rows[sel].tobytes() in held:
                 sel = rng.permutation(sel) if rng.random() < 0.5 else rng.permutation(B)[: int(rng.integers(1, B + 1))]
-        if op in ("append", "replace", "rows"):
+        if op in ("replace", "rows"):  # (an append: a steady commit absorbs it)
             dirty = set(range(slots))
         kv[sel] += 1
         r, k = rows[sel], kv[sel]
@@ -144,7 +157,7 @@ def test_every_change_takes_the_general_path_and_every_step_stays_right(slots):
         label = (f"seed {seed}", slots, i, op)
         steady = pool.steady.commits - n0
         expect = op in ("none", "append", "replace", "rows") and not pending and rec is not None and \
-            rec.table_changes == table.changes and rec.rows == r.tobytes()
+            rec.table_reshapes == table.reshapes and rec.rows == r.tobytes()
         assert steady == expect, (label, steady, pending)
         old = recs[step.slot]  # a general commit into a slot drops its record (a new one may replace it)
         assert steady or old is None or pool.steady.records[step.slot] is not old, label

@@ -237,12 +237,14 @@ def table_steps(run, write_kv, backend: str, seed: int, steps: int = 30, heads=(
     return counts
 
 
-def steady_steps(run, write_kv, backend: str, seed: int, steps: int = 30) -> int:
+def steady_steps(run, write_kv, backend: str, seed: int, steps: int = 30) -> dict[int, int]:
     """Decode walks over fixed rows, one token a step, committed with defer=True and replayed: B = 3 (bucket 8:
-    FlashInfer's split-KV, chunk counts changing on the way) and B = 100 (bucket 128: its fixed schedule), a full
-    and a window group. Steps whose lengths stay in their slot's ranges are steady commits (capture/steady.py).
-    Every output per request against the reference on the same pages given as a StepBatch, and the cache
-    against the reference's write_kv. Returns the steady commits."""
+    FlashInfer's split-KV, chunk counts changing on the way; every page given up front) and B = 100 (bucket 128:
+    its fixed schedule; each request given the pages of its first step, then one more (table.append) whenever its
+    next token starts a page, as an engine's decode loop does), a full and a window group. Steps whose lengths
+    stay in their slot's ranges are steady commits (capture/steady.py), appends included. Every output per
+    request against the reference on the same pages given as a StepBatch, and the cache against the reference's
+    write_kv. Returns the steady commits per B."""
     from mstar_attn.capture.graphs import DecodeGraphs
     from mstar_attn.metadata.batch import StepRows
 
@@ -262,14 +264,18 @@ def steady_steps(run, write_kv, backend: str, seed: int, steps: int = 30) -> int
     for gr in graphs:
         gr.capture(q_lens=(1,))
     free = list(rng.permutation(spec.num_pages).astype(np.int32))
-    for B, first_row in ((3, 0), (100, 100)):
+    counts = {}
+    for B, first_row, ahead in ((3, 0, steps), (100, 100, 1)):
         rows = np.arange(first_row, first_row + B, dtype=np.int32)
         kv = rng.integers(10, 1400, B).astype(np.int32)
         for r, k in zip(rows, kv):
-            pool.table.assign(int(r), [free.pop() for _ in range(-(-(int(k) + steps) // ps))])
-        ones = np.ones(B, np.int32)
+            pool.table.assign(int(r), [free.pop() for _ in range(-(-(int(k) + ahead) // ps))])
+        ones, n0 = np.ones(B, np.int32), pool.steady.commits
         for i in range(steps):
             kv = kv + 1
+            grow = rows[kv > pool.table.counts[rows] * ps]  # (their new token starts a page past the ones they hold)
+            if grow.shape[0]:
+                pool.table.append(grow, [free.pop() for _ in grow])
             plan = build_plan(StepRows.decode(rows, kv), spec)
             step = pool.commit(plan, defer=True)
             csr = build_plan(StepBatch.from_pages(ones, kv, [pool.table.pages(int(r))[: -(-int(k) // ps)] for r, k in zip(rows, kv)],
@@ -282,4 +288,5 @@ def steady_steps(run, write_kv, backend: str, seed: int, steps: int = 30) -> int
                 assert torch.equal(cache.k[:-1], ref_cache.k[:-1]) and torch.equal(cache.v[:-1], ref_cache.v[:-1]), (f"seed {seed}", B, i, g)
                 want = reference.run(csr, x["q"].float(), ref_cache, group=g)
                 assert_close_per_request(out, want, csr, torch.bfloat16, (f"seed {seed}", B, i, g, step.bucket))
-    return pool.steady.commits
+        counts[B] = pool.steady.commits - n0
+    return counts
