@@ -257,3 +257,54 @@ def test_the_decode_range_check_agrees_with_the_page_owners():
             assert passed == (not bad.any()), (seed, it, rows.tolist(), kv.tolist())
             checks, passes = checks + 1, passes + passed
     assert exact[0] < checks and passes > 0, (seed, exact[0], checks, passes)  # (the range path decided some)
+
+
+WHY = ("two pages in one call", "given to two rows", "not free", "not a table row", "outside the pool", "already holds")
+
+
+def test_append_of_a_few_rows_equals_the_vectorized_append(monkeypatch):
+    """PageTable.append over at most APPEND_FEW rows runs on Python ints: on random calls, valid and not (rows out of
+    range, repeated or full, pages out of the pool, repeated or held), it raises the same PlanError and leaves the
+    same table as the vectorized path (APPEND_FEW 0) does."""
+    from mstar_attn.capture import table as table_module
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=4, num_pages=64)
+    tables = [table_pool(spec, max_requests=12, width=6).table for _ in range(2)]  # [0]: short checks, [1]: long
+    limits, kinds = (table_module.APPEND_FEW, 0), set()
+    for t in tables:
+        t.assign(0, [5, 6]), t.assign(1, [7], shared=True)
+    for i in range(500):
+        n = int(rng.integers(1, 6))
+        rows = rng.integers(-1, 14, n) if rng.random() < 0.2 else rng.choice(12, n, replace=rng.random() < 0.2)
+        free = np.flatnonzero(tables[0].owner[:-1] == -1)
+        pages = rng.integers(-1, 66, n) if rng.random() < 0.2 else rng.choice(
+            free if free.shape[0] >= n and rng.random() < 0.8 else 64, n, replace=rng.random() < 0.2)
+        room = np.flatnonzero(tables[0].counts[:12] < 6)
+        if i % 10 == 0 and room.shape[0] >= 2 and free.shape[0] >= 2:  # a repeat alone: of a row, or of a page
+            rows, pages = rng.choice(room, 2, replace=False), rng.choice(free, 2, replace=False)
+            if i % 20:
+                rows[1] = rows[0]
+            else:
+                pages[1] = pages[0]
+        outcome = []
+        for t, short in zip(tables, limits):
+            monkeypatch.setattr(table_module, "APPEND_FEW", short)
+            try:
+                t.append(rows.astype(np.int32) if rng.random() < 0.5 else rows.tolist(), pages.tolist())
+                outcome.append(None)
+            except PlanError as e:
+                outcome.append(str(e))
+        label = (f"seed {seed}", i, rows.tolist(), pages.tolist(), outcome)
+        assert outcome[0] == outcome[1], label
+        kinds.add(next((k for k in WHY if k in outcome[0]), outcome[0]) if outcome[0] else "ok")
+        a, b = tables
+        for name in ("host", "counts", "owner", "span", "low"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), (label, name)
+        assert a.changes == b.changes and np.array_equal(a.take_updates(), b.take_updates()), label
+        if rng.random() < 0.3:  # room for more appends
+            r = int(rng.integers(2, 12))
+            for t in tables:
+                t.release(r)
+    assert kinds == {"ok", *WHY}, (seed, kinds)  # (successes and every kind of failure)
