@@ -19,13 +19,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.host_step import PS, Engine
-from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, build_plan
+from benchmarks.host_step import decode_forward
 from mstar_attn.capture import derive
-from mstar_attn.capture.graphs import DecodeGraphs
-from mstar_attn.capture.pool import GraphBufferPool
-from mstar_attn.kernels import flashinfer as fi
-from mstar_attn.metadata.batch import StepRows
 
 ARMS = {"pinned reads": 1 << 30, "copy first": 0}  # derive.COPY_FIRST per arm
 
@@ -46,27 +41,9 @@ def trace(fn, n: int) -> dict:
                 gap_before_derive_us=statistics.median(gaps[1:]))
 
 
-def arm(B: int, ctx: int, copy_first: int, layers: int = 32) -> dict:
+def arm(B: int, ctx: int, copy_first: int) -> dict:
     derive.COPY_FIRST = copy_first  # (a pool's Derivation reads it when the pool is made)
-    spec = AttentionSpec(32, 8, 128, PS, B * (ctx // PS + 120) + 64)
-    cache = PagedKVCache.allocate(spec, "cuda")
-    for t in (cache.k, cache.v):
-        t.normal_()
-    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=256, max_num_pages=spec.num_pages,
-                                            max_requests=max(B, 8), max_pages_per_request=ctx // PS + 120))
-    eng = Engine(pool, B, ctx, room=300)
-
-    def model(step, x):
-        h = x["q"]
-        for _ in range(layers):
-            fi.write_kv(step, x["k"], x["v"], cache)
-            h = fi.run(step, h, cache)
-        return h
-
-    static = {name: torch.zeros(256, hh, 128, device="cuda", dtype=torch.bfloat16) for name, hh in (("q", 32), ("k", 8), ("v", 8))}
-    graphs = DecodeGraphs(pool, model, static)
-    graphs.capture(buckets=(pool.bucket_for(build_plan(StepRows.decode(eng.rows, eng.kv + 1), spec)),))
-    x = {name: torch.randn(B, t.shape[1], 128, device="cuda", dtype=torch.bfloat16) for name, t in static.items()}
+    eng, graphs, x = decode_forward(B, ctx, room=300)
     for _ in range(20):
         graphs(eng.step_only(), **x)
     out = trace(lambda: graphs(eng.step_only(), **x), 40)

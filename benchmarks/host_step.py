@@ -282,29 +282,37 @@ def gpu_trace(fn, n: int) -> dict:
     return dict(gpu_idle_us=(spans[-1][1] - spans[0][0] - busy) / n, gpu_items=len(spans) / n)
 
 
-def part_c(spec_for) -> list[dict]:
+def decode_forward(B: int, ctx: int, room: int, layers: int = 32):
+    """A table pool of B requests of about ctx tokens (pages for `room` more each, see Engine) under a captured
+    decode graph of `layers` attention layers (write_kv + run each, 32/8 heads, d 128, page 16, random cache) at
+    their bucket. Returns (the Engine, the DecodeGraphs, its live inputs: q, k, v [B, heads, 128] bf16 on CUDA)."""
+    spec = AttentionSpec(32, 8, 128, PS, B * (ctx // PS + 120) + 64)
+    cache = PagedKVCache.allocate(spec, "cuda")
+    for t in (cache.k, cache.v):
+        t.normal_()
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=256, max_num_pages=spec.num_pages,
+                                            max_requests=max(B, 8), max_pages_per_request=ctx // PS + 120))
+    eng = Engine(pool, B, ctx, room=room)
+
+    def model(step, x):
+        h = x["q"]
+        for _ in range(layers):
+            fi.write_kv(step, x["k"], x["v"], cache)
+            h = fi.run(step, h, cache)
+        return h
+
+    static = {name: torch.zeros(256, hh, 128, device="cuda", dtype=torch.bfloat16) for name, hh in (("q", 32), ("k", 8), ("v", 8))}
+    graphs = DecodeGraphs(pool, model, static)
+    graphs.capture(buckets=(pool.bucket_for(build_plan(StepRows.decode(eng.rows, eng.kv + 1), spec)),))
+    x = {name: torch.randn(B, t.shape[1], 128, device="cuda", dtype=torch.bfloat16) for name, t in static.items()}
+    return eng, graphs, x
+
+
+def part_c() -> list[dict]:
     out = []
-    layers, n, rounds = 32, 200, 5
+    n, rounds = 200, 5
     for B, ctx in ((1, 512), (8, 512), (64, 2048), (256, 2048)):
-        spec = spec_for((32, 8), B * (ctx // PS + 120) + 64)
-        cache = PagedKVCache.allocate(spec, "cuda")
-        for t in (cache.k, cache.v):
-            t.normal_()
-        pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=256, max_num_pages=spec.num_pages,
-                                                max_requests=max(B, 8), max_pages_per_request=ctx // PS + 120))
-        eng = Engine(pool, B, ctx, room=n + 16)  # pages for the walk up front: both arms decode the same lengths
-
-        def model(step, x):
-            h = x["q"]
-            for _ in range(layers):
-                fi.write_kv(step, x["k"], x["v"], cache)
-                h = fi.run(step, h, cache)
-            return h
-
-        static = {name: torch.zeros(256, hh, 128, device="cuda", dtype=torch.bfloat16) for name, hh in (("q", 32), ("k", 8), ("v", 8))}
-        graphs = DecodeGraphs(pool, model, static)
-        graphs.capture(buckets=(pool.bucket_for(build_plan(StepRows.decode(eng.rows, eng.kv + 1), spec)),))
-        x = {name: torch.randn(B, t.shape[1], 128, device="cuda", dtype=torch.bfloat16) for name, t in static.items()}
+        eng, graphs, x = decode_forward(B, ctx, room=n + 16)  # pages for the walk up front: both arms decode the same lengths
 
         def walk():  # the with-step arm: lengths start + 1 .. start + n (mean start + n / 2 + 1/2), a plan and commit each
             eng.kv[:] = eng.start
@@ -343,12 +351,12 @@ def part_c(spec_for) -> list[dict]:
         with_trace = gpu_trace(lambda: graphs(eng.step_only(), **x), 50)
         still = middle()
         replay_trace = gpu_trace(lambda: graphs(still, **x), 50)
-        out.append(dict(batch=B, context=ctx, layers=layers, replay_only_us=med["replay_only"], with_step_us=med["with_step"],
+        out.append(dict(batch=B, context=ctx, layers=32, replay_only_us=med["replay_only"], with_step_us=med["with_step"],
                         exposed=med["with_step"] / med["replay_only"] - 1, gpu_idle_us=with_trace["gpu_idle_us"],
                         replay_gpu_idle_us=replay_trace["gpu_idle_us"], gpu_items=with_trace["gpu_items"],
                         replay_gpu_items=replay_trace["gpu_items"], rounds=res))
         print(out[-1], flush=True)
-        del graphs, pool, cache
+        del graphs, eng
         torch.cuda.empty_cache()
     return out
 
@@ -367,7 +375,7 @@ def main(out_dir: str) -> None:
     if "b" in parts:
         results["fixed_schedule"] = part_b(spec_for)
     if "c" in parts:
-        results["exposed_host"] = part_c(spec_for)
+        results["exposed_host"] = part_c()
     json.dump(results, open(f"{out_dir}/host_step_h100_{''.join(parts)}.json", "w"), indent=1)
 
 
