@@ -26,9 +26,10 @@ draft, cascade or tree plan, any other plan) takes the general transaction,
 which checks everything, raises PlanError where it must, waits where it must, and leaves a new record.
 
 A record is dropped when its slot is committed by the general transaction (GraphBufferPool.free_slot),
-so it never outlives what it recorded: the slot's staged head (rows, padding, an empty update region) and
-the backend's plans in the slot's workspaces. `tests/capture/test_steady.py` holds the two paths to the
-same arrays, table and lease state step by step, through changes of every kind.
+so it never outlives what it recorded: the slot's staged head (rows, padding, and its update region, which
+the pool's StagedHead says whether empty) and the backend's plans in the slot's workspaces.
+`tests/capture/test_steady.py` holds the two paths to the same arrays, table and lease state step by step,
+through changes of every kind.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class Steady:
     spec, backend, rows (the step's rows as bytes), table_reshapes (PageTable.reshapes then): what a steady
     step must share with it. max_kv_len: the longest kv_len whose pages fit the slot's index region for
     this batch (checks.validate's bound). ranges: Ranges [B], the kv_lens the table (at table_changes,
-    PageTable.changes) and the backend state both accept; promise: the backend state's own (SteadyTerms.ranges). shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
+    PageTable.changes) and the backend state both accept; promise: the backend state's own (SteadyTerms.ranges).
+    shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
     work's graph key and a function of the step making that work. offsets: where the step sits in the slot
     (layout.Offsets: its lengths, its fence, the head the work copies). stream: the stream it ran on (None: a
     CPU pool) and stream_key, its id (torch's current-stream tuple).
@@ -109,16 +111,16 @@ class SteadySlots:
     """Per slot of a pool, the Steady record of its last general decode commit (or None), and the steady
     commit. It reads and updates what the general transaction does (the pool's own parts, given at
     construction): the slots' leases and deferred device work (slots: step.Slots), each slot's pinned staging
-    (host_np: int32 numpy views), unstaged mark and StagedHead (held: whether its update region is all dump
+    (host_np: int32 numpy views), unstaged mark and StagedHead (heads: whether its update region is all dump
     lanes), the page table. capacity: a slot's index region (Layout.index_capacity); current: the pool's
     CurrentStream (None: a CPU pool). commits: steady commits so far. Holds one record per slot (pageable
     host: the record and its [B] range arrays)."""
 
-    def __init__(self, slots: Slots, host_np: list, unstaged: list, held: list, table: PageTable | None, capacity: int,
+    def __init__(self, slots: Slots, host_np: list, unstaged: list, heads: list, table: PageTable | None, capacity: int,
                  current):
         self.records: list[Steady | None] = [None] * len(host_np)
         self.leases, self.work, self.slots, self.table = slots.leases, slots.work, slots, table
-        self.host_np, self.unstaged, self.held, self.capacity = host_np, unstaged, held, capacity
+        self.host_np, self.unstaged, self.heads, self.capacity = host_np, unstaged, heads, capacity
         self.host_ints = [memoryview(h) for h in host_np]  # each slot's staging, its cells written as Python ints
         # the current stream's id: torch's (id, device, type) tuple where it has one, else the Stream
         self.stream_key = (lambda: None) if current is None else (current if current.ident is None else
@@ -132,8 +134,8 @@ class SteadySlots:
     def record(self, s: int, step: DeviceStep, terms: SteadyTerms, key: tuple, work, offsets: Offsets, stream) -> None:
         """Keep slot s's record after the general commit of a plain decode plan (decode_rows) as `step`, deferred,
         on the current stream `stream` (None: a CPU pool), its table updates staged (its head then holds the rows,
-        padding and those updates; the pool's StagedHead says whether any). terms: the backend state's (a host-only backend:
-        SteadyTerms(scheduled=())). key, work: the deferred device work's graph key and a function of a step
+        padding and those updates; the pool's StagedHead says whether any). terms: the backend state's (a host-only
+        backend: SteadyTerms(scheduled=())). key, work: the deferred device work's graph key and a function of a step
         making that work; offsets: the step's layout.Offsets."""
         plan, table = step.plan, self.table
         B, ps = plan.batch_size, plan.spec.page_size
@@ -156,21 +158,21 @@ class SteadySlots:
                 and decode_rows(plan) and table.reshapes == b.table_reshapes and plan.rows.tobytes() == b.rows
                 and not any(self.work.pending) and self.stream_key() == b.stream_key):
             return None
+        if table.pending > b.offsets.update_capacity:  # (more updates than the step's update region holds)
+            return None
         if table.changes != b.table_changes:  # pages appended since: the appended rows' decode ranges grew
-            if table.pending > b.offsets.update_capacity:  # (more than the step's update region holds)
-                return None
             table_ranges = table.decode_ranges(plan.rows)
-            b = self.records[s] = attrs.evolve(b, table_changes=table.changes, ranges=intersect(
+            b = attrs.evolve(b, table_changes=table.changes, ranges=intersect(
                 (table_ranges, *b.promise)) if b.promise else table_ranges)
         if not (b.ranges.holds(kv) and self.leases.take(s, b.stream)):
             return None
-        generations, offsets, h = self.leases.generations, b.offsets, self.host_np[s]
+        self.records[s], generations, offsets, h = b, self.leases.generations, b.offsets, self.host_np[s]
         generation = generations[s] + 1
         h[offsets.kv_lens : offsets.kv_lens + kv.shape[0]] = kv
-        updates, held = table.take_updates(), self.held[s]
-        if updates.shape[0] or not held.clean:  # (the device work applies the staged updates before it reads the table)
-            stage_updates(h, offsets, updates, table)
-            held.clean = not updates.shape[0]
+        updates, head = table.take_updates(), self.heads[s]
+        if updates.shape[0] or not head.clean:  # (the device work applies the staged updates before it reads the table)
+            stage_updates(h, offsets, updates, table)  # (all of them: their count was checked above)
+            head.clean = not updates.shape[0]
         self.host_ints[s][offsets.fence] = generation & FENCE_MASK
         generations[s] = self.unstaged[s] = generation
         step = DeviceStep.made(plan, b.shape, generation, self.slots, None, b.scheduled)

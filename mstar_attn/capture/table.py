@@ -26,6 +26,10 @@ from mstar_attn.metadata.spec import AttentionSpec
 
 FREE = -1  # owner of a page no row holds; a page shared by n rows has owner -1 - n
 NO_UPDATES = np.zeros(0, np.int32)  # take_updates with none pending (read-only)
+NO_UPDATES.flags.writeable = False
+# append of at most this many rows runs on Python ints (CPU: 8 µs for one row, 28 for 16, ~1.3 a row more, against
+# 41-45 µs for the vectorized path at any of these sizes)
+APPEND_FEW = 16
 
 
 def _ints(name: str, value) -> np.ndarray:
@@ -41,10 +45,6 @@ def _repeated(values: list) -> int:
     for i, v in enumerate(values):
         seen[v] = i  # (the last index of each)
     return next(v for i, v in enumerate(values) if seen[v] != i)
-NO_UPDATES.flags.writeable = False
-# append of at most this many rows runs on Python ints (CPU: 8 µs for one row, 28 for 16, ~1.3 a row more, against
-# 41-45 µs for the vectorized path at any of these sizes)
-APPEND_FEW = 16
 
 
 class PageTable:
@@ -138,14 +138,14 @@ class PageTable:
         r, p = _ints("append: rows", rows), _ints("append: pages", pages)
         n = r.shape[0]
         if p.shape[0] != n:
+            self._pages(p, "append")  # (a page outside the pool is named first)
             raise PlanError(f"append: {n} rows and {p.shape[0]} pages; give one page per row")
         if n == 0:
             return
         if n <= APPEND_FEW:
             pos = self._append_few(r, p)
         else:
-            c = self._append_checks_long(r, p)
-            self.owner[p] = r
+            c = self._append_checks_long(r, p)  # (owner written)
             pos = r * self.width
             pos += c
             self.flat[pos] = p
@@ -185,7 +185,8 @@ class PageTable:
         return np.array(pos, np.int32)
 
     def _append_checks_long(self, r: np.ndarray, p: np.ndarray) -> np.ndarray:
-        """append's checks of rows [n] and pages [n] (int32), vectorized; returns the rows' counts."""
+        """append's checks of rows [n] and pages [n] (int32), vectorized; the last of them writes owner[p] = r
+        (undone if it fails). Returns the rows' counts."""
         n, N = r.shape[0], self.spec.num_pages
         if p.min() < 0 or p.max() >= N:
             raise PlanError(f"append: page {p[(p < 0) | (p >= N)][0]} is outside the pool (pages 0..{N - 1})")
@@ -199,6 +200,8 @@ class PageTable:
         own = self.owner[p]
         if (own != FREE).any():
             raise PlanError(f"append: page {int(p[own != FREE][0])} is not free")
+        if n > self.max_requests:  # (more rows than the table has: one repeats)
+            raise PlanError(f"append: row {_repeated(r.tolist())} is given two pages in one call")
         stamp, ar = self._stamp, self._arange[:n]
         stamp[r] = ar
         if (stamp[r] != ar).any():

@@ -196,10 +196,13 @@ def _same_state(before, after, label):
             assert np.array_equal(x, y), label
 
 
+@pytest.mark.parametrize("append", [False, True])
 @pytest.mark.parametrize("pending", [False, True])
 @pytest.mark.parametrize("groups", SPECS.values(), ids=SPECS.keys())
-def test_a_bad_step_raises_before_anything_changes_also_in_steady_state(groups, pending):
-    """pending: the last good step's deferred work is left unlaunched (the failed commits must not launch it)."""
+def test_a_bad_step_raises_before_anything_changes_also_in_steady_state(groups, pending, append):
+    """pending: the last good step's deferred work is left unlaunched (the failed commits must not launch it).
+    append: pages appended to a row of the step and to a row outside it just before the bad steps (the records
+    then stand for an older table: the failed commits leave them, and the pending updates, as they were)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     spec, B, shared = _spec(groups), 4, 2
@@ -220,6 +223,9 @@ def test_a_bad_step_raises_before_anything_changes_also_in_steady_state(groups, 
         kv = kv + 1
         good(kv, prepare=not pending or i < 5)
     assert pool.steady.commits >= 2 and any(pool.device_work.pending) == pending, seed
+    if append:
+        outside = int(np.flatnonzero(table.counts[:-1] == 0)[0])
+        table.append([int(rows[0]), outside], np.flatnonzero(table.owner[:-1] == -1)[:2])
     nxt, j = kv + 1, int(rng.integers(B))
     past, in_shared = nxt.copy(), nxt.copy()
     past[j] = table.counts[rows[j]] * PS + int(rng.integers(1, 2 * PS))  # past the pages its row holds
@@ -345,3 +351,43 @@ def test_a_token_tree_step_over_the_same_rows_is_never_served_steady():
         kv = kv + 1
         pool.commit(build_plan(StepRows.decode(rows, kv), spec), defer=True).prepare()
         assert pool.steady.commits == n + i, (f"seed {seed}", i)  # (the first records, the second is steady)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_appends_outside_the_step_and_past_its_update_region_stay_right(slots):
+    """Decode steps over fixed rows while pages are appended to the step's rows (as their tokens start pages) and to
+    rows outside it (0 to 40 a step: past the step's update region now and then, then the general path sends them):
+    every step's arrays equal the same step by pages, the device table its host mirror; steady commits carry updates
+    of rows outside the step, and a step with more pending updates than its region holds is never steady."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec, B, n = _spec(GROUPS), 4, 40
+    pool, ref = table_pool(spec, width=160, num_slots=slots), table_pool(spec, width=160)
+    table = pool.table
+    kv = rng.integers(10, 150, B).astype(np.int32)
+    rows, _ = admit(pool, rng, kv + 1)
+    others = [r for r in range(table.max_requests) if r not in set(rows.tolist())]
+    free = iter(rng.permutation(np.flatnonzero(table.owner[:-1] == -1)).astype(np.int32))
+    outside_steady = overflow = 0
+    for i in range(n):
+        kv = kv + 1
+        grow = rows[kv > table.counts[rows] * PS]
+        if grow.shape[0]:
+            table.append(grow, [next(free) for _ in grow])
+        room = [r for r in others if table.counts[r] < table.width]
+        extra = rng.choice(room, min(len(room), int(rng.choice([0, 2, 40], p=[0.4, 0.4, 0.2]))), replace=False)
+        if extra.shape[0]:
+            table.append(extra.astype(np.int32), [next(free) for _ in extra])
+        rec, pending, n0 = pool.steady.records[pool.next_slot], table.pending, pool.steady.commits
+        capacity = None if rec is None else rec.offsets.update_capacity
+        step = pool.commit(build_plan(StepRows.decode(rows, kv), spec), defer=True)
+        steady = pool.steady.commits - n0
+        label = (f"seed {seed}", slots, i, pending, capacity)
+        if capacity is not None and pending > capacity:
+            assert not steady, label
+            overflow += 1
+        outside_steady += steady and extra.shape[0] > 0
+        step.prepare()
+        _same_arrays(step, _by_pages(ref, table, rows, kv), B, label)
+        assert torch.equal(table.dev[:-1], torch.from_numpy(table.flat)), label
+    assert outside_steady > 0 and overflow > 0, (seed, outside_steady, overflow)

@@ -64,6 +64,9 @@ def test_page_table_ownership_is_enforced_as_pages_are_assigned():
                         (lambda: t.append([3, 4], [9, 9]), "given to two rows"),
                         (lambda: t.append([3], [5]), "not free"),
                         (lambda: t.append([3], [9, 10]), "one page per row"),
+                        (lambda: t.append([3, 4], [60]), "page 60 is outside the pool"),  # (named before the counts)
+                        (lambda: t.append([], [-1]), "outside the pool"),
+                        (lambda: t.append([3] * 41, list(range(9, 50))), "row 3 is given two pages"),  # (more rows than the table)
                         (lambda: t.release(0, keep=3), "keep must be")]:
         before = (t.host.copy(), t.counts.copy(), t.owner.copy())
         with pytest.raises(PlanError, match=match):
