@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from mstar_attn.metadata.errors import PlanError
@@ -66,15 +67,19 @@ class SlotLeases:
         self.generations = [0] * num_slots
         self.ready = [torch.cuda.Event() if cuda else HostEvent() for _ in range(num_slots)]
         # one cell per 16 bytes (a kernel writing slot s's cell compiles once for every slot: Triton specializes
-        # its pointer arguments on 16-byte alignment); fence_np[s] reads slot s's
+        # its pointer arguments on 16-byte alignment); fence_ints[4 * s] reads slot s's as a Python int
         self.fence = torch.zeros(num_slots * 4, dtype=torch.int32, pin_memory=cuda)
-        self.fence_np = self.fence.numpy()[::4]
-        self.fence_ints = memoryview(self.fence.numpy())  # the same cells read as Python ints (slot s's: [4 * s])
+        self.fence_ints = memoryview(self.fence.numpy())
         self.fenced = [False] * num_slots  # the slot's last commit is proven by its fence (else by ready[s])
         self.streams: list = [None] * num_slots  # the stream a fenced commit ran on (event_of records there)
         self.consumers: list = [None] * num_slots
         self._reuse = [torch.cuda.Event() if cuda else HostEvent() for _ in range(num_slots)]
         self.stalls = 0  # commits that had to wait for the GPU before reusing a slot
+
+    @property
+    def fence_np(self) -> np.ndarray:
+        """The slots' fence cells as an int32 numpy view [num_slots] (slot s's: [s]), for diagnostics and tests."""
+        return self.fence.numpy()[::4]
 
     def fence_cell(self, s: int) -> torch.Tensor:
         """Slot s's fence cell: int32 [1], pinned on CUDA, 16-byte aligned."""
@@ -92,13 +97,13 @@ class SlotLeases:
                 return
             self.stalls += 1
             start, nap = time.perf_counter(), 10e-6
-            while self.fence_np[s] != want:
+            while self.fence_ints[4 * s] != want:
                 waited = time.perf_counter() - start
                 if waited > SPIN_SECONDS:
                     self.streams[s].synchronize()
-                    if self.fence_np[s] != want:
+                    if self.fence_ints[4 * s] != want:
                         raise RuntimeError(f"slot {s}: its commit graph ran but did not write fence {want} "
-                                           f"(reads {int(self.fence_np[s])})")
+                                           f"(reads {self.fence_ints[4 * s]})")
                 elif waited > BUSY_SECONDS:
                     time.sleep(nap)
                     nap = min(2 * nap, 1e-3)
@@ -121,7 +126,8 @@ class SlotLeases:
             if c is not None and c is not on and c != on:
                 return False
         self.free(s)
-        self.consumers[s], self.streams[s], self.fenced[s] = on, on, on is not None
+        self.consumers[s] = on
+        self.record(s, on, on is not None)
         return True
 
     def event_of(self, s: int):

@@ -317,8 +317,7 @@ class GraphBufferPool(SizedBounds):
                     key, work = ("derived", s, bucket, bucket * q_len, plan.backend), lambda st: self._work(st, state, offsets, True)
                     self.device_work.defer(s, generation, key, lambda: work(step), on)
                     self.last_commit_bytes += offsets.draft * 4
-                    if decode_rows(plan) and (terms := SteadyTerms(scheduled=()) if state is None
-                                              else getattr(state, "steady", lambda st: None)(step)):
+                    if decode_rows(plan) and (terms := SteadyTerms(scheduled=()) if state is None else state.steady(step)):
                         self.steady.record(s, step, terms, key, work, offsets, here)
                 else:
                     self._rows_device_work(step, state, offsets, True)
@@ -393,8 +392,8 @@ class GraphBufferPool(SizedBounds):
         allocators cache after freeing is theirs, not listed)."""
         slot_bytes = self.layout.size * 4 * self.num_slots
         parts = {"pool staging (pinned)": (0, slot_bytes if self.cuda else 0), "pool slot buffers": (slot_bytes, 0)}
-        # (the tables' host mirrors and page owners are pageable: host_bytes())
-        for part in (self.table, self.cross_table, self.derivation, self.leases, *self.backend_states.values()):
+        # (the tables' host mirrors and page owners, and the steady records, are pageable: host_bytes())
+        for part in (self.table, self.cross_table, self.derivation, self.leases, self.steady, *self.backend_states.values()):
             if part is not None:
                 parts.update(part.memory())
         return MemoryReport(parts)

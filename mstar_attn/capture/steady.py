@@ -127,6 +127,15 @@ class SteadySlots:
                                                                   functools.partial(current.ident, current.index))
         self.commits = 0
 
+    def memory(self) -> dict[str, tuple[int, int]]:
+        """No device or pinned bytes: the records are pageable host memory (host_bytes())."""
+        return {"steady records (pageable host)": (0, 0)}
+
+    def host_bytes(self) -> int:
+        """The records' range arrays: per slot two [B] arrays of its ranges and two per backend promise."""
+        return sum(r.ranges.low.nbytes + r.ranges.span.nbytes + sum(x.low.nbytes + x.span.nbytes for x in r.promise)
+                   for r in self.records if r is not None)
+
     def drop(self, s: int) -> None:
         """Slot s is committed by the general transaction: its record no longer holds."""
         self.records[s] = None

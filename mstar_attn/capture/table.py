@@ -142,10 +142,18 @@ class PageTable:
             raise PlanError(f"append: {n} rows and {p.shape[0]} pages; give one page per row")
         if n == 0:
             return
-        if n <= APPEND_FEW:
-            pos = self._append_few(r, p)
+        if n <= APPEND_FEW:  # (Python ints: cheaper than numpy's per-call cost for a few rows)
+            rows, pages = r.tolist(), p.tolist()
+            held, W, ps = self._append_check(rows, pages), self.width, self.spec.page_size
+            owner, flat, counts, span = self.owner, self.flat, self.counts, self.span
+            at = [row * W + k for row, k in zip(rows, held)]
+            for row, page, k, a in zip(rows, pages, held, at):
+                owner[page], flat[a], counts[row] = row, page, k + 1
+                span[row] += ps
+            pos = np.array(at, np.int32)
         else:
-            c = self._append_checks_long(r, p)  # (owner written)
+            c = self._append_counts(r, p)
+            self.owner[p] = r
             pos = r * self.width
             pos += c
             self.flat[pos] = p
@@ -155,18 +163,18 @@ class PageTable:
         self.changes += 1
         self._pending.append(pos)
 
-    def _append_few(self, r: np.ndarray, p: np.ndarray) -> np.ndarray:
-        """append of a few rows [n] and pages [n] (int32) on Python ints, cheaper than numpy's per-call cost for up
-        to APPEND_FEW rows: the checks of _append_checks_long in the same order, then the same writes. Returns the
-        flat positions written [n] int32."""
-        rows, pages, N, R, W = r.tolist(), p.tolist(), self.spec.num_pages, self.max_requests, self.width
+    def _append_check(self, rows: list, pages: list) -> list:
+        """PlanError naming the first thing wrong with giving rows[i] page pages[i] (Python ints), in this order: a
+        page outside the pool, a row outside the table, a full row, a page not free, a row twice, a page twice;
+        else each row's page count now."""
+        N, R, W = self.spec.num_pages, self.max_requests, self.width
         for page in pages:
             if not 0 <= page < N:
                 raise PlanError(f"append: page {page} is outside the pool (pages 0..{N - 1})")
         for row in rows:
             if not 0 <= row < R:
                 raise PlanError(f"append: row {row} is not a table row (0..{R - 1})")
-        counts, owner, flat, span, ps = self.counts, self.owner, self.flat, self.span, self.spec.page_size
+        counts, owner = self.counts, self.owner
         held = [int(counts[row]) for row in rows]
         for row, k in zip(rows, held):
             if k >= W:
@@ -178,40 +186,18 @@ class PageTable:
             raise PlanError(f"append: row {_repeated(rows)} is given two pages in one call")
         if len(set(pages)) != len(pages):
             raise PlanError(f"append: page {_repeated(pages)} is given to two rows")
-        pos = [row * W + k for row, k in zip(rows, held)]
-        for row, page, k, at in zip(rows, pages, held, pos):
-            owner[page], flat[at], counts[row] = row, page, k + 1
-            span[row] += ps
-        return np.array(pos, np.int32)
+        return held
 
-    def _append_checks_long(self, r: np.ndarray, p: np.ndarray) -> np.ndarray:
-        """append's checks of rows [n] and pages [n] (int32), vectorized; the last of them writes owner[p] = r
-        (undone if it fails). Returns the rows' counts."""
-        n, N = r.shape[0], self.spec.num_pages
-        if p.min() < 0 or p.max() >= N:
-            raise PlanError(f"append: page {p[(p < 0) | (p >= N)][0]} is outside the pool (pages 0..{N - 1})")
-        if r.min() < 0 or r.max() >= self.max_requests:
-            raise PlanError(f"append: row {int(r[(r < 0) | (r >= self.max_requests)][0])} is not a table row "
-                            f"(0..{self.max_requests - 1})")
-        c = self.counts[r]
-        if c.max() >= self.width:
-            raise PlanError(f"append: row {int(r[c >= self.width][0])} already holds max_pages_per_request "
-                            f"{self.width} pages")
-        own = self.owner[p]
-        if (own != FREE).any():
-            raise PlanError(f"append: page {int(p[own != FREE][0])} is not free")
-        if n > self.max_requests:  # (more rows than the table has: one repeats)
-            raise PlanError(f"append: row {_repeated(r.tolist())} is given two pages in one call")
-        stamp, ar = self._stamp, self._arange[:n]
-        stamp[r] = ar
-        if (stamp[r] != ar).any():
-            raise PlanError(f"append: row {int(r[stamp[r] != ar][0])} is given two pages in one call")
-        self.owner[p] = r
-        if (self.owner[p] != r).any():  # a page given twice: the later row took it
-            i = int(np.flatnonzero(self.owner[p] != r)[0])
-            self.owner[p] = FREE
-            raise PlanError(f"append: page {int(p[i])} is given to two rows")
-        return c
+    def _append_counts(self, r: np.ndarray, p: np.ndarray) -> np.ndarray:
+        """The page counts [n] of rows r [n] that pages p [n] (int32) may be appended to, checked vectorized; where a
+        check fails, _append_check names the first failure (the same errors as for a few rows)."""
+        n = r.shape[0]
+        ok = p.min() >= 0 and p.max() < self.spec.num_pages and r.min() >= 0 and r.max() < self.max_requests
+        if ok:
+            c = self.counts[r]
+            ok = (c.max() < self.width and (self.owner[p] == FREE).all() and np.unique(r).shape[0] == n
+                  and np.unique(p).shape[0] == n)
+        return c if ok else np.array(self._append_check(r.tolist(), p.tolist()), np.int32)
 
     def release(self, row: int, keep: int = 0) -> np.ndarray:
         """Take back row's pages past the first `keep` (all by default: the request left); returns them.

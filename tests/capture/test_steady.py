@@ -391,3 +391,19 @@ def test_appends_outside_the_step_and_past_its_update_region_stay_right(slots):
         _same_arrays(step, _by_pages(ref, table, rows, kv), B, label)
         assert torch.equal(table.dev[:-1], torch.from_numpy(table.flat)), label
     assert outside_steady > 0 and overflow > 0, (seed, outside_steady, overflow)
+
+
+def test_the_records_are_in_the_memory_report_and_bounded_by_the_slots():
+    """The steady records hold pageable host memory only (two [B] range arrays per slot, a promise's too), listed
+    in the pool's memory report with no device or pinned bytes."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec, B = _spec(GROUPS), 5
+    pool = table_pool(spec, width=160, num_slots=2)
+    kv = rng.integers(10, 150, B).astype(np.int32)
+    rows, _ = admit(pool, rng, kv + 10)
+    for _ in range(6):
+        kv = kv + 1
+        pool.commit(build_plan(StepRows.decode(rows, kv), spec), defer=True).prepare()
+    assert pool.memory_report().components["steady records (pageable host)"] == (0, 0), seed
+    assert pool.steady.commits > 0 and 0 < pool.steady.host_bytes() <= 2 * 2 * B * 4, (seed, pool.steady.host_bytes())
