@@ -14,8 +14,9 @@
     once, split-KV off) on decode shapes B x context, interleaved rounds.
 (c) exposed host time: a 32-layer decode-attention graph (write_kv + run per layer) replayed back to
     back ("replay only": DecodeGraphs calls on a step committed once at the walk's middle lengths) vs the same with the per-step
-    StepRows plan + commit before each replay, walking the same lengths (equal KV read on both arms);
-    GPU idle µs and GPU items per step from a profiler trace of each arm.
+    StepRows plan + commit before each replay, walking the same lengths (equal KV read on both arms); beside
+    them "same lengths": a plan + commit per step at the middle lengths (the commit's own cost, no walk).
+    GPU idle µs and GPU items per step from a profiler trace of each whole arm (the walk's n steps, n replays).
 Run on the GPU: python -m benchmarks.host_step OUT_DIR [a,b,c]   (writes host_step_h100_<parts>.json)
 """
 
@@ -263,23 +264,26 @@ def part_b(spec_for) -> list[dict]:
 
 
 def gpu_trace(fn, n: int) -> dict:
-    """GPU idle µs and GPU items (kernels, copies) per call of fn, from a profiler trace of n calls
-    started with an idle GPU: idle = the span from the first item's start to the last one's end,
-    less the union of the items' intervals."""
+    """Per step of fn() (one call running n steps), from a profiler trace started with an idle GPU: GPU idle µs
+    (the span from the first item's start to the last one's end, less the union of the items' intervals), GPU
+    items (kernels, copies), span and busy µs, and per item kind [count, µs]."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # (GPU activity only: CPU tracing would slow the host arm)
-        for _ in range(n):
-            fn()
+        fn()
         torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
-    busy, end = 0.0, -1e30
-    for a, b in spans:
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end, kinds = 0.0, -1e30, {}
+    for a, b, name in spans:
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
-    return dict(gpu_idle_us=(spans[-1][1] - spans[0][0] - busy) / n, gpu_items=len(spans) / n)
+        k = kinds.setdefault(name[:48], [0, 0.0])  # per item kind (its name's first 48 characters): count, µs
+        k[0], k[1] = k[0] + 1, k[1] + b - a
+    span = spans[-1][1] - spans[0][0]
+    return dict(gpu_idle_us=(span - busy) / n, gpu_items=len(spans) / n, span_us=span / n, busy_us=busy / n,
+                kinds={k: [c / n, t / n] for k, (c, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1])})
 
 
 def decode_forward(B: int, ctx: int, room: int, layers: int = 32):
@@ -341,18 +345,24 @@ def part_c() -> list[dict]:
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) / n * 1e6
 
-        walk()  # (warm: each slot's device graph, the plans of these lengths)
-        res = {"replay_only": [], "with_step": []}
+        def same():  # a plan + commit per step, every step at the replay-only arm's lengths
+            for _ in range(n):
+                eng.kv[:] = eng.start + n // 2
+                graphs(eng.commit_only(), **x)
+
+        walk(), same()  # (warm: each slot's device graph, the plans of these lengths)
+        res = {"replay_only": [], "with_step": [], "same_lengths": []}
         for _ in range(rounds):
             res["replay_only"].append(replay())
             res["with_step"].append(timed(walk))
+            res["same_lengths"].append(timed(same))
         med = {k: statistics.median(v) for k, v in res.items()}
-        eng.kv[:] = eng.start
-        with_trace = gpu_trace(lambda: graphs(eng.step_only(), **x), 50)
+        with_trace = gpu_trace(walk, n)  # (each arm whole: both read the same KV on average)
         still = middle()
-        replay_trace = gpu_trace(lambda: graphs(still, **x), 50)
+        replay_trace = gpu_trace(lambda: [graphs(still, **x) for _ in range(n)], n)
         out.append(dict(batch=B, context=ctx, layers=32, replay_only_us=med["replay_only"], with_step_us=med["with_step"],
-                        exposed=med["with_step"] / med["replay_only"] - 1, gpu_idle_us=with_trace["gpu_idle_us"],
+                        same_lengths_us=med["same_lengths"], exposed=med["with_step"] / med["replay_only"] - 1,
+                        exposed_same_lengths=med["same_lengths"] / med["replay_only"] - 1, gpu_idle_us=with_trace["gpu_idle_us"],
                         replay_gpu_idle_us=replay_trace["gpu_idle_us"], gpu_items=with_trace["gpu_items"],
                         replay_gpu_items=replay_trace["gpu_items"], rounds=res))
         print(out[-1], flush=True)

@@ -35,7 +35,7 @@ def _record(fn, step, static: dict[str, torch.Tensor], memory) -> tuple[torch.cu
     return graph, out
 
 
-def _key(step: DeviceStep) -> tuple[int, int, int, str, bool, bool]:
+def graph_key(step: DeviceStep) -> tuple[int, int, int, str, bool, bool]:
     """A decode / verify graph's key: (slot, bucket, q_len, backend, whether a cascade step, whether a token-tree
     step)."""
     return step.slot, step.bucket, step.q_len, step.plan.backend, step.plan.cascade is not None, step.plan.tree is not None
@@ -130,7 +130,7 @@ class DecodeGraphs:
                 plan = scratch_plan(spec, bucket, q_len, backend=backend, cascade=levels, tree=tree)
                 step = self.pool.commit(plan, slot=slot)
                 static = {name: t[: step.padded_num_tokens] for name, t in self.inputs.items()}
-                self.graphs[_key(step)] = _record(self.fn, step, static, self.memory)
+                self.graphs[graph_key(step)] = _record(self.fn, step, static, self.memory)
         torch.cuda.synchronize()
 
     def serves(self, step: DeviceStep) -> bool:
@@ -138,13 +138,13 @@ class DecodeGraphs:
         kind (cascade, token tree: capture(trees=True)); never a step of a draft round: its arrays are not where
         a decode graph reads (RoundGraphs serves those)."""
         return (step.slots is self.pool.slots and step.bucket is not None and step.plan.draft_step is None
-                and _key(step) in self.graphs)
+                and graph_key(step) in self.graphs)
 
     def graph_for(self, step: DeviceStep) -> torch.cuda.CUDAGraph:
         """The captured graph that serves `step` (benchmarks time its replay alone); PlanError if none does."""
         if not self.serves(step):
-            raise PlanError(f"DecodeGraphs.graph_for: no captured graph serves this step (key {_key(step)})")
-        return self.graphs[_key(step)][0]
+            raise PlanError(f"DecodeGraphs.graph_for: no captured graph serves this step (key {graph_key(step)})")
+        return self.graphs[graph_key(step)][0]
 
     def __call__(self, step: DeviceStep, **inputs: torch.Tensor) -> torch.Tensor:
         """fn(step, inputs), replayed when a graph serves the step; returns [plan.num_tokens, ...] rows."""
@@ -160,7 +160,7 @@ class DecodeGraphs:
             return self.fn(step, inputs)
         if inputs.keys() != self.inputs.keys():
             raise PlanError(f"DecodeGraphs: inputs {sorted(inputs)} differ from the captured {sorted(self.inputs)}")
-        key = _key(step)
+        key = graph_key(step)
         graph, out = self.graphs[key]
         for name, t in inputs.items():
             buf = self.inputs[name]
