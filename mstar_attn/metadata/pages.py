@@ -8,6 +8,8 @@ from mstar_attn.metadata._arrays import read_only
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.spec import AttentionSpec
 
+LISTED_SHORT = 256  # an ownership scan over at most this many listed pages runs on a set of Python ints
+
 
 def gather_ranges(src: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate src[starts[i] : starts[i] + counts[i]] over i; returns (indptr [B+1], values)."""
@@ -75,9 +77,14 @@ def scan_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.
     its writer, the listed entries that hit a written page must number exactly n: any excess is
     another request listing it (to read it, write it, or hold it as a spare). O(n log n + pages).
     """
+    if listed.shape[0] <= LISTED_SHORT:  # (a set of Python ints: cheaper than numpy's fixed cost per call)
+        writers = set(written.tolist())
+        if len(writers) == written.shape[0] and sum(map(writers.__contains__, listed.tolist())) == len(writers):
+            return
     ordered = np.sort(written)
     twice = ordered[1:] == ordered[:-1]
-    if not twice.any() and written_hits(listed, ordered, spec.num_pages) == written.shape[0]:
+    if not twice.any() and listed.shape[0] > LISTED_SHORT \
+            and written_hits(listed, ordered, spec.num_pages) == written.shape[0]:
         return
     if twice.any():
         page = int(ordered[1:][twice][0])

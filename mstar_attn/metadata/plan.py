@@ -51,7 +51,7 @@ def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_owners
         raise PlanError(f"batch: expected a StepBatch or StepRows, got {type(batch).__name__}")
     if not isinstance(check_ownership, bool):
         raise PlanError(f"check_ownership: expected True or False, got {check_ownership!r}")
-    return _plan(batch, spec, check_ownership, spec.num_pages)
+    return _plan_batch_decode(batch, spec, check_ownership) or _plan(batch, spec, check_ownership, spec.num_pages)
 
 
 def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: DraftTree) -> AttentionPlan:
@@ -232,6 +232,53 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
            else own_plan(g, pages, spec, step, page_limit, check_ownership)
            for g, pages in _own_lists(batch, spec)}
     return _finish(spec, step, block_table=batch.block_table, backend=backend, own=own, cascade=cascade)
+
+
+def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) -> AttentionPlan | None:
+    """_plan for a decode step (every q_len 1) whose requests list exactly the pages their lengths need,
+    on the shared list alone (no own or cross lists, no block table, cascade off): the same checks and the same
+    plan in fewer numpy calls (the per-step path of an engine that lists pages). None for any other step, and
+    for one that fails a check: _plan then names what is wrong, so both paths raise the same errors."""
+    q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
+    ps, B, n = spec.page_size, kv.shape[0], idx.shape[0]
+    if batch.group_pages or spec.own_page_groups or spec.has_cross or batch.block_table is not None or spec.cascade_groups \
+            or batch.page_size != ps \
+            or q.shape[0] != B or indptr.shape[0] != B + 1 or not 0 < B < ARANGE.shape[0]:
+        return None
+    if B <= SHORT:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
+        new, lengths = q.tolist(), kv.tolist()
+        one, lo, hi = min(new) == max(new) == 1, min(lengths), max(lengths)
+    else:
+        one, lo, hi = _MIN(q) == _MAX(q) == 1, int(_MIN(kv)), int(_MAX(kv))
+    if not one or lo < 1 or hi > INT32_MAX - ps:
+        return None
+    need = kv + (ps - 1)
+    need //= ps
+    end = int(indptr[-1])
+    if indptr[0] != 0 or end > n or (indptr[1:] - indptr[:-1]).tobytes() != need.tobytes():  # (exact lists: need >= 1)
+        return None
+    listed = idx[:end]
+    if _MIN(listed) < 0 or _MAX(listed) >= spec.num_pages:
+        return None
+    last_page_len = kv - need * ps
+    last_page_len += ps
+    written = listed[indptr[1:] - 1]
+    slot_mapping = np.multiply(written, ps, dtype=np.int64)
+    slot_mapping += last_page_len
+    slot_mapping -= 1
+    if check_ownership:
+        try:
+            scan_ownership(spec, indptr, listed, written)
+        except PlanError:
+            return None
+    positions = np.subtract(kv, 1, dtype=np.int64)
+    read_only(listed, slot_mapping, last_page_len, positions)
+    step = StepArrays(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=decode_qo_indptr(B), positions=positions,
+                      need=need, kv_indptr=indptr, kv_indices=listed, last_page_len=last_page_len, slot_mapping=slot_mapping,
+                      max_kv=hi)
+    plan = AttentionPlan.listed_decode(spec, step, groups_of(spec, step), resolve_backend(spec, Mode.DECODE, B, B, 1, hi))
+    object.__setattr__(plan, "sealed", True)
+    return plan
 
 
 def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPages]]:

@@ -125,6 +125,19 @@ class AttentionPlan:
                              q_lens=q_lens, kv_lens=kv_lens, backend=backend, rows=rows, _cache={})
         return plan
 
+    @classmethod
+    def listed_decode(cls, spec: AttentionSpec, st: StepArrays, groups: tuple, backend: str) -> AttentionPlan:
+        """The plan of a decode step that lists its pages (build_plan's per-step path for a StepBatch): field for
+        field what __init__ makes of st's arrays (StepArrays of a decode step, max_kv given), the groups and the
+        backend, in one dict write (not sealed: build_plan seals what it checked)."""
+        plan = object.__new__(cls)
+        plan.__dict__.update(_DECODE_DEFAULTS, spec=spec, batch_size=st.num_tokens, num_tokens=st.num_tokens,
+                             max_kv_len=st.max_kv, q_lens=st.q, kv_lens=st.kv, kv_indices=st.kv_indices,
+                             slot_mapping=st.slot_mapping, backend=backend, _qo_indptr=st.qo_indptr,
+                             _kv_indptr=st.kv_indptr, _kv_last_page_len=st.last_page_len, _positions=st.positions,
+                             _groups=groups, _cache={})
+        return plan
+
     @property
     def lazy(self) -> bool:
         """Whether this plan was built without its arrays (a StepRows decode plan: they are derived on read)."""
@@ -225,7 +238,7 @@ class AttentionPlan:
         return self.slot_mapping if own is None else own
 
 
-# the fields rows_decode does not take, as __init__ sets them for a StepRows decode plan (tests/metadata/test_record.py)
+# the fields rows_decode / listed_decode do not take, as __init__ sets them for a decode plan (tests/metadata/test_record.py)
 _DECODE_DEFAULTS = {**{a.name: a.default for a in attrs.fields(AttentionPlan) if a.default is not attrs.NOTHING
                        and not isinstance(a.default, attrs.Factory)},
                     "mode": Mode.DECODE, "max_q_len": 1, "kv_indices": None, "slot_mapping": None}

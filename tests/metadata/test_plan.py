@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from mstar_attn import LayerGroup, Mode, PlanError, StepBatch, build_plan
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
-from tests.helpers import draw_lengths, random_batch, random_pages, spec_for
+from tests.helpers import draw_lengths, fresh_seed, random_batch, random_pages, spec_for
 
 
 @st.composite
@@ -217,3 +217,74 @@ def test_ownership_check_can_be_left_to_a_trusted_allocator():
 def test_block_table_too_narrow_is_a_page_error():
     with pytest.raises(PlanError, match=r"page_indptr: request 0 lists .* pages .*fewer than its KV length needs"):
         build_plan(StepBatch.from_block_table([1], [9], [[1, 2]], 4), SPEC)
+
+
+def _decode_batch(rng, spec, B: int, kind: str) -> StepBatch:
+    """A decode batch of B requests over spec's pages with exact lists, then broken (or not) by `kind`."""
+    ps = spec.page_size
+    kv = rng.integers(1, 6 * ps, B).astype(np.int32)
+    pages = random_pages(rng, kv, ps, spec.num_pages, extra=1 if kind == "spare" else 0)
+    i = int(rng.integers(B))
+    q = np.ones(B, np.int32)
+    if kind == "q2":
+        q[i], kv[i] = 2, max(kv[i], 2)
+    elif kind == "kv0":
+        kv[i] = 0
+        if rng.integers(2):
+            pages[i] = pages[i][:0]  # (and no pages: the list then matches its zero need)
+    elif kind == "outside":
+        pages[i][int(rng.integers(len(pages[i])))] = rng.choice([-1, spec.num_pages, spec.num_pages + 1, 2**30])
+    elif kind == "short":
+        kv[i] += ps  # one page more than it lists
+    elif kind == "shared_written" and B > 1:
+        j = (i + 1) % B
+        pages[j][int(rng.integers(len(pages[j])))] = pages[i][-1]  # another request lists i's written page
+    elif kind == "past_int32":
+        kv[i] = 2**31 - 2
+    return StepBatch.from_pages(q, kv, pages, ps)
+
+
+def test_the_listed_decode_path_is_the_general_plan():
+    """build_plan's per-step path for a StepBatch decode step (plan._plan_batch_decode) against the general one
+    (plan._plan) on random batches of 1..300 requests, valid and broken: the same plan field for field (array
+    dtypes included), or the same PlanError; and the per-step path serves every valid decode step it is for."""
+    from mstar_attn.metadata import plan as P
+
+    kinds = ("valid", "valid", "spare", "q2", "kv0", "outside", "short", "shared_written", "past_int32")
+    served = 0
+    for _ in range(150):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        ps = int(rng.choice([1, 4, 16]))
+        window = int(rng.integers(1, 40))
+        groups = [(LayerGroup(),), (LayerGroup(), LayerGroup("window", window=window)), (LayerGroup("noncausal"),),
+                  (LayerGroup(), LayerGroup("window", window=window, own_pages=True)),  # (no own list given: PlanError)
+                  (LayerGroup(), LayerGroup("cross"))][int(rng.choice(5, p=[0.3, 0.3, 0.2, 0.1, 0.1]))]
+        B = int(rng.choice([1, 2, 7, 32, 33, 64, 300]))
+        spec = spec_for(page_size=ps, num_pages=B * 7 + 16, groups=groups)
+        kind = kinds[int(rng.integers(len(kinds)))]
+        step = _decode_batch(rng, spec, B, kind)
+        for check in (True, False):
+            try:
+                general = P._plan(step, spec, check, spec.num_pages)
+            except PlanError as e:
+                general = e
+            try:
+                fast = build_plan(step, spec, check_ownership=check)
+            except PlanError as e:
+                fast = e
+            where = f"seed {seed}, kind {kind}, B {B}, check_ownership {check}"
+            if isinstance(general, PlanError):
+                assert isinstance(fast, PlanError) and str(fast) == str(general), where
+                continue
+            assert not isinstance(fast, PlanError), f"{where}: {fast}"
+            assert fast == general and fast.sealed, where
+            for name in ("q_lens", "kv_lens", "kv_indices", "slot_mapping", "qo_indptr", "kv_indptr", "kv_last_page_len",
+                         "positions"):
+                a, b = getattr(fast, name), getattr(general, name)
+                assert a.dtype == b.dtype and not a.flags.writeable, f"{where}: {name} {a.dtype} vs {b.dtype}"
+            exact = np.array_equal(np.diff(step.page_indptr), -(-step.kv_lens // ps))
+            taken = P._plan_batch_decode(step, spec, check) is not None
+            assert taken == (exact and (step.q_lens == 1).all()), where
+            served += taken
+    assert served > 50

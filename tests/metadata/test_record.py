@@ -105,6 +105,30 @@ def test_rows_decode_makes_the_plan_init_makes_field_for_field():
         lazy.max_kv_len = 1
 
 
+def test_listed_decode_makes_the_plan_init_makes_field_for_field():
+    """AttentionPlan.listed_decode (build_plan's per-step constructor of a StepBatch decode step) against __init__
+    on the same arguments: every attrs field is the same object, the instance's attribute names, a cache of its own."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    ps, B = int(rng.choice([1, 4, 16])), int(rng.integers(1, 40))
+    kv = rng.integers(1, 300, B).astype(np.int32)
+    need = -(-kv // ps)
+    spec = spec_for(page_size=ps, num_pages=int(need.sum()) + 3,
+                    groups=(LayerGroup(), LayerGroup("window", window=int(rng.integers(1, 70))), LayerGroup("noncausal")))
+    pages = np.split(rng.permutation(spec.num_pages)[: int(need.sum())], np.cumsum(need)[:-1])
+    fast = build_plan(StepBatch.from_pages(np.ones(B, np.int32), kv, pages, ps), spec)
+    init = AttentionPlan(spec=spec, mode=Mode.DECODE, batch_size=B, num_tokens=B, max_q_len=1, max_kv_len=fast.max_kv_len,
+                         q_lens=fast.q_lens, kv_lens=fast.kv_lens, kv_indices=fast.kv_indices, slot_mapping=fast.slot_mapping,
+                         backend=fast.backend, qo_indptr=fast.qo_indptr, kv_indptr=fast.kv_indptr,
+                         kv_last_page_len=fast.kv_last_page_len, positions=fast.positions, groups=fast.groups)
+    object.__setattr__(init, "sealed", True)
+    assert set(vars(init)) == set(vars(fast)) and not fast.lazy, f"seed {seed}"
+    for field in attrs.fields(AttentionPlan):
+        a, b = getattr(init, field.name), getattr(fast, field.name)
+        assert a is b or (field.name == "_cache" and a == b == {}), f"seed {seed}: field {field.name}: {a!r} vs {b!r}"
+    assert init._cache is not fast._cache, f"seed {seed}"
+
+
 def test_a_group_that_is_neither_window_nor_own_list_reads_the_plans_own_kv_lens():
     """What FlashInfer's kept-schedule check relies on (kernels/flashinfer.py PoolState.plain): such a group's
     kv_lens are the plan's, for the lazy and the eager StepRows plan and for a StepBatch plan of the same step."""
