@@ -7,7 +7,8 @@ pool's general transaction then has the same outcome as for that slot's last com
 read the lengths, and each of those is a per-request range of kv_len:
 
 - the table's (PageTable.check_step): the row holds alone the page its token lands on (an append only
-  widens that range: the record takes the table's ranges again when the table changed by appends alone);
+  widens that range: once the table changed by appends alone, the steady commit checks the table's ranges as
+  they are now, PageTable.holds_decode, beside the backend state's own);
 - the backend state's (PoolStateBase.steady): its kept schedule serves these lengths without planning
   (FlashInfer: every request's KV chunk count is the same);
 - the pool's (checks.validate): every group's pages fit the slot's index region, one bound on the longest.
@@ -70,7 +71,8 @@ class Steady:
     spec, backend, rows (the step's rows as bytes), table_reshapes (PageTable.reshapes then): what a steady
     step must share with it. max_kv_len: the longest kv_len whose pages fit the slot's index region for
     this batch (checks.validate's bound). ranges: Ranges [B], the kv_lens the table (at table_changes,
-    PageTable.changes) and the backend state both accept; promise: the backend state's own (SteadyTerms.ranges).
+    PageTable.changes: while it has not changed since) and the backend state both accept; promise: the backend
+    state's own (SteadyTerms.ranges).
     shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
     work's graph key and a function of the step making that work. offsets: where the step sits in the slot
     (layout.Offsets: its lengths, its fence, the head the work copies). stream: the stream it ran on (None: a
@@ -169,13 +171,13 @@ class SteadySlots:
             return None
         if table.pending > b.offsets.update_capacity:  # (more updates than the step's update region holds)
             return None
-        if table.changes != b.table_changes:  # pages appended since: the appended rows' decode ranges grew
-            table_ranges = table.decode_ranges(plan.rows)
-            b = attrs.evolve(b, table_changes=table.changes, ranges=intersect(
-                (table_ranges, *b.promise)) if b.promise else table_ranges)
-        if not (b.ranges.holds(kv) and self.leases.take(s, b.stream)):
+        if table.changes == b.table_changes:
+            held = b.ranges.holds(kv)
+        else:  # pages appended since: the appended rows' decode ranges grew (the table's, checked as they are now)
+            held = table.holds_decode(plan.rows, kv) and all(p.holds(kv) for p in b.promise)
+        if not (held and self.leases.take(s, b.stream)):
             return None
-        self.records[s], generations, offsets, h = b, self.leases.generations, b.offsets, self.host_np[s]
+        generations, offsets, h = self.leases.generations, b.offsets, self.host_np[s]
         generation = generations[s] + 1
         h[offsets.kv_lens : offsets.kv_lens + kv.shape[0]] = kv
         updates, head = table.take_updates(), self.heads[s]

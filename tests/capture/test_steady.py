@@ -281,6 +281,7 @@ def test_decode_ranges_hold_what_check_step_accepts_and_changes_count_every_chan
     table = table_pool(spec, max_requests=12, width=W).table
     free = [int(p) for p in rng.permutation(spec.num_pages)]
     accepted = refused = 0
+    seen = {True: 0, False: 0}  # (batch checks that held / did not)
     mixed = np.zeros(12, bool)  # (rows given shared pages after pages of their own, until released whole)
     for it in range(150):
         r = int(rng.integers(12))
@@ -310,6 +311,7 @@ def test_decode_ranges_hold_what_check_step_accepts_and_changes_count_every_chan
                     continue
                 plan = build_plan(StepRows.decode(np.array([row], np.int32), np.array([kv], np.int32)), spec)
                 holds = ranges.holds(np.array([kv], np.int32))
+                assert table.holds_decode(np.array([row], np.int32), np.array([kv], np.int32)) == holds, (seed, it, row, kv)
                 for slots in (False, True):
                     try:
                         table.check_step(plan, slots=slots)
@@ -320,7 +322,14 @@ def test_decode_ranges_hold_what_check_step_accepts_and_changes_count_every_chan
                         f"seed {seed}", it, row, kv, lo, span, slots, bool(mixed[row]))
                 if not mixed[row]:
                     accepted, refused = accepted + holds, refused + (not holds)
-    assert accepted > 100 and refused > 100, (seed, accepted, refused)
+        for B in (5, 40):  # holds_decode over a batch (the Python and the numpy path of Ranges.holds beside it)
+            rows = rng.integers(0, 12, B).astype(np.int32)
+            near = table.low[rows].astype(np.int64) + rng.integers(-1, 2, B) * (rng.random(B) < 0.05) * table.span[rows]
+            kv = np.maximum(near + rng.integers(0, 2, B), 1).astype(np.int32)
+            batch_holds = table.decode_ranges(rows).holds(kv)
+            assert table.holds_decode(rows, kv) == batch_holds, (f"seed {seed}", it, B)
+            seen[batch_holds] += 1
+    assert accepted > 100 and refused > 100 and min(seen.values()) > 5, (seed, accepted, refused, seen)
 
 
 def test_a_token_tree_step_over_the_same_rows_is_never_served_steady():
