@@ -5,7 +5,7 @@ arm runs StepRows.decode + build_plan + commit(defer=True) before each DecodeGra
 start + 1 .. start + n; the replay-only arm calls DecodeGraphs n times on one step committed at the walk's
 middle lengths), each arm traced whole (host_step.gpu_trace): span, busy and idle µs per step, and per GPU
 item kind the difference with-step minus replay-only (count and µs per step).
-At B = 1 and 8 also wall-clock µs per step (medians of 7 interleaved rounds of n steps) of:
+At B = 1 and 8 also wall-clock µs per step (medians of 7 rounds of n steps, the arms in turn) of:
   replay       the DecodeGraphs call (the input copies, then the decode graph)
   plain        the decode graph's own replay() (no input copies)
   folded       the replay() of the graph a deferred commit's first use runs: its device work, then the forward
@@ -31,7 +31,7 @@ N = 200
 
 
 def wall(eng, graphs, x) -> dict:
-    """Wall-clock µs per step of the four arms above (7 rounds, taking turns; medians)."""
+    """Wall-clock µs per step of the four arms above (7 rounds, the arms in the same order each round; medians)."""
     def timed(fn):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -96,7 +96,7 @@ def markdown(rows: list[dict]) -> str:
         top = "; ".join(f"`{k.strip()}`: {c:+.2f}, {t:+.2f}" for k, (c, t) in list(r["diff"].items())[:4])
         out.append(f"| {r['batch']} | {r['context']} | {w['span_us']:.1f} / {p['span_us']:.1f} | {w['busy_us']:.1f} / "
                    f"{p['busy_us']:.1f} | {w['gpu_idle_us']:.1f} / {p['gpu_idle_us']:.1f} | {top} |")
-    out += ["", "Wall clock (medians of 7 interleaved rounds): the DecodeGraphs call, the decode graph's own replay, the "
+    out += ["", "Wall clock (medians of 7 rounds, the arms in turn): the DecodeGraphs call, the decode graph's own replay, the "
             "folded graph's (the commit's device work, then the forward), and a plan + commit per step at the same "
             "lengths.", "",
             "| B | context | replay | plain | folded | same lengths | device work (folded - plain) | host commit adds |",

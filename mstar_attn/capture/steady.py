@@ -8,7 +8,8 @@ read the lengths, and each of those is a per-request range of kv_len:
 
 - the table's (PageTable.check_step): the row holds alone the page its token lands on (an append only
   widens that range: once the table changed by appends alone, the steady commit checks the table's ranges as
-  they are now, PageTable.holds_decode, beside the backend state's own);
+  they are now beside the backend state's own: PageTable.holds_decode past SHORT requests, the ranges made
+  again once per table change for a shorter batch);
 - the backend state's (PoolStateBase.steady): its kept schedule serves these lengths without planning
   (FlashInfer: every request's KV chunk count is the same);
 - the pool's (checks.validate): every group's pages fit the slot's index region, one bound on the longest.
@@ -44,7 +45,7 @@ import numpy as np
 from mstar_attn.capture.lease import FENCE_MASK
 from mstar_attn.capture.stage import stage_updates
 from mstar_attn.capture.step import DeviceStep
-from mstar_attn.metadata._arrays import Ranges
+from mstar_attn.metadata._arrays import SHORT, Ranges
 from mstar_attn.metadata.plan import AttentionPlan
 
 if TYPE_CHECKING:
@@ -102,6 +103,13 @@ def decode_rows(plan: AttentionPlan) -> bool:
     return plan.lazy and plan.tree is None and plan.draft_step is None and plan.cascade is None
 
 
+def allowed(table: PageTable, rows: np.ndarray, promise: tuple) -> Ranges:
+    """The kv_lens of a decode step over `rows` that the table (as it is now) and the backend's `promise` (Ranges
+    over the same requests) both accept."""
+    ranges = table.decode_ranges(rows)
+    return intersect((ranges, *promise)) if promise else ranges
+
+
 def intersect(ranges: tuple) -> Ranges:
     """One Ranges holding exactly the values every one of `ranges` (each over the same B requests) holds."""
     low = np.max([r.low.astype(np.int64) for r in ranges], axis=0)
@@ -121,6 +129,8 @@ class SteadySlots:
     def __init__(self, slots: Slots, host_np: list, unstaged: list, heads: list, table: PageTable | None, capacity: int,
                  current):
         self.records: list[Steady | None] = [None] * len(host_np)
+        # per slot, for a batch of at most SHORT requests after appends: (PageTable.changes, the ranges then allowed)
+        self.renewed: list[tuple[int, Ranges] | None] = [None] * len(host_np)
         self.leases, self.work, self.slots, self.table = slots.leases, slots.work, slots, table
         self.host_np, self.unstaged, self.heads, self.capacity = host_np, unstaged, heads, capacity
         self.host_ints = [memoryview(h) for h in host_np]  # each slot's staging, its cells written as Python ints
@@ -134,13 +144,15 @@ class SteadySlots:
         return {"steady records (pageable host)": (0, 0)}
 
     def host_bytes(self) -> int:
-        """The records' range arrays: per slot two [B] arrays of its ranges and two per backend promise."""
+        """The records' range arrays: per slot two [B] arrays of its ranges and two per backend promise (and, for a
+        batch of at most SHORT requests after appends, two of the ranges made again)."""
         return sum(r.ranges.low.nbytes + r.ranges.span.nbytes + sum(x.low.nbytes + x.span.nbytes for x in r.promise)
-                   for r in self.records if r is not None)
+                   for r in self.records if r is not None) \
+            + sum(k[1].low.nbytes + k[1].span.nbytes for k in self.renewed if k is not None)
 
     def drop(self, s: int) -> None:
         """Slot s is committed by the general transaction: its record no longer holds."""
-        self.records[s] = None
+        self.records[s] = self.renewed[s] = None
 
     def record(self, s: int, step: DeviceStep, terms: SteadyTerms, key: tuple, work, offsets: Offsets, stream) -> None:
         """Keep slot s's record after the general commit of a plain decode plan (decode_rows) as `step`, deferred,
@@ -151,10 +163,11 @@ class SteadySlots:
         plan, table = step.plan, self.table
         B, ps = plan.batch_size, plan.spec.page_size
         pad = step.shape.padded_batch_size - B
+        self.renewed[s] = None
         self.records[s] = Steady(
             spec=plan.spec, backend=plan.backend, rows=plan.rows.tobytes(), table_reshapes=table.reshapes,
             table_changes=table.changes, max_kv_len=(self.capacity - pad) // B * ps,
-            ranges=intersect((table.decode_ranges(plan.rows), *terms.ranges)), promise=terms.ranges,
+            ranges=allowed(table, plan.rows, terms.ranges), promise=terms.ranges,
             shape=step.shape, scheduled=terms.scheduled, work_key=key, work=work, offsets=offsets, stream=stream,
             stream_key=self.stream_key())
 
@@ -173,8 +186,13 @@ class SteadySlots:
             return None
         if table.changes == b.table_changes:
             held = b.ranges.holds(kv)
-        else:  # pages appended since: the appended rows' decode ranges grew (the table's, checked as they are now)
+        elif kv.shape[0] > SHORT:  # pages appended since (those rows' decode ranges grew): the table's as they are now
             held = table.holds_decode(plan.rows, kv) and all(p.holds(kv) for p in b.promise)
+        else:  # (a short batch: its ranges made again once per table change, then checked on Python ints)
+            kept = self.renewed[s]
+            if kept is None or kept[0] != table.changes:
+                kept = self.renewed[s] = (table.changes, allowed(table, plan.rows, b.promise))
+            held = kept[1].holds(kv)
         if not (held and self.leases.take(s, b.stream)):
             return None
         generations, offsets, h = self.leases.generations, b.offsets, self.host_np[s]

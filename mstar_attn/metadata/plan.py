@@ -238,7 +238,8 @@ def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
     """_plan for a decode step (every q_len 1) whose requests list exactly the pages their lengths need,
     on the shared list alone (no own or cross lists, no block table, cascade off): the same checks and the same
     plan in fewer numpy calls (the per-step path of an engine that lists pages). None for any other step, and
-    for one that fails a check: _plan then names what is wrong, so both paths raise the same errors."""
+    for one that fails a check of the batch: _plan then names what is wrong, so both paths raise the same errors
+    (the backend's check, resolve_backend, raises its own PlanError here, as in _plan)."""
     q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
     ps, B, n = spec.page_size, kv.shape[0], idx.shape[0]
     if batch.group_pages or spec.own_page_groups or spec.has_cross or batch.block_table is not None or spec.cascade_groups \
@@ -250,8 +251,8 @@ def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
         one, lo, hi = min(new) == max(new) == 1, min(lengths), max(lengths)
     else:
         one, lo, hi = _MIN(q) == _MAX(q) == 1, int(_MIN(kv)), int(_MAX(kv))
-    if not one or lo < 1 or hi > INT32_MAX - ps:
-        return None
+    if not one or lo < 1 or hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:  # (every sum of need fits int32:
+        return None                                                                    # an indptr matching it never wrapped)
     need = kv + (ps - 1)
     need //= ps
     end = int(indptr[-1])

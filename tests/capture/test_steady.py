@@ -6,8 +6,8 @@ and bytes equal those of the same steps committed through the general path (a po
 outputs equal per request. Any other change (an assign or release, rows, an explicit slot, defer=False, pending
 work) takes the general path, and
 every step stays equal to the same step by pages. A bad step still raises PlanError with nothing changed,
-also in steady state. And the bookkeeping under it (intersect, PageTable.decode_ranges, PageTable.changes)
-holds exactly what the checks accept."""
+also in steady state. The ranges it checks (PageTable.decode_ranges, holds_decode, changes, a backend's promise
+after appends): test_steady_ranges.py."""
 
 import attrs
 import numpy as np
@@ -270,68 +270,6 @@ def test_intersect_holds_what_every_range_holds(B):
         assert (got.span[empty] == 0).all() and (got.span[~empty] > 0).all(), (f"seed {seed}", it)
 
 
-def test_decode_ranges_hold_what_check_step_accepts_and_changes_count_every_change():
-    """On a table changed by assign (alone and shared), append and release: per row, decode_ranges holds
-    exactly the decode lengths check_step accepts (its range path and its exact one), lengths at the
-    range's edges and random, for rows whose shared pages came first (an engine's prefix); never more for
-    a row given shared pages after its own ones (mixed); and a call that changes a row counts in `changes`."""
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    spec, W = _spec((LayerGroup(),), num_pages=600), 24
-    table = table_pool(spec, max_requests=12, width=W).table
-    free = [int(p) for p in rng.permutation(spec.num_pages)]
-    accepted = refused = 0
-    seen = {True: 0, False: 0}  # (batch checks that held / did not)
-    mixed = np.zeros(12, bool)  # (rows given shared pages after pages of their own, until released whole)
-    for it in range(150):
-        r = int(rng.integers(12))
-        c = int(table.counts[r])
-        before = (table.host.copy(), table.counts.copy(), table.low.copy(), table.span.copy(), table.changes)
-        op = rng.choice(["own", "shared", "append", "release"])
-        if op == "own" and c < W - 3:
-            table.assign(r, [free.pop() for _ in range(int(rng.integers(1, 4)))])
-        elif op == "shared" and c < W - 2:
-            mixed[r] |= (table.owner[table.pages(r)] >= 0).any()
-            table.assign(r, [free.pop() for _ in range(int(rng.integers(1, 3)))], shared=True)
-        elif op == "append" and c < W:
-            table.append([r], [free.pop()])
-        elif op == "release" and c:
-            keep = int(rng.integers(0, c + 1))
-            free += [int(p) for p in table.release(r, keep) if table.owner[p] == -1]
-            mixed[r] &= keep > 0
-        else:
-            continue
-        moved = any(not np.array_equal(x, y) for x, y in zip(before[:4], (table.host, table.counts, table.low, table.span)))
-        assert table.changes > before[4] or not moved, (f"seed {seed}", it, op)
-        for row in range(12):
-            ranges = table.decode_ranges(np.array([row], np.int32))
-            lo, span = int(ranges.low[0]), int(ranges.span[0])
-            for kv in {lo - 1, lo, lo + span - 1, lo + span, lo + span + 1, int(rng.integers(1, W * PS + 2))}:
-                if kv < 1:
-                    continue
-                plan = build_plan(StepRows.decode(np.array([row], np.int32), np.array([kv], np.int32)), spec)
-                holds = ranges.holds(np.array([kv], np.int32))
-                assert table.holds_decode(np.array([row], np.int32), np.array([kv], np.int32)) == holds, (seed, it, row, kv)
-                for slots in (False, True):
-                    try:
-                        table.check_step(plan, slots=slots)
-                        ok = True
-                    except PlanError:
-                        ok = False
-                    assert ok == holds if not mixed[row] else ok or not holds, (
-                        f"seed {seed}", it, row, kv, lo, span, slots, bool(mixed[row]))
-                if not mixed[row]:
-                    accepted, refused = accepted + holds, refused + (not holds)
-        for B in (5, 40):  # holds_decode over a batch (the Python and the numpy path of Ranges.holds beside it)
-            rows = rng.integers(0, 12, B).astype(np.int32)
-            near = table.low[rows].astype(np.int64) + rng.integers(-1, 2, B) * (rng.random(B) < 0.05) * table.span[rows]
-            kv = np.maximum(near + rng.integers(0, 2, B), 1).astype(np.int32)
-            batch_holds = table.decode_ranges(rows).holds(kv)
-            assert table.holds_decode(rows, kv) == batch_holds, (f"seed {seed}", it, B)
-            seen[batch_holds] += 1
-    assert accepted > 100 and refused > 100 and min(seen.values()) > 5, (seed, accepted, refused, seen)
-
-
 def test_a_token_tree_step_over_the_same_rows_is_never_served_steady():
     """A verify step of one-node draft trees over a slot's rows (build_tree_plan of a StepRows.decode: a lazy,
     sealed plan of q_len 1) takes the general path, which schedules trees, and leaves no record; decode steps
@@ -416,3 +354,4 @@ def test_the_records_are_in_the_memory_report_and_bounded_by_the_slots():
         pool.commit(build_plan(StepRows.decode(rows, kv), spec), defer=True).prepare()
     assert pool.memory_report().components["steady records (pageable host)"] == (0, 0), seed
     assert pool.steady.commits > 0 and 0 < pool.steady.host_bytes() <= 2 * 2 * B * 4, (seed, pool.steady.host_bytes())
+

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mstar_attn import LayerGroup, Mode, PlanError, StepBatch, build_plan
+from mstar_attn import GroupPages, LayerGroup, Mode, PlanError, StepBatch, build_plan
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
 from tests.helpers import draw_lengths, fresh_seed, random_batch, random_pages, spec_for
 
@@ -241,6 +241,23 @@ def _decode_batch(rng, spec, B: int, kind: str) -> StepBatch:
         pages[j][int(rng.integers(len(pages[j])))] = pages[i][-1]  # another request lists i's written page
     elif kind == "past_int32":
         kv[i] = 2**31 - 2
+    elif kind == "wrapped":  # an engine's int32 cumsum of lengths past int32: its indptr wraps, yet its diffs match
+        kv[:] = 2**31 - 2 * ps
+        need = -(-kv.astype(np.int64) // ps)
+        indptr = np.concatenate([[0], np.cumsum(need)]).astype(np.int64).astype(np.int32)  # (wraps)
+        return StepBatch.from_csr(q, kv, indptr, np.arange(4, dtype=np.int32) % spec.num_pages, ps)
+    elif kind == "block_table":
+        table = np.full((B, max(len(p) for p in pages)), 0, np.int32)
+        for r, p in enumerate(pages):
+            table[r, : len(p)] = p
+        return StepBatch.from_block_table(q, kv, table, ps)
+    elif kind == "own_list":  # an own list for a group that reads the shared one: PlanError
+        lists = GroupPages.from_pages(np.zeros(B, np.int32), pages)
+        return StepBatch.from_pages(q, kv, pages, ps, group_pages={0: lists})
+    elif kind == "csr_extra":  # page_indices longer than page_indptr[-1], or page_indptr not starting at 0
+        indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int32)
+        flat = np.concatenate(pages + [np.array([int(pages[0][0])], np.int32)])
+        return StepBatch.from_csr(q, kv, indptr + int(rng.integers(2)), flat, ps)
     return StepBatch.from_pages(q, kv, pages, ps)
 
 
@@ -250,9 +267,10 @@ def test_the_listed_decode_path_is_the_general_plan():
     dtypes included), or the same PlanError; and the per-step path serves every valid decode step it is for."""
     from mstar_attn.metadata import plan as P
 
-    kinds = ("valid", "valid", "spare", "q2", "kv0", "outside", "short", "shared_written", "past_int32")
+    kinds = ("valid", "valid", "spare", "q2", "kv0", "outside", "short", "shared_written", "past_int32", "wrapped",
+             "block_table", "own_list", "csr_extra")
     served = 0
-    for _ in range(150):
+    for _ in range(250):
         seed = fresh_seed()
         rng = np.random.default_rng(seed)
         ps = int(rng.choice([1, 4, 16]))
@@ -285,6 +303,37 @@ def test_the_listed_decode_path_is_the_general_plan():
                 assert a.dtype == b.dtype and not a.flags.writeable, f"{where}: {name} {a.dtype} vs {b.dtype}"
             exact = np.array_equal(np.diff(step.page_indptr), -(-step.kv_lens // ps))
             taken = P._plan_batch_decode(step, spec, check) is not None
-            assert taken == (exact and (step.q_lens == 1).all()), where
+            assert taken == (exact and (step.q_lens == 1).all() and step.block_table is None), where
             served += taken
     assert served > 50
+
+
+def test_the_ownership_scan_is_the_same_on_both_sides_of_its_short_path(monkeypatch):
+    """pages.scan_ownership over at most LISTED_SHORT listed pages (a set of Python ints) and over more (numpy's
+    sort and hash table): the same accept / reject and the same message on random lists whose written pages are
+    now and then duplicated or listed by another request (LISTED_SHORT patched so both paths run on each case)."""
+    from mstar_attn.metadata import pages
+
+    outcomes = {True: 0, False: 0}
+    for _ in range(300):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        P, B = int(rng.choice([8, 64, 5000])), int(rng.integers(1, 9))
+        spec = spec_for(page_size=4, num_pages=P)
+        counts = rng.integers(1, 8, B)
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        listed = rng.permutation(P)[: indptr[-1]].astype(np.int32) if indptr[-1] <= P else rng.integers(0, P, indptr[-1]).astype(np.int32)
+        if rng.integers(3) == 0:  # another request lists a written page, or two requests write one
+            listed[int(rng.integers(indptr[-1]))] = listed[indptr[int(rng.integers(1, B + 1))] - 1]
+        written = listed[indptr[1:] - 1]
+        got = []
+        for limit in (0, 1 << 30):
+            monkeypatch.setattr(pages, "LISTED_SHORT", limit)
+            try:
+                pages.scan_ownership(spec, indptr, listed, written)
+                got.append(None)
+            except PlanError as e:
+                got.append(str(e))
+        assert got[0] == got[1], f"seed {seed}: {got}"
+        outcomes[got[0] is None] += 1
+    assert min(outcomes.values()) > 30, outcomes
