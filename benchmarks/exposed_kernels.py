@@ -20,11 +20,10 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 
 import torch
 
-from benchmarks.host_step import decode_forward, gpu_trace
+from benchmarks.host_step import decode_forward, gpu_trace, per_step_us
 from mstar_attn.capture.graphs import graph_key
 
 N = 200
@@ -32,13 +31,6 @@ N = 200
 
 def wall(eng, graphs, x) -> dict:
     """Wall-clock µs per step of the four arms above (7 rounds, the arms in the same order each round; medians)."""
-    def timed(fn):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / N * 1e6
-
     def same():
         for _ in range(N):
             eng.kv[:] = eng.start + N // 2
@@ -51,10 +43,10 @@ def wall(eng, graphs, x) -> dict:
         still = eng.step_only()
         graphs(still, **x)  # (its deferred work runs here: the calls below replay the decode graph alone)
         folded, plain = graphs.prepared[graph_key(still)][0], graphs.graphs[graph_key(still)][0]
-        res["replay"].append(timed(lambda: [graphs(still, **x) for _ in range(N)]))
-        res["plain"].append(timed(lambda: [plain.replay() for _ in range(N)]))
-        res["folded"].append(timed(lambda: [folded.replay() for _ in range(N)]))
-        res["same_lengths"].append(timed(same))
+        res["replay"].append(per_step_us(lambda: [graphs(still, **x) for _ in range(N)], N))
+        res["plain"].append(per_step_us(lambda: [plain.replay() for _ in range(N)], N))
+        res["folded"].append(per_step_us(lambda: [folded.replay() for _ in range(N)], N))
+        res["same_lengths"].append(per_step_us(same, N))
     med = {k: statistics.median(v) for k, v in res.items()}
     return dict(**{f"{k}_us": v for k, v in med.items()}, device_work_us=med["folded"] - med["plain"],
                 host_added_us=med["same_lengths"] - (med["folded"] + med["replay"] - med["plain"]), rounds=res)

@@ -263,6 +263,15 @@ def part_b(spec_for) -> list[dict]:
     return out
 
 
+def per_step_us(fn, n: int) -> float:
+    """Wall-clock µs per step of fn() (one call running n steps), from an idle GPU to the GPU drained."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def gpu_trace(fn, n: int) -> dict:
     """Per step of fn() (one call running n steps), from a profiler trace started with an idle GPU: GPU idle µs
     (the span from the first item's start to the last one's end, less the union of the items' intervals), GPU
@@ -338,13 +347,6 @@ def part_c() -> list[dict]:
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) / n * 1e6
 
-        def timed(fn):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t0) / n * 1e6
-
         def same():  # a plan + commit per step, every step at the replay-only arm's lengths
             for _ in range(n):
                 eng.kv[:] = eng.start + n // 2
@@ -354,8 +356,8 @@ def part_c() -> list[dict]:
         res = {"replay_only": [], "with_step": [], "same_lengths": []}
         for _ in range(rounds):
             res["replay_only"].append(replay())
-            res["with_step"].append(timed(walk))
-            res["same_lengths"].append(timed(same))
+            res["with_step"].append(per_step_us(walk, n))
+            res["same_lengths"].append(per_step_us(same, n))
         med = {k: statistics.median(v) for k, v in res.items()}
         with_trace = gpu_trace(walk, n)  # (each arm whole: both read the same KV on average)
         still = middle()

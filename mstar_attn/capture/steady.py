@@ -14,8 +14,9 @@ read the lengths, and each of those is a per-request range of kv_len:
   (FlashInfer: every request's KV chunk count is the same);
 - the pool's (checks.validate): every group's pages fit the slot's index region, one bound on the longest.
 
-So the general commit of such a step leaves a `Steady` record for its slot: what it decided, the
-intersection of those ranges, and the bound. The next commit into that slot (two commits later with two
+So the general commit of such a step leaves a `Steady` record for its slot: what it decided, the backend's
+ranges and the bound; beside it the slot keeps the intersection of the table's ranges with the backend's
+(SteadySlots.ranges, at the table's change count). The next commit into that slot (two commits later with two
 slots) is served from the record when it is a lazy decode plan (build_plan of StepRows.decode) of the
 same spec, backend and rows, committed with defer=True on the same current stream, the table changed by
 appends alone (PageTable.reshapes: no assign or release since), its pending updates fitting the step's
@@ -71,9 +72,8 @@ class Steady:
 
     spec, backend, rows (the step's rows as bytes), table_reshapes (PageTable.reshapes then): what a steady
     step must share with it. max_kv_len: the longest kv_len whose pages fit the slot's index region for
-    this batch (checks.validate's bound). ranges: Ranges [B], the kv_lens the table (at table_changes,
-    PageTable.changes: while it has not changed since) and the backend state both accept; promise: the backend
-    state's own (SteadyTerms.ranges).
+    this batch (checks.validate's bound). promise: the backend state's ranges (SteadyTerms.ranges); the kv_lens
+    the table and the promise both accept are the slot's SteadySlots.ranges.
     shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
     work's graph key and a function of the step making that work. offsets: where the step sits in the slot
     (layout.Offsets: its lengths, its fence, the head the work copies). stream: the stream it ran on (None: a
@@ -84,9 +84,7 @@ class Steady:
     backend: str
     rows: bytes
     table_reshapes: int
-    table_changes: int
     max_kv_len: int
-    ranges: Ranges
     promise: tuple
     shape: StepShape
     scheduled: tuple
@@ -129,8 +127,9 @@ class SteadySlots:
     def __init__(self, slots: Slots, host_np: list, unstaged: list, heads: list, table: PageTable | None, capacity: int,
                  current):
         self.records: list[Steady | None] = [None] * len(host_np)
-        # per slot, for a batch of at most SHORT requests after appends: (PageTable.changes, the ranges then allowed)
-        self.renewed: list[tuple[int, Ranges] | None] = [None] * len(host_np)
+        # per slot with a record: (PageTable.changes then, the kv_lens the table and the record's promise then
+        # accept), made by the record and again after appends for a batch of at most SHORT requests
+        self.ranges: list[tuple[int, Ranges] | None] = [None] * len(host_np)
         self.leases, self.work, self.slots, self.table = slots.leases, slots.work, slots, table
         self.host_np, self.unstaged, self.heads, self.capacity = host_np, unstaged, heads, capacity
         self.host_ints = [memoryview(h) for h in host_np]  # each slot's staging, its cells written as Python ints
@@ -144,15 +143,13 @@ class SteadySlots:
         return {"steady records (pageable host)": (0, 0)}
 
     def host_bytes(self) -> int:
-        """The records' range arrays: per slot two [B] arrays of its ranges and two per backend promise (and, for a
-        batch of at most SHORT requests after appends, two of the ranges made again)."""
-        return sum(r.ranges.low.nbytes + r.ranges.span.nbytes + sum(x.low.nbytes + x.span.nbytes for x in r.promise)
-                   for r in self.records if r is not None) \
-            + sum(k[1].low.nbytes + k[1].span.nbytes for k in self.renewed if k is not None)
+        """The records' range arrays: per slot two [B] arrays of its ranges and two per backend promise."""
+        return sum(sum(x.low.nbytes + x.span.nbytes for x in r.promise) for r in self.records if r is not None) \
+            + sum(k[1].low.nbytes + k[1].span.nbytes for k in self.ranges if k is not None)
 
     def drop(self, s: int) -> None:
         """Slot s is committed by the general transaction: its record no longer holds."""
-        self.records[s] = self.renewed[s] = None
+        self.records[s] = self.ranges[s] = None
 
     def record(self, s: int, step: DeviceStep, terms: SteadyTerms, key: tuple, work, offsets: Offsets, stream) -> None:
         """Keep slot s's record after the general commit of a plain decode plan (decode_rows) as `step`, deferred,
@@ -163,11 +160,10 @@ class SteadySlots:
         plan, table = step.plan, self.table
         B, ps = plan.batch_size, plan.spec.page_size
         pad = step.shape.padded_batch_size - B
-        self.renewed[s] = None
+        self.ranges[s] = (table.changes, allowed(table, plan.rows, terms.ranges))
         self.records[s] = Steady(
             spec=plan.spec, backend=plan.backend, rows=plan.rows.tobytes(), table_reshapes=table.reshapes,
-            table_changes=table.changes, max_kv_len=(self.capacity - pad) // B * ps,
-            ranges=allowed(table, plan.rows, terms.ranges), promise=terms.ranges,
+            max_kv_len=(self.capacity - pad) // B * ps, promise=terms.ranges,
             shape=step.shape, scheduled=terms.scheduled, work_key=key, work=work, offsets=offsets, stream=stream,
             stream_key=self.stream_key())
 
@@ -184,14 +180,13 @@ class SteadySlots:
             return None
         if table.pending > b.offsets.update_capacity:  # (more updates than the step's update region holds)
             return None
-        if table.changes == b.table_changes:
-            held = b.ranges.holds(kv)
+        kept = self.ranges[s]
+        if kept[0] == table.changes:
+            held = kept[1].holds(kv)
         elif kv.shape[0] > SHORT:  # pages appended since (those rows' decode ranges grew): the table's as they are now
             held = table.holds_decode(plan.rows, kv) and all(p.holds(kv) for p in b.promise)
         else:  # (a short batch: its ranges made again once per table change, then checked on Python ints)
-            kept = self.renewed[s]
-            if kept is None or kept[0] != table.changes:
-                kept = self.renewed[s] = (table.changes, allowed(table, plan.rows, b.promise))
+            kept = self.ranges[s] = (table.changes, allowed(table, plan.rows, b.promise))
             held = kept[1].holds(kv)
         if not (held and self.leases.take(s, b.stream)):
             return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar_attn.metadata._arrays import INT32_MAX, INT32, Ranges, int_array, positive_int
+from mstar_attn.metadata._arrays import INT32_MAX, INT32, Ranges, int_array, positive_int, within
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 from mstar_attn.metadata.spec import AttentionSpec
@@ -233,9 +233,8 @@ class PageTable:
 
     def holds_decode(self, rows: np.ndarray, kv_lens: np.ndarray) -> bool:
         """Whether decode_ranges(rows) holds kv_lens ([B] int32 host, B = rows.shape[0]), without making the Ranges:
-        two gathers, one subtraction, one unsigned comparison (as Ranges.holds)."""
-        diff = np.subtract(kv_lens, self.low.take(rows))
-        return bool(np.less(diff.view(np.uint32), self.span.take(rows)).all())
+        two gathers and the check Ranges.holds makes (_arrays.within)."""
+        return within(kv_lens, self.low.take(rows), self.span.take(rows))
 
     def pages(self, row: int) -> np.ndarray:
         """A read-only copy of row's pages."""

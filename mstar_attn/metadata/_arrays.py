@@ -102,8 +102,16 @@ class Ranges:
                 if not lo <= v < hi:
                     return False
             return True
-        np.subtract(values, self.low, out=self._diff)
-        return np.count_nonzero(np.less(self._diff.view(np.uint32), self.span, out=self._ok)) == self._ok.shape[0]
+        return within(values, self.low, self.span, self._diff, self._ok)
+
+
+def within(values: np.ndarray, low: np.ndarray, span: np.ndarray, diff: np.ndarray | None = None,
+           ok: np.ndarray | None = None) -> bool:
+    """Whether low[i] <= values[i] < low[i] + span[i] for every i ([B] int32 values and low, [B] uint32 span): one
+    subtraction and one unsigned comparison (diff [B] int32, ok [B] bool: scratch to write them into, if given)."""
+    diff = np.subtract(values, low, out=diff)
+    ok = np.less(diff.view(np.uint32), span, out=ok)
+    return np.count_nonzero(ok) == ok.shape[0]
 
 
 def read_only(*arrays: np.ndarray) -> None:

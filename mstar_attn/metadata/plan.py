@@ -18,7 +18,7 @@ from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan
 from mstar_attn.metadata.pages import gather_ranges, read_pages, scan_ownership
 from mstar_attn.metadata.select import resolve_backend
-from mstar_attn.metadata.record import (ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, decode_qo_indptr, groups_of,
+from mstar_attn.metadata.record import (ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, decode_arrays, decode_qo_indptr, groups_of,
                                          new_token_positions)
 from mstar_attn.metadata.spec import AttentionSpec, Kind
 from mstar_attn.metadata.tree import DraftTree
@@ -213,10 +213,7 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
 
     mode, T, qo_indptr, positions = _new_tokens(q, kv, q_max)
     if mode is Mode.DECODE:  # one token per request, written on its last page
-        written = kv_indices[kv_indptr[1:] - 1]
-        slot_mapping = np.multiply(written, ps, dtype=np.int64)
-        slot_mapping += last_page_len
-        slot_mapping -= 1
+        written, slot_mapping = _decode_slots(kv_indices, kv_indptr, last_page_len, ps)
     else:
         page_of = np.repeat(kv_indptr[:-1], q) + (positions // ps)
         slot_mapping = kv_indices[page_of].astype(np.int64) * ps + positions % ps
@@ -253,33 +250,34 @@ def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
         one, lo, hi = _MIN(q) == _MAX(q) == 1, int(_MIN(kv)), int(_MAX(kv))
     if not one or lo < 1 or hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:  # (every sum of need fits int32:
         return None                                                                    # an indptr matching it never wrapped)
-    need = kv + (ps - 1)
-    need //= ps
+    step = decode_arrays(spec, q, kv, hi)  # (its kv_indptr is the page_indptr of exact lists)
     end = int(indptr[-1])
-    if indptr[0] != 0 or end > n or (indptr[1:] - indptr[:-1]).tobytes() != need.tobytes():  # (exact lists: need >= 1)
+    if end > n or step.kv_indptr.tobytes() != indptr.tobytes():
         return None
     listed = idx[:end]
     if _MIN(listed) < 0 or _MAX(listed) >= spec.num_pages:
         return None
-    last_page_len = kv - need * ps
-    last_page_len += ps
-    written = listed[indptr[1:] - 1]
-    slot_mapping = np.multiply(written, ps, dtype=np.int64)
-    slot_mapping += last_page_len
-    slot_mapping -= 1
+    written, slot_mapping = _decode_slots(listed, indptr, step.last_page_len, ps)
     if check_ownership:
         try:
             scan_ownership(spec, indptr, listed, written)
         except PlanError:
             return None
-    positions = np.subtract(kv, 1, dtype=np.int64)
-    read_only(listed, slot_mapping, last_page_len, positions)
-    step = StepArrays(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=decode_qo_indptr(B), positions=positions,
-                      need=need, kv_indptr=indptr, kv_indices=listed, last_page_len=last_page_len, slot_mapping=slot_mapping,
-                      max_kv=hi)
+    read_only(listed, slot_mapping)
+    step.kv_indptr, step.kv_indices, step.slot_mapping = indptr, listed, slot_mapping  # (the batch's own, as in _plan)
     plan = AttentionPlan.listed_decode(spec, step, groups_of(spec, step), resolve_backend(spec, Mode.DECODE, B, B, 1, hi))
     object.__setattr__(plan, "sealed", True)
     return plan
+
+
+def _decode_slots(kv_indices: np.ndarray, kv_indptr: np.ndarray, last_page_len: np.ndarray, ps: int):
+    """A decode step's written pages [B] (each request's last listed page) and slot_mapping [B] int64 (where its one
+    new token goes: that page's last_page_len - 1)."""
+    written = kv_indices[kv_indptr[1:] - 1]
+    slot_mapping = np.multiply(written, ps, dtype=np.int64)
+    slot_mapping += last_page_len
+    slot_mapping -= 1
+    return written, slot_mapping
 
 
 def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPages]]:

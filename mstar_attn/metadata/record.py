@@ -15,7 +15,7 @@ from mstar_attn.metadata.groups import GroupPlan, StepArrays, first_read_page, w
 from mstar_attn.metadata.spec import AttentionSpec, Kind
 from mstar_attn.metadata.tree import DraftTree
 
-__all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "Mode", "decode_qo_indptr", "groups_of", "rows_decode_arrays"]
+__all__ = ["MAX_VERIFY_Q_LEN", "AttentionPlan", "Mode", "decode_qo_indptr", "groups_of", "decode_arrays"]
 
 MAX_VERIFY_Q_LEN = 16  # the longest uniform q_len a step may have and still be a VERIFY step (a token-tree step: MAX_TREE_NODES)
 
@@ -155,7 +155,7 @@ class AttentionPlan:
 
     def _lazy(self, name: str):
         """A StepRows decode plan's array `name`, derived on first read (positions and qo_indptr alone,
-        the rest together: `rows_decode_arrays`); PlanError for a plan that holds no such array otherwise."""
+        the rest together: `decode_arrays`); PlanError for a plan that holds no such array otherwise."""
         got = self._cache.get(name)
         if got is not None:
             return got
@@ -169,7 +169,7 @@ class AttentionPlan:
         elif name == "qo_indptr":
             got = c[name] = decode_qo_indptr(kv.shape[0])
         else:
-            step = rows_decode_arrays(self.spec, self.q_lens, kv, self.max_kv_len)
+            step = decode_arrays(self.spec, self.q_lens, kv, self.max_kv_len)
             c.setdefault("positions", step.positions)
             c.setdefault("qo_indptr", step.qo_indptr)
             c["kv_indptr"], c["kv_last_page_len"], c["groups"] = step.kv_indptr, step.last_page_len, groups_of(self.spec, step)
@@ -274,9 +274,10 @@ def decode_qo_indptr(B: int) -> np.ndarray:
     return out
 
 
-def rows_decode_arrays(spec: AttentionSpec, q: np.ndarray, kv: np.ndarray, max_kv: int) -> StepArrays:
-    """The arrays of a StepRows decode step [B] from its KV lengths (read-only): what build_plan
-    holds for a StepRows step, and what capture/derive.py derives on the device."""
+def decode_arrays(spec: AttentionSpec, q: np.ndarray, kv: np.ndarray, max_kv: int) -> StepArrays:
+    """The arrays of a decode step [B] from its KV lengths (read-only; no page ids): what build_plan holds for a
+    StepRows step, and what capture/derive.py derives on the device; a StepBatch decode step listing exactly these
+    pages has the same ones (its page_indptr is this kv_indptr)."""
     B, ps = kv.shape[0], spec.page_size
     need = kv + (ps - 1)
     need //= ps
