@@ -68,7 +68,13 @@ class CommitGraphs:
             graph.replay()
             return
         work()
-        if bucketed and self.cuda and not torch.cuda.is_current_stream_capturing():
+        if bucketed and not (self.cuda and torch.cuda.is_current_stream_capturing()):
+            self.prepare(key, work)
+
+    def prepare(self, key: tuple, work: Callable[[], None]) -> None:
+        """Capture key's work (a bucketed key) without running it, unless captured already: a warm-up, so that
+        no serving commit captures it. A no-op on the CPU."""
+        if self.cuda and key not in self.graphs:
             if self.memory is None:
                 self.memory = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()

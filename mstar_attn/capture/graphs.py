@@ -109,7 +109,8 @@ class DecodeGraphs:
         trees: also capture token-tree verify steps (build_tree_plan: every tree of the step q_len tokens) of
         every q_len > 1 for the backends that serve them (Capabilities.tree): a graph of their own, on a scratch
         plan of chains, which replays any tree of that size (the mask is data the commit writes); q_lens past
-        MAX_VERIFY_Q_LEN (up to PoolLimits.max_tree_nodes) capture token-tree steps only."""
+        MAX_VERIFY_Q_LEN (up to PoolLimits.max_tree_nodes) capture token-tree steps only. A pool with a cross table
+        also captures its commits' cross-table device work of these shapes (GraphBufferPool.capture_cross)."""
         spec = self.pool.spec
         buckets = tuple(self.pool.buckets if buckets is None else buckets)
         if backends is None:
@@ -131,6 +132,7 @@ class DecodeGraphs:
                 step = self.pool.commit(plan, slot=slot)
                 static = {name: t[: step.padded_num_tokens] for name, t in self.inputs.items()}
                 self.graphs[graph_key(step)] = _record(self.fn, step, static, self.memory)
+        self.pool.capture_cross(buckets, tuple(q_lens))  # (a pool with a cross table: its commits' device work too)
         torch.cuda.synchronize()
 
     def serves(self, step: DeviceStep) -> bool:

@@ -1,12 +1,12 @@
 """GraphBufferPool: persistent, double-buffered device copies of plans, and the committed step.
 
-State lives here and nowhere else: per slot, one pinned int32 staging buffer and its device twin (laid out
-by `Layout`), and each backend's PoolState (FlashInfer wrappers, FA4 page tables) bound to them. `commit(plan)`
-checks everything first (a commit that raises changes nothing), stages the plan into the next slot, queues
-its copies and device work, runs the backend's host scheduling and returns a `DeviceStep`; a slot's next
-decode step that differs by its lengths only takes the steady commit (steady.py). Two slots let the host
-commit step N+1 while the GPU reads step N; a slot's staging is rewritten only once the copies out of it
-have run, which an event recorded at commit proves, or the fence a derived commit's graph writes back (lease.py).
+State lives here and nowhere else: per slot, one pinned int32 staging buffer and its device twin (laid out by
+`Layout`), and each backend's PoolState (FlashInfer wrappers, FA4 page tables) bound to them. `commit(plan)` checks
+everything first (a commit that raises changes nothing), stages the plan into the next slot, queues its copies and
+device work, runs the backend's host scheduling and returns a `DeviceStep`; a slot's next decode step that differs
+by its lengths only takes the steady commit (steady.py). Two slots let the host commit step N+1 while the GPU reads
+step N; a slot's staging is rewritten only once the copies out of it have run, which an event recorded at commit
+proves, or the fence a derived commit's graph writes back (lease.py).
 
 Everything the pool keeps is bounded by its constructor's arguments: views are cached only for bucketed shapes
 (slots x buckets x q_lens), backend states keep one state per slot, group, bucket and q_len (memory_report()).
@@ -14,6 +14,7 @@ Everything the pool keeps is bounded by its constructor's arguments: views are c
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 
 import numpy as np
@@ -43,13 +44,12 @@ FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch, shared by ev
 class GraphBufferPool(SizedBounds):
     """Persistent device buffers for every plan field the backends read, double-buffered.
 
-    spec: the model's AttentionSpec. limits: a PoolLimits, the bounds of every committed step (and so
-    of the buffers; see PoolLimits). num_slots: 2 (double buffering); with 1, every commit waits
-    until the copies of the one before it have run. float_workspace_bytes: FlashInfer's float
-    workspace (its split-KV partial outputs). device: "cuda" (or a CUDA device); "cpu" runs the
-    bookkeeping on the host (tests, the reference backend); None: CUDA when torch sees a device, else the CPU. A pool serves every backend its plans
-    name (one PoolState per backend module, made at the first plan that needs it, or ahead with
-    `backend_state`). The bounds as keyword arguments (max_batch_size=..., ...) still work, with a
+    spec: the model's AttentionSpec. limits: a PoolLimits, the bounds of every committed step (and so of the
+    buffers; see PoolLimits). num_slots: 2 (double buffering); with 1, every commit waits until the copies of the
+    one before it have run. float_workspace_bytes: FlashInfer's float workspace (its split-KV partial outputs).
+    device: "cuda" (or a CUDA device); "cpu" runs the bookkeeping on the host (tests, the reference backend);
+    None: CUDA when torch sees a device, else the CPU. A pool serves every backend its plans name (one PoolState
+    per backend module, made ahead). The bounds as keyword arguments (max_batch_size=...) still work, with a
     DeprecationWarning.
     """
 
@@ -85,11 +85,9 @@ class GraphBufferPool(SizedBounds):
         self._views: dict[tuple, tuple] = {}  # ([kind,] slot, rows, num_rows) views of bucketed steps; ("shape", slot, bucket, q_len): kept StepShapes
         self.scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
         self.bytes_to_device = 0  # host-to-device bytes the pool and its backend states issued, all commits
-        self.last_commit_bytes = 0
-        self.next_slot = 0
-        # StepRows steps: the page table, and per bucketed (slot, rows, num_rows, backend) a CUDA graph
-        # of the commit's device work (the copy, the table updates, the gathers), sharing one memory pool
-        # (a spec with own page lists takes StepBatch steps only; its cross groups may name rows of a cross table)
+        self.last_commit_bytes = self.next_slot = 0
+        # StepRows steps: the page table (a spec with own page lists takes StepBatch steps only; its cross groups may
+        # name rows of a cross table), and per bucketed key a CUDA graph of the commit's device work (CommitGraphs)
         self.table = None if max_requests is None or spec.own_page_groups else PageTable(
             spec, max_requests, self.max_pages_per_request, self.device)
         self.cross_table = None if max_requests is None or not spec.has_cross else PageTable(
@@ -108,15 +106,11 @@ class GraphBufferPool(SizedBounds):
         self.backend_states: dict[str, object] = {}  # backend module path -> its PoolState (or None)
         self._by_backend: dict[str, object] = {}  # backend name -> its module's PoolState (or None), once resolved
         self._offsets: dict[tuple[int, int], object] = {}  # (bucket, q_len) -> the layout's Offsets of derived steps
-        # every backend a plan for this spec may name, made now: their memory is in the report from
-        # the start, and nothing compiles or allocates mid-serving
+        # every backend a plan for this spec may name, made now: in the memory report from the start, nothing made mid-serving
         for name in spec_backends(spec):
             self.backend_state(name)
 
-    @property
-    def num_slots(self) -> int:
-        return len(self.host)
-
+    num_slots = property(lambda self: len(self.host), doc="The pool's slots (2: double buffering).")
     stalls = property(lambda self: self.leases.stalls, lambda self, n: setattr(self.leases, "stalls", n),
                       doc="Commits that had to wait for the GPU before reusing a slot.")
 
@@ -128,8 +122,8 @@ class GraphBufferPool(SizedBounds):
         if caps.module not in self.backend_states:
             cls = pool_state_class(backend)
             self.backend_states[caps.module] = cls(self.view) if cls is not None else None
-        state = self._by_backend[backend] = self.backend_states[caps.module]
-        return state
+        self._by_backend[backend] = self.backend_states[caps.module]
+        return self.backend_states[caps.module]
 
     def scheduler_for(self, backend: str):
         """Deprecated: the backend's per-pool state is `backend_state(backend)` (a PoolState)."""
@@ -153,17 +147,15 @@ class GraphBufferPool(SizedBounds):
                defer: bool = False) -> DeviceStep:
         """Copy `plan` into the next slot (in place, non-blocking) and schedule its backend. No device sync.
 
-        Runs on the caller's current stream, or on `stream`: then the stream that runs the step
-        must call `step.wait()` first (see DeviceStep.wait). Every check runs before any state
-        changes: a commit that raises PlanError leaves the pool and its live steps as they were.
-        The step of the slot this commit reuses (two commits ago with two slots) becomes stale.
-        slot: commit into this slot instead of the next one (graph capture does, once per slot).
-        defer: a bucketed StepRows step on the current stream whose backend plans nothing on the
-        host leaves its device work (the staged copy, table updates, derivations) for its first
-        use: a DecodeGraphs replay runs it as the decode graph's first nodes (one launch per step),
-        a first run / write_kv launches it (on the commit's stream), and so does the next commit.
-        A graph of the caller's own never launches it: call step.prepare() before capturing or
-        replaying one over the step.
+        Runs on the caller's current stream, or on `stream`: then the stream that runs the step must call
+        `step.wait()` first (see DeviceStep.wait). Every check runs before any state changes: a commit that
+        raises PlanError leaves the pool and its live steps as they were. The step of the slot this commit
+        reuses (two commits ago with two slots) becomes stale. slot: commit into this slot instead of the
+        next one (graph capture does, once per slot). defer: a bucketed StepRows step on the current stream
+        whose backend plans nothing on the host leaves its device work (the staged copy, table updates,
+        derivations) for its first use: a DecodeGraphs replay runs it as the decode graph's first nodes (one
+        launch per step), a first run / write_kv launches it (on the commit's stream), and so does the next
+        commit. A graph of the caller's own never launches it: call step.prepare() before capturing one.
         """
         if defer and stream is None and slot is None and (step := self.steady.commit(plan, self.next_slot)):
             self.next_slot = (step.slot + 1) % len(self.host)  # (a steady decode step: steady.py; its deferred copy)
@@ -175,10 +167,7 @@ class GraphBufferPool(SizedBounds):
             stream = check_stream(self.device, stream, "commit")
         if slot is not None:
             check_slot(self.num_slots, slot, "commit")
-        try:
-            state = self._by_backend[plan.backend]
-        except KeyError:
-            state = self.backend_state(plan.backend)
+        state = self._by_backend[plan.backend] if plan.backend in self._by_backend else self.backend_state(plan.backend)
         if state is not None:
             state.check(plan, bucket)
         here = self.current_stream() if self.cuda else None
@@ -206,9 +195,7 @@ class GraphBufferPool(SizedBounds):
         slots = None if plan.rows is None else self.table.check_step(plan)  # the last check, O(B + T)
         xg = None if plan.rows is not None else cross.rows_group(plan)  # (CrossRows: StepBatch plans only)
         x_slots = None if xg is None else cross.check(self.cross_table, plan, xg)
-        s = self.free_slot(slot)
-        lease = self.leases
-        B, T = plan.batch_size, plan.num_tokens
+        s, lease, B, T = self.free_slot(slot), self.leases, plan.batch_size, plan.num_tokens
         rows, q_len = (bucket, plan.max_q_len) if bucket else (B, 1)
         num_rows = rows * q_len if bucket else T
         views = self.views_of(s, rows, num_rows, bucket is not None)
@@ -230,7 +217,8 @@ class GraphBufferPool(SizedBounds):
         self.next_slot = (s + 1) % len(self.host)
         more = () if K == 1 else self.kept(("draft", s, rows, num_rows), bucket is not None,
                                            lambda: rounds.step_views(self.layout, dev, host, rows, num_rows))
-        shapes = shapes_of(s, views, dev, ranges, bucket, q_len, more[: K - 1])
+        shapes = shapes_of(s, views, dev, ranges, bucket, q_len, more[: K - 1]) if K > 1 or bucket is None else (
+            self._kept_shape(s, bucket, q_len),)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             on = side or here  # the stream this commit's copies and host scheduling run on
             try:
@@ -244,8 +232,8 @@ class GraphBufferPool(SizedBounds):
                         self.upload(dev[a:b], host[a:b])
                     if xg is not None:  # the table updates past the step's region, then one graph per bucket
                         self.last_commit_bytes += table.send(updates) if left else 0
-                        self.device_work.run(("cross", s, rows, num_rows), bucket is not None, lambda: cross.device_work(
-                            table, dev, offsets, xg, views.table_rows, self.layout.index_capacity))
+                        key, work = self._cross_work(s, views, rows, num_rows, xg)
+                        self.device_work.run(key, bucket is not None, work)
                         cross.record(table, plan, xg)
                 else:
                     if left:  # more table updates than the step's region holds (admissions): sent first
@@ -278,9 +266,7 @@ class GraphBufferPool(SizedBounds):
         table, lease, q_len = self.table, self.leases, plan.max_q_len
         table.check_step(plan, slots=False)  # the last check, O(B)
         s = self.free_slot(slot)
-        shape = self._views.get(("shape", s, bucket, q_len))
-        if shape is None:
-            shape = self._derived_shape(s, bucket, q_len)
+        shape = self._kept_shape(s, bucket, q_len)
         offsets = self._offsets[(bucket, q_len)]
         updates = table.take_updates()  # (put back if the commit fails)
         h, lazy = self.host_np[s], state is None or state.lazy_host_arrays  # (lazy: no planner reads the host arrays)
@@ -339,14 +325,28 @@ class GraphBufferPool(SizedBounds):
                     context.__exit__(None, None, None)
         return step
 
-    def _derived_shape(self, s: int, bucket: int, q_len: int) -> StepShape:
-        """Slot s's StepShape for derived steps of `bucket` requests, q_len tokens each: every group over its
-        whole index region (kept: bounded by slots x buckets x q_lens)."""
-        views = self.views_of(s, bucket, bucket * q_len, True)
-        self._offsets[(bucket, q_len)] = views.offsets
-        cap = self.layout.index_capacity
-        shape, = shapes_of(s, views, self.dev[s], [(o.indices, o.indices + cap) for o in views.offsets.groups], bucket, q_len)
-        self._views[("shape", s, bucket, q_len)] = shape
+    def capture_cross(self, buckets: tuple[int, ...], q_lens: tuple[int, ...]) -> None:
+        """Capture (not run) each slot's cross-table device work of these bucketed shapes for every cross group:
+        no serving commit naming cross-table rows (CrossRows) captures one then (DecodeGraphs.capture calls this)."""
+        groups = [g for g, group in enumerate(self.spec.groups) if group.cross] if self.cross_table is not None else []
+        for s, rows, q_len, g in itertools.product(range(self.num_slots), buckets, q_lens, groups):
+            self.device_work.prepare(*self._cross_work(s, self.views_of(s, rows, rows * q_len, True), rows, rows * q_len, g))
+
+    def _cross_work(self, s: int, views: SlotViews, rows: int, num_rows: int, g: int) -> tuple:
+        """(key, work): group g's cross-table device work (cross.device_work) in slot s for these views."""
+        table, dev, cap = self.cross_table, self.dev[s], self.layout.index_capacity
+        return ("cross", s, rows, num_rows, g), lambda: cross.device_work(table, dev, views.offsets, g, views.table_rows, cap)
+
+    def _kept_shape(self, s: int, bucket: int, q_len: int) -> StepShape:
+        """Slot s's StepShape for steps of `bucket` requests, q_len tokens each: every group over its whole index
+        region (made once: bounded by slots x buckets x q_lens)."""
+        shape = self._views.get(("shape", s, bucket, q_len))
+        if shape is None:
+            views = self.views_of(s, bucket, bucket * q_len, True)
+            self._offsets[(bucket, q_len)] = views.offsets
+            cap = self.layout.index_capacity
+            shape, = shapes_of(s, views, self.dev[s], [(o.indices, o.indices + cap) for o in views.offsets.groups], bucket, q_len)
+            self._views[("shape", s, bucket, q_len)] = shape
         return shape
 
     def _work(self, step: DeviceStep, state, offsets, derived: bool):

@@ -32,7 +32,7 @@ class DeviceGroup:
     """One layer group's committed arrays: int32 device views, and pinned host views of the small ones."""
 
     kv_indptr: torch.Tensor  # [padded_batch_size+1] device
-    kv_indices: torch.Tensor  # [n + padding entries] device
+    kv_indices: torch.Tensor  # device: a bucketed step's whole index region (the first kv_indptr[-1] are the step's), else [n]
     kv_last_page_len: torch.Tensor  # [padded_batch_size] device
     kv_lens: torch.Tensor  # [padded_batch_size] device
     first_page: torch.Tensor  # [padded_batch_size] device: the first table column a StepRows step's group reads
@@ -65,8 +65,8 @@ class StepShape:
     rows q, k and v have in a captured graph (padded_batch_size * q_len when bucketed; plan.num_tokens
     otherwise). slot_mapping [padded_num_tokens] int64 device: where each
     row's K/V goes (groups[g].slot_mapping for a group with its own page list). A pool keeps one per
-    (slot, bucket, q_len) for bucketed StepRows steps (their arrays derived on the device) and makes
-    one per commit for every other step.
+    (slot, bucket, q_len) for bucketed steps (each group over its whole index region) and makes one per
+    commit for every other step (the K steps of a draft round, unbucketed steps).
     """
 
     slot: int

@@ -76,7 +76,7 @@ class Levels:
 class WorkspaceOwner(Protocol):
     """What CascadeState reads of FlashInfer's PoolState, which makes it (kernels/flashinfer.py): the pool's view,
     the float workspace and planning keywords its wrappers share, whether decode runs on tensor cores, and the
-    slot and group int workspaces (share a wrapper into one; record who planned into it last)."""
+    slot and group int workspaces (share a wrapper into one)."""
 
     pool: PoolView
     float_ws: torch.Tensor
@@ -84,7 +84,6 @@ class WorkspaceOwner(Protocol):
     tensor_cores: bool
 
     def share(self, w, slot: int, g: int, draft: int | None = None): ...
-    def planned_into(self, slot: int, g: int, wrapper) -> None: ...
 
 
 class CascadeState:
@@ -170,7 +169,6 @@ class CascadeState:
                 qo = torch.from_numpy(c.suffix_qo_indptr.copy())
                 suffix.plan(qo, view(x_ptr, host), view(x_idx), view(x_lpl, host), *heads, ps, causal=grp.causal,
                             seq_lens=view(x_len, host), **kw)
-            self.owner.planned_into(step.slot, g, suffix)  # (the slot and group's shared int workspace)
             out[g] = Levels(view(perm), view(inv), view(mask).view(torch.uint8)[:R].view(torch.bool), shared, suffix, self)
         return {g: out[rep] for g, rep in self.rep.items()}
 
@@ -208,7 +206,7 @@ class CascadeState:
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(sch.float_ws, "NHD", use_tensor_cores=sch.tensor_cores)
             else:
                 w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(sch.float_ws, "NHD")
-            self.wrappers[key] = sch.share(w, step.slot, g)  # the slot and group's int workspace (see PoolState.planned_into)
+            self.wrappers[key] = sch.share(w, step.slot, g)  # the slot and group's int workspace (planned at every commit)
         return w
 
 

@@ -13,10 +13,11 @@ resolving the backend and module again (about 100 µs of host time per call on a
 
 `share_workspace` points a wrapper at workspaces the pool owns. FlashInfer's public
 reset_workspace_buffer() takes the float and int workspaces but always allocates a fresh 8 MiB
-pinned mirror of the int one; every wrapper of one pool slot and layer group plans into the same
-int workspace (one step per slot at a time, and a slot is replanned only once its last copies
-ran), so they share one mirror too; `fixed_workspace_bytes` sizes an int workspace of its own for a plan
-that must outlive the shared one's next plan.
+pinned mirror of the int one; the wrappers one pool slot and layer group plans at every commit share
+one int workspace (one step per slot at a time, and a slot is replanned only once its last copies
+ran), so they share one mirror too. A graph-mode decode wrapper keeps its plan across commits, so it
+gets an int workspace of its own, sized by `graph_workspace_bytes` from the planners' layout (below);
+`fixed_workspace_bytes` sizes one for a plan that never splits KV.
 
 tests/kernels/test_flashinfer.py::test_fast_replan_matches_public_plan compares this path with
 public plan() (plan info, the int workspace it writes, and the attention output), and
@@ -33,6 +34,7 @@ from mstar_attn.metadata._arrays import Ranges
 
 VERSIONS = ("0.7.2", "0.7.2.post1")  # the FlashInfer releases whose internals this module reads
 FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
+MAX_CTAS_PER_SM = 32  # the most thread blocks an SM holds (sm_80 to sm_100): a bound on a split-KV grid per SM
 
 
 def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
@@ -41,6 +43,19 @@ def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
     CTAs, o_indptr [rows + 1] and a few words (16-byte aligned); twice that, and at least 64 KiB."""
     need = 2 * (13 * rows * (q_len * gqa + 1) + 4 * rows + 256)
     return max(FIXED_WORKSPACE_BYTES, -(-need // 4096) * 4096)
+
+
+def graph_workspace_bytes(rows: int, q_len: int, gqa: int, num_sms: int) -> int:
+    """The int workspace of a graph-mode decode wrapper's plans, split-KV or not, at `rows` padded requests of
+    q_len tokens. Both planners (CUDA-core decode: DecodePlan; tensor cores: PrefillPlan) lay out at most three
+    int32 work lists and a byte mask over padded_batch_size CTAs, o_indptr and merge_indptr (at most
+    max(CTAs, rows * q_len) + 1 int32 each) and two words, each 16-byte aligned. Under CUDA graphs
+    padded_batch_size is the split grid (at most MAX_CTAS_PER_SM per SM) or the unsplit tiles (at most
+    rows * (q_len * gqa + 1)), whatever the lengths: the same for every plan of the wrapper. Twice that, in
+    4 KiB pages, at least 64 KiB. (Too small would make FlashInfer's planner raise, never write past it.)"""
+    ctas = max(rows * (q_len * gqa + 1), MAX_CTAS_PER_SM * num_sms)
+    need = 13 * ctas + 8 * (max(ctas, rows * q_len) + 1) + 8 + 7 * 16
+    return max(FIXED_WORKSPACE_BYTES, -(-2 * need // 4096) * 4096)
 
 
 def supported(flashinfer_module) -> bool:
@@ -98,7 +113,9 @@ class FastDecodePlan:
         self.wrapper, self.module, self.q_len = w, w._cached_module, q_len
         self.tensor_cores = w.use_tensor_cores
         self.head = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+        self.mirror = self.head[2].numpy()  # (the pinned mirror as host bytes: remember reads it per plan)
         self.page_size, self.window_left = page_size, window_left
+        self.chunks: ChunkRanges | None = None
         self.remember()
         if self.tensor_cores:  # the prefill planner, as _plan_impl calls it
             self.tail = (num_qo_heads, num_kv_heads, page_size, True, head_dim, head_dim, q_len > 1, window_left)
@@ -125,10 +142,13 @@ class FastDecodePlan:
         ceil((window_left + cta_tile_q) / page_size) (cta_tile_q: PrefillPlanInfo index 3)."""
         info = self.wrapper._plan_info
         at = int(info[9] if self.tensor_cores else info[7])
-        tokens = int(self.head[2][at : at + 4].numpy().view(np.int32)[0])  # (pinned host memory: no sync)
+        tokens = int(self.mirror[at : at + 4].view(np.int32)[0])  # (pinned host memory: no sync)
         wl = self.window_left
         cap = -(-(wl + int(info[3])) // self.page_size) if self.tensor_cores and wl >= 0 else None
-        self.chunks = ChunkRanges(max(tokens // self.page_size, 1), self.page_size, cap)
+        chunk_pages = max(tokens // self.page_size, 1)
+        chunks = self.chunks
+        if chunks is None or chunks.chunk_pages != chunk_pages or chunks.cap != cap:  # (else the same rule: kept)
+            self.chunks = ChunkRanges(chunk_pages, self.page_size, cap)
 
     def plans(self, kv_lens: np.ndarray) -> None:
         """Record the step just planned: its B requests' KV lengths [B] int32 (the group's kv_lens; the

@@ -193,7 +193,6 @@ class TreeState:
             w = state.eager(("tree prefix", s, g), flashinfer.BatchPrefillWithPagedKVCacheWrapper)
             w.plan(qo, ptr, dg.kv_indices, last, *heads, spec.page_size, causal=False, seq_lens=lens,
                    **state.plan_kwargs)
-            state.planned_into(s, g, w)
             return w
         key = ("tree prefix graph", s, g, R, step.q_len)
         w = state.wrappers.get(key)
@@ -211,7 +210,6 @@ class TreeState:
             spec, R, step.padded_num_tokens, state.sms, state.float_ws.numel())
         w.plan(qo, ptr, dg.kv_indices, last, *heads, spec.page_size, causal=False, seq_lens=lens,
                **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)
-        state.planned_into(s, g, w)
         return w
 
     def _plan_tree(self, step: DeviceStep, q: np.ndarray, mask: torch.Tensor):

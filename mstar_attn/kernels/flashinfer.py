@@ -22,7 +22,7 @@ from mstar_attn.kernels import _cascade, _check
 from mstar_attn.kernels import _flashinfer_tree
 from mstar_attn.kernels._flashinfer_tree import TreeRun, TreeState
 from mstar_attn.kernels._common import with_sinks, write_kv  # noqa: F401  (write_kv: this backend's)
-from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, fixed_workspace_bytes, share_workspace, split_kv, supported
+from mstar_attn.kernels._flashinfer_fast import FastDecodePlan, graph_workspace_bytes, share_workspace, split_kv, supported
 from mstar_attn.kernels._xqa import Xqa, XqaDecode, run_xqa  # noqa: F401  (XqaDecode: what run reads of an XQA step)
 from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.errors import PlanError
@@ -53,13 +53,11 @@ class KeptStep:
 
 @attrs.frozen
 class SplitGroup:
-    """A KeptStep's layer group whose plan splits KV: its index, its FastDecodePlan, whether that plan has an int
-    workspace of its own (not the slot and group's shared one), whether the group's kv_lens are the plan's own
-    (PoolState.plain)."""
+    """A KeptStep's layer group whose plan splits KV: its index, its FastDecodePlan, whether the group's kv_lens
+    are the plan's own (PoolState.plain)."""
 
     group: int
     plan: FastDecodePlan
-    private: bool
     plain: bool
 
 
@@ -77,14 +75,16 @@ class PoolState(PoolStateBase):
     group): decode past the largest bucket, paged prefill for prefill / extend / mixed, ragged
     prefill when the plan names "flashinfer_ragged".
 
-    Memory: one float workspace for the pool (kernels of one stream never overlap), and one int
-    workspace plus its pinned mirror per (slot, group), shared by every wrapper of that slot and
-    group: a slot holds one step at a time, and the pool replans a slot only after the copies of
-    its last commit ran (the slot's event: a commit that planned is never proven by a fence alone), so one plan per slot and group is all that is live.
+    Memory: one float workspace for the pool (kernels of one stream never overlap). Each graph-mode wrapper
+    plans into an int workspace of its own (graph_workspace_bytes, with its pinned mirror), so its plan lasts
+    until it plans again, whatever other wrappers of its slot plan meanwhile (a mixed step, another bucket).
+    The eager wrappers (planned at every commit) share one int workspace plus its pinned mirror per (slot,
+    group): a slot holds one step at a time, and the pool replans a slot only after the copies of its last
+    commit ran (the slot's event: a commit that planned is never proven by a fence alone).
 
     Draft rounds (pool.commit_round): the K steps are live together, so step j has wrappers of its
     own (keys end with j), always on tensor cores (their planner splits KV by each request's length,
-    never past it, and a draft step lists pages ahead of its length), planning into the j-th of
+    never past it, and a draft step lists pages ahead of its length); an eager one plans into the j-th of
     max_draft_steps equal parts of the slot and group's int workspace. Bucketed draft steps use the
     fixed schedule (planned once, split-KV off) while `draft_fixed` is set, the default (read when a
     step's wrapper is first planned: set it before the pool's first round).
@@ -106,14 +106,12 @@ class PoolState(PoolStateBase):
         self.tensor_cores = spec.gqa_group >= 4 or spec.fp8_kv  # FlashInfer's advice for decode (its CUDA-core FP8 decode is slow)
         self.wrappers: dict[tuple, object] = {}
         self.fast: dict[tuple, FastDecodePlan] = {}
-        self.ws_owner: dict[tuple, object] = {}  # (slot, group) -> the wrapper that last planned into its shared int workspace
-        self.private_keys: set[tuple] = set()  # kept plans of wrappers with an int workspace of their own
         self.fixed: dict[tuple, object] = {}  # (slot, group, padded batch, q_len[, draft step]) -> its wrapper, planned once for good
         # per layer group: whether its kv_lens are the plan's own (not a window's, an own list's or the encoder's;
         # tests/metadata/test_record.py holds every plan form to it)
         self.plain = tuple(g.kind is not Kind.WINDOW and i not in spec.own_page_groups for i, g in enumerate(spec.groups))
         self.kept_steps: dict[tuple, KeptStep] = {}  # (slot, padded batch, q_len, mode) -> its groups' kept plans (schedule)
-        self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the int workspaces of wrappers planned once
+        self.private: list[tuple[torch.Tensor, torch.Tensor]] = []  # the graph-mode wrappers' int workspaces (and mirrors)
         self.sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
         self.fixed_min_ctas = 1 << 62 if FIXED_CTAS_PER_SM is None else FIXED_CTAS_PER_SM * self.sms
         self.use_fast = supported(flashinfer)
@@ -163,7 +161,7 @@ class PoolState(PoolStateBase):
         return {**(self.xqa.memory() if self.xqa is not None else {}),
                 **(self.cascade.memory() if self.cascade is not None else {}),
                 **(self.trees.memory() if self.trees is not None else {}), "flashinfer float workspace": (self.float_ws.numel(), 0), "flashinfer int workspaces": (n, n),
-                f"flashinfer fixed-schedule int workspaces ({len(self.private)})": (m, m),
+                f"flashinfer graph-mode int workspaces ({len(self.private)})": (m, m),
                 f"flashinfer wrappers' own buffers ({len(self.wrappers)} wrappers)": tuple(own)}
 
     def schedule(self, step: DeviceStep, tables: tuple | None = None) -> tuple:
@@ -191,7 +189,7 @@ class PoolState(PoolStateBase):
         if step.bucket is not None and plan.draft_step is None:
             keys = [(step.slot, g, step.padded_batch_size, step.q_len) for g in range(len(out))]
             if all(k in self.fixed or k in self.fast for k in keys):  # (every group planned by its kept plan from now on)
-                split = tuple(SplitGroup(group=g, plan=self.fast[k], private=k in self.private_keys, plain=self.plain[g])
+                split = tuple(SplitGroup(group=g, plan=self.fast[k], plain=self.plain[g])
                               for g, k in enumerate(keys) if k not in self.fixed)
                 self.kept_steps[(step.slot, step.padded_batch_size, step.q_len, plan.mode)] = KeptStep(wrappers=out, split=split)
         return out
@@ -199,11 +197,9 @@ class PoolState(PoolStateBase):
     def _kept(self, step: DeviceStep, kept: KeptStep) -> tuple:
         """schedule for a shape whose groups all have a kept plan: the kept wrappers, each split-KV group's planned
         again where its plan no longer holds (see _plan)."""
-        out, slot, plan, owner = None, step.shape.slot, step.plan, self.ws_owner
+        out, plan = None, step.plan
         for sg in kept.split:  # (none: every group planned once for good)
-            fast = sg.plan
-            if not ((sg.private or owner.get((slot, sg.group)) is fast.wrapper)
-                    and fast.holds(plan.kv_lens if sg.plain else plan.kv_lens_of(sg.group))):
+            if not sg.plan.holds(plan.kv_lens if sg.plain else plan.kv_lens_of(sg.group)):
                 out = list(kept.wrappers) if out is None else out
                 out[sg.group] = self._plan(step, sg.group, step.groups[sg.group])
         return kept.wrappers if out is None else tuple(out)
@@ -242,17 +238,12 @@ class PoolState(PoolStateBase):
             fast = self.fast.get(key)
             lens = step.plan.kv_lens_of(g)  # (a plan holds while every request's KV chunk count does)
             if fast is not None:
-                # the plan lives in the slot and group's shared int workspace: kept only while no other wrapper
-                # has planned into it since, and every request's chunk count is the same (a draft step's
-                # pages run ahead of its lengths: planned every time)
-                shared = key not in self.private_keys
-                if draft is not None or (shared and self.ws_owner.get((step.slot, g)) is not fast.wrapper) \
-                        or not fast.holds(lens):
+                # the plan lives in the wrapper's own int workspace: kept while every request's chunk count is
+                # the same (a draft step's pages run ahead of its lengths: planned every time)
+                if draft is not None or not fast.holds(lens):
                     self.pool.stage_host(step)
                     fast.replan(step.host_qo_indptr, dg.host_kv_indptr, dg.host_kv_lens)
                     fast.plans(lens)
-                    if shared:
-                        self.planned_into(step.slot, g, fast.wrapper)
                 return fast.wrapper
             self.pool.stage_host(step)
             heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
@@ -260,23 +251,19 @@ class PoolState(PoolStateBase):
                                      or (draft is not None and self.draft_fixed))
             w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
             if w is None:
-                w = self.wrappers[("graph",) + key] = self._graph_wrapper(step, g, fix)
+                w = self.wrappers[("graph",) + key] = self._graph_wrapper(step, g)
             w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
                    window_left=group.window_left, seq_lens=dg.host_kv_lens, q_len_per_req=step.q_len,
                    **({"disable_split_kv": True} if fix else {}), **self.plan_kwargs)
             if fix and not split_kv(w):  # (the CUDA-core planner ignores the flag: it splits below ~9 CTAs / SM)
                 self.fixed[key] = w
                 return w
-            if fix:  # (planned once was asked for, but the plan splits: kept and re-planned in its own workspace)
-                self.private_keys.add(key)
             if self.use_fast:
                 try:
                     self.fast[key] = FastDecodePlan(w, spec, group.window_left, step.q_len)
                     self.fast[key].plans(lens)
                 except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
                     pass
-            if not fix:
-                self.planned_into(step.slot, g, w)
             return w
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim)
         if draft is not None:  # tensor cores: their planner splits KV by each request's length, never past it
@@ -296,18 +283,12 @@ class PoolState(PoolStateBase):
             w.plan(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads,
                    spec.page_size, causal=group.causal, window_left=group.window_left, seq_lens=dg.host_kv_lens,
                    **self.plan_kwargs)
-        self.planned_into(step.slot, g, w)
         return w
-
-    def planned_into(self, slot: int, g: int, wrapper) -> None:
-        """Record that `wrapper` has just planned into slot and group g's shared int workspace (any part of
-        it): a kept plan of another wrapper there is gone. Every plan into a shared workspace calls this."""
-        self.ws_owner[(slot, g)] = wrapper
 
     def share(self, w, slot: int, g: int, draft: int | None = None):
         """Point w at slot and group's int workspace: the whole of it, or for step j of a draft round
-        its j-th of max_draft_steps equal parts (the round's steps are planned, and live, together).
-        Whoever plans w afterwards records it with planned_into (a kept plan there is then gone)."""
+        its j-th of max_draft_steps equal parts (the round's steps are planned, and live, together). Only
+        wrappers planned at every commit share it: no plan there outlives the slot's next commit."""
         ws, pinned = self.int_ws[slot][g], self.pinned_ws[slot][g]
         if draft is not None:
             n = INT_WORKSPACE_BYTES // self.pool.max_draft_steps // 4096 * 4096
@@ -324,10 +305,10 @@ class PoolState(PoolStateBase):
             w = self.wrappers[key] = self.share(cls(self.float_ws, "NHD", **kw), key[1], key[2], draft)
         return w
 
-    def _graph_wrapper(self, step: DeviceStep, g: int, fixed: bool):
-        """A graph-mode decode wrapper over the step's buffers. One planned once for good (`fixed`) gets an
-        int workspace of its own: its plan must outlive every later plan of its slot and group, which
-        the shared workspace would overwrite (the kernel would then read another plan's work list)."""
+    def _graph_wrapper(self, step: DeviceStep, g: int):
+        """A graph-mode decode wrapper over the step's buffers, with an int workspace of its own: its plan is
+        kept across commits (planned once for good, or until a chunk count changes), which a workspace shared
+        with the slot's other wrappers would overwrite (the kernel would then read another plan's work list)."""
         dg = step.groups[g]
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.float_ws, "NHD", use_cuda_graph=True,
@@ -335,9 +316,7 @@ class PoolState(PoolStateBase):
             paged_kv_indptr_buffer=dg.kv_indptr, paged_kv_indices_buffer=self.pool.index_buffer(step, g),
             paged_kv_last_page_len_buffer=dg.kv_last_page_len,
         )
-        if not fixed:
-            return self.share(w, step.slot, g, step.plan.draft_step)
-        size = fixed_workspace_bytes(step.padded_batch_size, step.q_len, self.pool.spec.gqa_group)
+        size = graph_workspace_bytes(step.padded_batch_size, step.q_len, self.pool.spec.gqa_group, self.sms)
         ws = torch.zeros(size, dtype=torch.uint8, device=self.pool.device)
         pinned = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
         self.private.append((ws, pinned))

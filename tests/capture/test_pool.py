@@ -48,7 +48,9 @@ def test_device_buffers_hold_the_plan_and_padding_reads_the_scratch_page(q, kv):
         assert np.array_equal(indptr[: B + 1], gp.kv_indptr) and np.array_equal(indices[:n], gp.kv_indices)
         assert np.array_equal(lpl[:B], gp.kv_last_page_len) and np.array_equal(lens[:B], gp.kv_lens)
         pad = step.padded_batch_size - B  # padding requests: q_len tokens of the scratch page, nothing else
-        assert (indices[n:] == spec.scratch_page).all() and indices.shape[0] == n + pad * -(-step.q_len // 4)
+        m = n + pad * -(-step.q_len // 4)  # the step's entries: a bucketed step's view is its whole index region
+        assert (indices[n:m] == spec.scratch_page).all() and indptr[step.padded_batch_size] == m
+        assert indices.shape[0] == (pool.layout.index_capacity if bucket else m), f"seed {seed}"
         assert (lens[B:] == step.q_len).all() and np.array_equal(np.diff(indptr)[B:], [-(-step.q_len // 4)] * pad)
     assert step.padded_num_tokens == (step.padded_batch_size * step.q_len if bucket else T)
     assert (got["slots"][T:] // 4 == spec.scratch_page).all(), f"seed {seed}"
@@ -85,7 +87,7 @@ def test_views_are_cached_for_bucketed_shapes_only():
         for q_len in (1, 4, MAX_VERIFY_Q_LEN):
             plan = build_plan(random_batch(rng, [q_len] * B, rng.integers(q_len + 1, 30, B), 4, 4000), spec)
             pool.commit(plan), pool.commit(plan)  # once per slot
-    assert len(pool._views) == pool.num_slots * len(pool.buckets) * 3
+    assert len(pool._views) == 2 * pool.num_slots * len(pool.buckets) * 3  # (views, and the kept StepShape)
 
 
 def test_stale_steps_are_refused_and_live_ones_run():

@@ -22,6 +22,7 @@ flashinfer = pytest.importorskip("flashinfer")
 
 from mstar_attn.capture.graphs import DecodeGraphs  # noqa: E402
 from mstar_attn.capture.pool import GraphBufferPool  # noqa: E402
+from mstar_attn.kernels import _flashinfer_fast  # noqa: E402
 from mstar_attn.kernels import flashinfer as fi  # noqa: E402
 
 
@@ -123,42 +124,49 @@ def test_fast_replan_matches_public_plan(heads, q_len):
 
 
 def test_wrappers_share_the_slot_workspaces():
-    """The internals share_workspace sets: every wrapper of one (slot, group) plans into that pair's
-    int workspace through its pinned mirror, and run with the pool's float workspace. Graphs of
-    three buckets and two q_lens over one shared workspace each replay the latest commit correctly,
-    and the pool's memory report counts each workspace once."""
+    """The internals share_workspace sets: every graph-mode wrapper plans into an int workspace of its own
+    (graph_workspace_bytes) through its own pinned mirror, the eager wrappers of one (slot, group) into that
+    pair's, and all run with the pool's float workspace. Graphs of three buckets and two q_lens each replay the
+    latest commit correctly (eager steps past the largest bucket between them), and the pool's memory report
+    counts each workspace once."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     spec = AttentionSpec(32, 8, 128, 16, 9000, groups=GPU_GROUPS[:2])
     cache = random_cache(spec, seed)
-    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=64, max_num_tokens=512, max_num_pages=9000,
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=80, max_num_tokens=512, max_num_pages=9000,
                                             buckets=(4, 16, 64)))
     static = torch.zeros(256, 32, 128, device="cuda", dtype=torch.bfloat16)
     graphs = [DecodeGraphs(pool, attend_filled(fi.run, cache, g), {"q": static}) for g in range(2)]
     for gr in graphs:
         gr.capture(q_lens=(1, 4))
     sched = pool.backend_state("flashinfer")
-    fixed = {id(w) for w in sched.fixed.values()}  # (planned once for good: an int workspace of their own)
-    for (kind, slot, g, *_), w in sched.wrappers.items():
-        if id(w) in fixed:
-            assert w._int_workspace_buffer is not sched.int_ws[slot][g], (kind, slot, g)
-            continue
-        assert w._int_workspace_buffer is sched.int_ws[slot][g], (kind, slot, g)
-        assert w._pin_memory_int_workspace_buffer is sched.pinned_ws[slot][g], (kind, slot, g)
-        assert w._float_workspace_buffer is sched.float_ws
-    assert len(sched.wrappers) == 2 * 2 * 3 * 2  # slots x groups x buckets x q_lens
+    own = {w._int_workspace_buffer.data_ptr() for w in sched.wrappers.values()}
+    assert len(own) == len(sched.wrappers) == 2 * 2 * 3 * 2  # slots x groups x buckets x q_lens: one workspace each
+    assert {(ws.data_ptr(), pinned.data_ptr()) for ws, pinned in sched.private} == {
+        (w._int_workspace_buffer.data_ptr(), w._pin_memory_int_workspace_buffer.data_ptr()) for w in sched.wrappers.values()}
+    for (kind, slot, g, B, q_len), w in sched.wrappers.items():
+        assert kind == "graph" and w._float_workspace_buffer is sched.float_ws
+        assert w._int_workspace_buffer.numel() == _flashinfer_fast.graph_workspace_bytes(B, q_len, 4, sched.sms)
     for i in range(24):
-        B, q_len = int(rng.integers(1, 65)), int(rng.choice([1, 4]))
-        plan = build_plan(random_batch(rng, [q_len] * B, rng.integers(q_len + 1, 2000, B), 16, spec.num_pages), spec)
+        B, q_len = int(rng.integers(1, 65)) if i != 5 else 72, int(rng.choice([1, 4]))  # (past 64: an eager step)
+        plan = build_plan(random_batch(rng, [q_len] * B, rng.integers(q_len + 1, 1500, B), 16, spec.num_pages), spec)
         step = pool.commit(plan)
         q = torch.randn(plan.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
         for g, gr in enumerate(graphs):
-            assert gr.serves(step)
-            out = gr(step, q=q)
+            assert gr.serves(step) == (B <= 64)
+            out = gr(step, q=q) if B <= 64 else attend_filled(fi.run, cache, g)(step, {"q": q})
             assert_close_per_request(out, reference.run(plan, q.float(), cache, group=g), plan, spec.dtype, (f"seed {seed}", i, g))
+    for (kind, slot, g, *_), w in sched.wrappers.items():
+        if kind != "graph":
+            assert w._int_workspace_buffer is sched.int_ws[slot][g], (kind, slot, g)
+            assert w._pin_memory_int_workspace_buffer is sched.pinned_ws[slot][g], (kind, slot, g)
+            assert w._float_workspace_buffer is sched.float_ws
+    assert any(key[0] != "graph" for key in sched.wrappers), f"seed {seed}: no eager step"
     report = pool.memory_report().components
     assert report["flashinfer int workspaces"] == (4 * fi.INT_WORKSPACE_BYTES, 4 * fi.INT_WORKSPACE_BYTES)
+    m = sum(ws.numel() for ws, _ in sched.private)
+    assert report[f"flashinfer graph-mode int workspaces ({len(sched.private)})"] == (m, m)
     own = report[f"flashinfer wrappers' own buffers ({len(sched.wrappers)} wrappers)"]
     assert own[0] < len(sched.wrappers) * 64 << 10 and own[1] < fi.INT_WORKSPACE_BYTES, own  # small arrays, no workspace
 

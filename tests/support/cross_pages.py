@@ -181,6 +181,10 @@ def gpu_cross(backend, name: str, seed: int, page_size: int, rows: bool, steps: 
               "v": torch.zeros(16, 8, 128, device="cuda", dtype=spec.dtype)}
     graphs = DecodeGraphs(pool, lambda step, x: cross_layers(backend, caches, step, x), static)
     graphs.capture()
+    captured = {k for k in pool.device_work.graphs if k[0] == "cross"}
+    if rows:  # every slot's cross-table work of every bucket, captured with the decode graphs (not mid-serving)
+        assert captured == {("cross", s, b, b, 1) for s in range(pool.num_slots) for b in (1, 8, 16)}, captured
     ran = serve(trace, pool, backend, caches, steps, seed, graphs)
     assert ran.get(("decode", True, False)) and any(stored for *_, stored in ran), (f"seed {seed}", ran)
+    assert {k for k in pool.device_work.graphs if k[0] == "cross"} == captured, f"seed {seed}: a commit captured its work"
     return ran
