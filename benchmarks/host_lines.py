@@ -64,7 +64,7 @@ def main(out_dir: str) -> None:
     spec = AttentionSpec(32, 8, 128, PS, cases.NUM_PAGES)
     cache = PagedKVCache.allocate(spec, "cuda")
     text = io.StringIO()
-    for B in (1, 8, 64):
+    for B in (1, 8, 64, 256):
         p = table_pool(spec, buckets=(batch.bucket_of(B),))
         eng = Engine(p, B, 2048, seed=B, room=1500)
         graphs = one_layer(p, cache)

@@ -129,14 +129,18 @@ def own_plan(g: int, pages: GroupPages, spec: AttentionSpec, step: StepArrays, p
                         f"page {start[i]} on (kv_len {kv[i]}, q_len {q[i]}, "
                         + (f"window {group.window}" if group.window else "a full group reads from page 0")
                         + f"; page = position // {ps}) (request {i})")
-    short = first.astype(np.int64) + (indptr[1:] - indptr[:-1]) < need
+    counts = indptr[1:] - indptr[:-1]
+    short = first.astype(np.int64) + counts < need
     if short.any():
         i = int(np.flatnonzero(short)[0])
         raise PlanError(f"{name}.page_indices[{i}]: lists {indptr[i + 1] - indptr[i]} pages from logical page {first[i]}, "
                         f"fewer than kv_len {kv[i]} needs (up to page {need[i] - 1}) (request {i})")
     listed = idx[: indptr[-1]]
     check_page_ids(spec, f"{name}.page_indices", indptr, listed, page_limit)
-    kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1] + (start - first), need - start)
+    if np.array_equal(counts, need - start):  # (so first == start, by the checks above: each list is what the step reads)
+        kv_indptr, kv_indices = indptr, listed
+    else:
+        kv_indptr, kv_indices = gather_ranges(idx, indptr[:-1] + (start - first), need - start)
     if decode:  # one token per request, on its last page
         written = kv_indices[kv_indptr[1:] - 1]
         slots = np.multiply(written, ps, dtype=np.int64)

@@ -232,15 +232,14 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
 
 
 def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) -> AttentionPlan | None:
-    """_plan for a decode step (every q_len 1) whose requests list exactly the pages their lengths need,
-    on the shared list alone (no own or cross lists, no block table, cascade off): the same checks and the same
-    plan in fewer numpy calls (the per-step path of an engine that lists pages). None for any other step, and
-    for one that fails a check of the batch: _plan then names what is wrong, so both paths raise the same errors
-    (the backend's check, resolve_backend, raises its own PlanError here, as in _plan)."""
+    """_plan for a decode step (every q_len 1) whose requests list exactly the pages their lengths need on the
+    shared list (own lists of groups that keep them, as _plan checks them; no cross groups, no block table, cascade
+    off): the same checks and the same plan in fewer numpy calls (the per-step path of an engine that lists pages).
+    None for any other step, and for one that fails a check of the batch: _plan then names what is wrong, so both
+    paths raise the same errors (the backend's check, resolve_backend, raises its own PlanError here, as in _plan)."""
     q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
     ps, B, n = spec.page_size, kv.shape[0], idx.shape[0]
-    if batch.group_pages or spec.own_page_groups or spec.has_cross or batch.block_table is not None or spec.cascade_groups \
-            or batch.page_size != ps \
+    if spec.has_cross or batch.block_table is not None or spec.cascade_groups or batch.page_size != ps \
             or q.shape[0] != B or indptr.shape[0] != B + 1 or not 0 < B < ARANGE.shape[0]:
         return None
     if B <= SHORT:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
@@ -265,7 +264,13 @@ def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
             return None
     read_only(listed, slot_mapping)
     step.kv_indptr, step.kv_indices, step.slot_mapping = indptr, listed, slot_mapping  # (the batch's own, as in _plan)
-    plan = AttentionPlan.listed_decode(spec, step, groups_of(spec, step), resolve_backend(spec, Mode.DECODE, B, B, 1, hi))
+    own = None
+    if batch.group_pages or spec.own_page_groups:  # (the window groups' own lists: _plan's checks, on these arrays)
+        try:
+            own = {g: own_plan(g, pages, spec, step, spec.num_pages, check_ownership) for g, pages in _own_lists(batch, spec)}
+        except PlanError:
+            return None
+    plan = AttentionPlan.listed_decode(spec, step, groups_of(spec, step, own), resolve_backend(spec, Mode.DECODE, B, B, 1, hi))
     object.__setattr__(plan, "sealed", True)
     return plan
 

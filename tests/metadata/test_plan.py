@@ -219,11 +219,44 @@ def test_block_table_too_narrow_is_a_page_error():
         build_plan(StepBatch.from_block_table([1], [9], [[1, 2]], 4), SPEC)
 
 
+def _own_lists(rng, spec, kv: np.ndarray, kind: str) -> dict:
+    """Own lists (from a random first page up to the window's first read page) for the spec's own-list groups, broken
+    (or not) by `kind`: own_short (a request's list a page short), own_first (a list starting past the first page the
+    window reads), own_outside (a page id past the cache), own_written (another request lists a written page)."""
+    from mstar_attn.metadata.groups import first_read_page
+
+    ps, B, out = spec.page_size, kv.shape[0], {}
+    for g in spec.own_page_groups:
+        start = first_read_page(spec.groups[g], np.ones(B, np.int32), kv, ps)
+        first = (rng.integers(0, 2, B) * start).astype(np.int32)  # from page 0, or trimmed to the window
+        need = -(-kv // ps)
+        ids = rng.permutation(spec.num_pages).astype(np.int32)
+        lists, at = [], 0
+        for f, n in zip(first, need):
+            lists.append(ids[at : at + n - f].copy())
+            at += n - f
+        i = int(rng.integers(B))
+        if kind == "own_short" and len(lists[i]):
+            lists[i] = lists[i][:-1]
+        elif kind == "own_first":
+            first[i] = start[i] + 1
+        elif kind == "own_outside" and len(lists[i]):
+            lists[i][int(rng.integers(len(lists[i])))] = spec.num_pages
+        elif kind == "own_written" and B > 1 and len(lists[i]):
+            j = (i + 1) % B
+            if len(lists[j]):
+                lists[j][int(rng.integers(len(lists[j])))] = lists[i][-1]
+        out[g] = GroupPages.from_pages(first, lists)
+    return out
+
+
 def _decode_batch(rng, spec, B: int, kind: str) -> StepBatch:
-    """A decode batch of B requests over spec's pages with exact lists, then broken (or not) by `kind`."""
+    """A decode batch of B requests over spec's pages with exact lists, then broken (or not) by `kind`; the spec's
+    own-list groups get their lists (_own_lists; none with kind own_missing)."""
     ps = spec.page_size
     kv = rng.integers(1, 6 * ps, B).astype(np.int32)
     pages = random_pages(rng, kv, ps, spec.num_pages, extra=1 if kind == "spare" else 0)
+    own = _own_lists(rng, spec, kv, kind) if kind != "own_missing" else None
     i = int(rng.integers(B))
     q = np.ones(B, np.int32)
     if kind == "q2":
@@ -253,12 +286,12 @@ def _decode_batch(rng, spec, B: int, kind: str) -> StepBatch:
         return StepBatch.from_block_table(q, kv, table, ps)
     elif kind == "own_list":  # an own list for a group that reads the shared one: PlanError
         lists = GroupPages.from_pages(np.zeros(B, np.int32), pages)
-        return StepBatch.from_pages(q, kv, pages, ps, group_pages={0: lists})
+        return StepBatch.from_pages(q, kv, pages, ps, group_pages={0: lists, **(own or {})})
     elif kind == "csr_extra":  # page_indices longer than page_indptr[-1], or page_indptr not starting at 0
         indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int32)
         flat = np.concatenate(pages + [np.array([int(pages[0][0])], np.int32)])
-        return StepBatch.from_csr(q, kv, indptr + int(rng.integers(2)), flat, ps)
-    return StepBatch.from_pages(q, kv, pages, ps)
+        return StepBatch.from_csr(q, kv, indptr + int(rng.integers(2)), flat, ps, own)
+    return StepBatch.from_pages(q, kv, pages, ps, own)
 
 
 def test_the_listed_decode_path_is_the_general_plan():
@@ -268,16 +301,16 @@ def test_the_listed_decode_path_is_the_general_plan():
     from mstar_attn.metadata import plan as P
 
     kinds = ("valid", "valid", "spare", "q2", "kv0", "outside", "short", "shared_written", "past_int32", "wrapped",
-             "block_table", "own_list", "csr_extra")
-    served = 0
-    for _ in range(250):
+             "block_table", "own_list", "csr_extra", "own_missing", "own_short", "own_first", "own_outside", "own_written")
+    served = own_served = 0
+    for _ in range(300):
         seed = fresh_seed()
         rng = np.random.default_rng(seed)
         ps = int(rng.choice([1, 4, 16]))
         window = int(rng.integers(1, 40))
         groups = [(LayerGroup(),), (LayerGroup(), LayerGroup("window", window=window)), (LayerGroup("noncausal"),),
-                  (LayerGroup(), LayerGroup("window", window=window, own_pages=True)),  # (no own list given: PlanError)
-                  (LayerGroup(), LayerGroup("cross"))][int(rng.choice(5, p=[0.3, 0.3, 0.2, 0.1, 0.1]))]
+                  (LayerGroup(), LayerGroup("window", window=window, own_pages=True)),  # (an own list: _own_lists)
+                  (LayerGroup(), LayerGroup("cross"))][int(rng.choice(5, p=[0.25, 0.2, 0.15, 0.3, 0.1]))]
         B = int(rng.choice([1, 2, 7, 32, 33, 64, 300]))
         spec = spec_for(page_size=ps, num_pages=B * 7 + 16, groups=groups)
         kind = kinds[int(rng.integers(len(kinds)))]
@@ -303,9 +336,10 @@ def test_the_listed_decode_path_is_the_general_plan():
                 assert a.dtype == b.dtype and not a.flags.writeable, f"{where}: {name} {a.dtype} vs {b.dtype}"
             exact = np.array_equal(np.diff(step.page_indptr), -(-step.kv_lens // ps))
             taken = P._plan_batch_decode(step, spec, check) is not None
-            assert taken == (exact and (step.q_lens == 1).all() and step.block_table is None), where
+            assert taken == (exact and (step.q_lens == 1).all() and step.block_table is None and not spec.has_cross), where
             served += taken
-    assert served > 50
+            own_served += taken and bool(spec.own_page_groups)
+    assert served > 50 and own_served > 10, (served, own_served)
 
 
 def test_the_ownership_scan_is_the_same_on_both_sides_of_its_short_path(monkeypatch):
