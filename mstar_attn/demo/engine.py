@@ -244,6 +244,7 @@ class Engine:
         self.commit_us: list[float] = []
         self.graph_us: list[float] = []
         self.eager_us: list[float] = []
+        self.replayed: list[bool] = []  # per step: whether it replayed a graph
         self.aside_us = 0.0
         self.num_graphs, self.capture_s = 0, 0.0
 
@@ -286,7 +287,8 @@ class Engine:
             before(ctx)
         inputs = step_inputs(plan, tokens, self.attn.token_rows(ctx), self.device)
         self.aside_us = 0.0
-        if not (self.graphs and self.attn.replays(ctx)):
+        self.replayed.append(bool(self.graphs and self.attn.replays(ctx)))
+        if not self.replayed[-1]:
             return self.fn(ctx, inputs)[: plan.num_tokens]
         t1 = time.perf_counter_ns()
         self.eager_us.append(timed(lambda: self.fn(ctx, inputs), self.device)[1])

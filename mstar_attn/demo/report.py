@@ -59,6 +59,7 @@ class DemoResult:
     commit_us: list[float] = attrs.Factory(list)
     graph_us: list[float] = attrs.Factory(list)
     eager_us: list[float] = attrs.Factory(list)
+    replayed_steps: list[bool] = attrs.Factory(list)  # per step: whether it replayed a graph
     num_graphs: int = 0  # graphs captured
     capture_s: float = 0.0
     tokens: dict[int, list[int]] = attrs.Factory(dict)  # request id -> prompt + generated tokens
@@ -166,10 +167,12 @@ def summary(res: DemoResult) -> str:
         f"(build_plan {us(res.plan_us)}; commit {us(res.commit_us)}); whole step {us(res.step_us)}",
     ]
     if res.graph_us:
+        replayed = [h for h, r in zip(host, res.replayed_steps) if r]
         lines.append(
             f"decode step: graphs {np.median(res.graph_us):.0f} µs vs eager {np.median(res.eager_us):.0f} µs "
             f"({res.speedup:.2f}x; {clock}, median over {res.replayed} decode steps, each run both ways on the same "
-            f"inputs; {res.num_graphs} graphs captured in {res.capture_s:.1f} s)")
+            f"inputs; {res.num_graphs} graphs captured in {res.capture_s:.1f} s); host µs of those steps: "
+            f"build_plan + commit median {np.median(replayed):.0f}")
     if c.compile != "off":
         lines.append(
             f"compile   torch.compile(fullgraph=True) of the {'decoder ' if c.model == 'bart' else ''}step's forward, "

@@ -168,6 +168,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, attention: StepAttention | None 
         shared_tokens=sum(r.shared for r in reqs), prefix_hits=sum(r.shared > 0 for r in reqs),
         generated_tokens=sum(r.max_new for r in reqs), served=served, pages_reused=pages.reused, plan_us=plan_us,
         step_us=step_us, checks=checks, commit_us=engine.commit_us, graph_us=engine.graph_us, eager_us=engine.eager_us,
+        replayed_steps=engine.replayed,
         num_graphs=engine.num_graphs, capture_s=engine.capture_s, tokens={r.rid: r.tokens for r in reqs},
         pages_held=held if own is not None else None, encoder_tokens=sum(len(r.encoder) for r in reqs),
         cross_rows=table is not None, cascade_steps=cascades, compile_s=engine.compile_s,

@@ -1,6 +1,7 @@
 """The engine loop: pages, the trace's step mix, and the graph path (replay + eager timing) without CUDA."""
 
 import attrs
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
@@ -59,9 +60,12 @@ def test_graph_path_replays_decode_steps_and_times_both_ways(served):
     assert res.matched
     assert res.replayed == len(res.eager_us) == res.modes[Mode.DECODE.value] > 0
     assert res.tokens == served[0].tokens  # replaying changes nothing
-    assert len(res.commit_us) == len(res.step_us) == res.steps
+    assert len(res.commit_us) == len(res.step_us) == len(res.replayed_steps) == res.steps
+    assert sum(res.replayed_steps) == res.replayed
     text = summary(res)
     assert "decode step: graphs" in text and "vs eager" in text and "host clock" in text
+    host = np.median([p + c for p, c, r in zip(res.plan_us, res.commit_us, res.replayed_steps) if r])
+    assert f"host µs of those steps: build_plan + commit median {host:.0f}" in text
     assert f"CUDA graphs replayed {res.replayed} of {res.replayed} decode steps" in text
 
 
