@@ -223,8 +223,7 @@ class GraphBufferPool(SizedBounds):
             on = side or here  # the stream this commit's copies and host scheduling run on
             try:
                 lease.after_consumer(s, on)
-                steps = tuple(DeviceStep(plan=p, shape=sh, generation=self.generations[s], slots=self.slots, stream=side)
-                              for p, sh in zip(plans, shapes))
+                steps = tuple(DeviceStep.made(p, sh, self.generations[s], self.slots, side) for p, sh in zip(plans, shapes))
                 if plan.rows is None:
                     copies = copy_ranges(offsets, ranges, plan)
                     copies[0] = (min(copies[0][0], rounds.first_copy(offsets, K)), copies[0][1])

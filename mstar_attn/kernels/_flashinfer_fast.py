@@ -45,15 +45,16 @@ def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
     return max(FIXED_WORKSPACE_BYTES, -(-need // 4096) * 4096)
 
 
-def graph_workspace_bytes(rows: int, q_len: int, gqa: int, num_sms: int) -> int:
+def graph_workspace_bytes(rows: int, q_len: int, gqa: int, num_kv_heads: int, num_sms: int) -> int:
     """The int workspace of a graph-mode decode wrapper's plans, split-KV or not, at `rows` padded requests of
     q_len tokens. Both planners (CUDA-core decode: DecodePlan; tensor cores: PrefillPlan) lay out at most three
     int32 work lists and a byte mask over padded_batch_size CTAs, o_indptr and merge_indptr (at most
     max(CTAs, rows * q_len) + 1 int32 each) and two words, each 16-byte aligned. Under CUDA graphs
-    padded_batch_size is the split grid (at most MAX_CTAS_PER_SM per SM) or the unsplit tiles (at most
-    rows * (q_len * gqa + 1)), whatever the lengths: the same for every plan of the wrapper. Twice that, in
-    4 KiB pages, at least 64 KiB. (Too small would make FlashInfer's planner raise, never write past it.)"""
-    ctas = max(rows * (q_len * gqa + 1), MAX_CTAS_PER_SM * num_sms)
+    padded_batch_size is the split grid per KV head (blocks per SM x SMs / num_kv_heads: at most MAX_CTAS_PER_SM
+    blocks per SM; the tensor-core planner takes 2) or the unsplit tiles (at most rows * (q_len * gqa + 1)),
+    whatever the lengths: the same for every plan of the wrapper. Twice that, in 4 KiB pages, at least 64 KiB.
+    (Too small would make FlashInfer's planner raise, never write past it.)"""
+    ctas = max(rows * (q_len * gqa + 1), MAX_CTAS_PER_SM * num_sms // num_kv_heads)
     need = 13 * ctas + 8 * (max(ctas, rows * q_len) + 1) + 8 + 7 * 16
     return max(FIXED_WORKSPACE_BYTES, -(-2 * need // 4096) * 4096)
 

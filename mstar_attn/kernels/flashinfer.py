@@ -5,7 +5,7 @@ from pinned host arrays (indptr, last_page_len, kv lens) and the slot's device p
 no device-to-host copy, never inside a graph. `run` and `write_kv` check their arguments on the
 host and launch kernels. Uses FlashInfer's public wrapper API (tests/kernels/test_flashinfer.py
 checks the signatures this module calls), except `_flashinfer_fast` (pinned): the re-plan of
-graph-mode decode wrappers and the shared int workspaces.
+graph-mode decode wrappers and the int workspaces the pool owns.
 """
 
 from __future__ import annotations
@@ -316,7 +316,8 @@ class PoolState(PoolStateBase):
             paged_kv_indptr_buffer=dg.kv_indptr, paged_kv_indices_buffer=self.pool.index_buffer(step, g),
             paged_kv_last_page_len_buffer=dg.kv_last_page_len,
         )
-        size = graph_workspace_bytes(step.padded_batch_size, step.q_len, self.pool.spec.gqa_group, self.sms)
+        spec = self.pool.spec
+        size = graph_workspace_bytes(step.padded_batch_size, step.q_len, spec.gqa_group, spec.num_kv_heads, self.sms)
         ws = torch.zeros(size, dtype=torch.uint8, device=self.pool.device)
         pinned = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
         self.private.append((ws, pinned))

@@ -147,7 +147,7 @@ def test_wrappers_share_the_slot_workspaces():
         (w._int_workspace_buffer.data_ptr(), w._pin_memory_int_workspace_buffer.data_ptr()) for w in sched.wrappers.values()}
     for (kind, slot, g, B, q_len), w in sched.wrappers.items():
         assert kind == "graph" and w._float_workspace_buffer is sched.float_ws
-        assert w._int_workspace_buffer.numel() == _flashinfer_fast.graph_workspace_bytes(B, q_len, 4, sched.sms)
+        assert w._int_workspace_buffer.numel() == _flashinfer_fast.graph_workspace_bytes(B, q_len, 4, 8, sched.sms)
     for i in range(24):
         B, q_len = int(rng.integers(1, 65)) if i != 5 else 72, int(rng.choice([1, 4]))  # (past 64: an eager step)
         plan = build_plan(random_batch(rng, [q_len] * B, rng.integers(q_len + 1, 1500, B), 16, spec.num_pages), spec)
