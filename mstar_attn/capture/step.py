@@ -42,6 +42,11 @@ class DeviceGroup:
     slot_mapping: torch.Tensor  # [padded_num_tokens] int64 device: where the group's layers write (the step's
     # slot_mapping itself, unless the group keeps its own page list: LayerGroup.own_pages)
 
+    def listed(self) -> torch.Tensor:
+        """The step's page ids on the device, padding requests' included: kv_indices' first host_kv_indptr[-1]
+        entries (a view; reads the pinned host_kv_indptr, which a planner reading host arrays has staged)."""
+        return self.kv_indices[: int(self.host_kv_indptr[-1])]
+
     @classmethod
     def over(cls, views: GroupViews, kv_indices: torch.Tensor, **changes: torch.Tensor) -> DeviceGroup:
         """The group's arrays: its slot views (layout.GroupViews) with `kv_indices`; `changes` replace fields

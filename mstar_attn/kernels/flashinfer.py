@@ -205,8 +205,8 @@ class PoolState(PoolStateBase):
         return kept.wrappers if out is None else tuple(out)
 
     def steady(self, step: DeviceStep) -> SteadyTerms | None:
-        """After schedule: the shape's kept wrappers, while no other wrapper plans into the slot (the pool's
-        promise) and each split-KV group's chunk counts hold: its ChunkRanges, over the plan's kv_lens, or for a
+        """After schedule: the shape's kept wrappers (each plans into an int workspace of its own: no other plan
+        overwrites theirs), while each split-KV group's chunk counts hold: its ChunkRanges, over the plan's kv_lens, or for a
         window group over its own lengths, mapped back to the plan's (groups.window_decode_ranges). None for a step
         whose schedule is not kept (XQA, a shape not yet kept) or whose split-KV group keeps its own page list.
         (The pool asks for plain decode steps only: steady.decode_rows.)"""
@@ -252,7 +252,7 @@ class PoolState(PoolStateBase):
             w = self.wrappers.get(("graph",) + key)  # one per key for life: captured graphs point into it
             if w is None:
                 w = self.wrappers[("graph",) + key] = self._graph_wrapper(step, g)
-            w.plan(dg.host_kv_indptr, dg.kv_indices, dg.host_last_page_len, *heads, spec.page_size,
+            w.plan(dg.host_kv_indptr, dg.listed(), dg.host_last_page_len, *heads, spec.page_size,
                    window_left=group.window_left, seq_lens=dg.host_kv_lens, q_len_per_req=step.q_len,
                    **({"disable_split_kv": True} if fix else {}), **self.plan_kwargs)
             if fix and not split_kv(w):  # (the CUDA-core planner ignores the flag: it splits below ~9 CTAs / SM)

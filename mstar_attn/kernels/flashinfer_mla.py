@@ -96,7 +96,7 @@ class PoolState(PoolStateBase):
             w = self.wrappers.get(key)
             if w is None:
                 w = self.wrappers[key] = BatchMLAPagedAttentionWrapper(self.float_ws)
-        meta = MLAPlanMetadata.csr(step.host_qo_indptr, dg.host_kv_indptr, dg.kv_indices, dg.host_kv_lens)
+        meta = MLAPlanMetadata.csr(step.host_qo_indptr, dg.host_kv_indptr, dg.listed(), dg.host_kv_lens)
         w.plan(metadata=meta, causal=bool(causal), **self.plan_kwargs)
         return w
 

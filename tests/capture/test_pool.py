@@ -43,7 +43,7 @@ def test_device_buffers_hold_the_plan_and_padding_reads_the_scratch_page(q, kv):
     bucket = pool.bucket_for(plan)
     assert step.bucket == bucket and step.padded_batch_size == (bucket or B)
     assert np.array_equal(got["qo"][: B + 1], plan.qo_indptr) and np.array_equal(got["slots"][:T], plan.slot_mapping)
-    for (indptr, indices, lpl, lens), gp in zip(got["groups"], plan.groups):
+    for (indptr, indices, lpl, lens), gp, dg in zip(got["groups"], plan.groups, step.groups):
         n = gp.kv_indices.shape[0]
         assert np.array_equal(indptr[: B + 1], gp.kv_indptr) and np.array_equal(indices[:n], gp.kv_indices)
         assert np.array_equal(lpl[:B], gp.kv_last_page_len) and np.array_equal(lens[:B], gp.kv_lens)
@@ -51,6 +51,7 @@ def test_device_buffers_hold_the_plan_and_padding_reads_the_scratch_page(q, kv):
         m = n + pad * -(-step.q_len // 4)  # the step's entries: a bucketed step's view is its whole index region
         assert (indices[n:m] == spec.scratch_page).all() and indptr[step.padded_batch_size] == m
         assert indices.shape[0] == (pool.layout.index_capacity if bucket else m), f"seed {seed}"
+        assert np.array_equal(dg.listed().numpy(), indices[:m]), f"seed {seed}"  # (the step's entries alone)
         assert (lens[B:] == step.q_len).all() and np.array_equal(np.diff(indptr)[B:], [-(-step.q_len // 4)] * pad)
     assert step.padded_num_tokens == (step.padded_batch_size * step.q_len if bucket else T)
     assert (got["slots"][T:] // 4 == spec.scratch_page).all(), f"seed {seed}"

@@ -296,3 +296,33 @@ def test_fp8_kv_eager_and_replayed():
         for r, (rel, abs_err, scale) in enumerate(request_errors(out, want, plan)):
             assert rel <= 3 * u and abs_err <= 9 * u * max(1.0, scale), (f"seed {seed}", i, mode, f"request {r}", rel, abs_err)
     assert replayed >= 4, f"seed {seed}"
+
+
+@pytest.mark.parametrize("heads, q_lens", [((32, 8), (1, 4)), ((8, 8), (1,))], ids=["tensor-cores", "cuda-cores"])
+def test_graph_wrappers_own_workspaces_hold_split_and_unsplit_plans(heads, q_lens):
+    """graph_workspace_bytes at its extremes, on the production path: graph-mode wrappers of buckets 1..256 (each
+    planning into an int workspace of that size, which FlashInfer's planner refuses to pass: it raises) commit steps
+    of 2-token contexts and of 50k-token ones (split-KV wherever the batch leaves the GPU idle), at each q_len:
+    every plan fits, some plans split KV, and no two wrappers share a byte of workspace."""
+    from mstar_attn.kernels._flashinfer_fast import graph_workspace_bytes, split_kv
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(*heads, 128, 16, 256 * 3200)  # (planning only: no cache, no kernel runs)
+    buckets = (1, 2, 8, 64, 256)
+    pool = gpu_pool(spec, buckets=buckets, max_pages_per_request=3200)
+    sched, kinds = pool.backend_state("flashinfer"), set()
+    for B in buckets:
+        for q_len in q_lens:
+            for kv in (q_len + 1, 50000):
+                pages = rng.permutation(spec.num_pages)[: B * -(-kv // 16)].astype(np.int32)
+                batch = StepBatch.from_csr([q_len] * B, [kv] * B, np.arange(B + 1, dtype=np.int32) * -(-kv // 16), pages, 16)
+                for _ in range(pool.num_slots):
+                    step = pool.commit(build_plan(batch, spec))
+                    w = step.scheduled[0]
+                    assert w._int_workspace_buffer.numel() == graph_workspace_bytes(B, q_len, spec.gqa_group, heads[1], sched.sms)
+                    kinds.add(split_kv(w))
+    assert True in kinds, f"seed {seed}: no plan split KV"  # (the largest grid: what the bound is for)
+    spans = sorted((w._int_workspace_buffer.data_ptr(), w._int_workspace_buffer.data_ptr() + w._int_workspace_buffer.numel())
+                   for key, w in sched.wrappers.items() if key[0] == "graph")
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"seed {seed}"

@@ -222,7 +222,8 @@ def test_block_table_too_narrow_is_a_page_error():
 def _own_lists(rng, spec, kv: np.ndarray, kind: str) -> dict:
     """Own lists (from a random first page up to the window's first read page) for the spec's own-list groups, broken
     (or not) by `kind`: own_short (a request's list a page short), own_first (a list starting past the first page the
-    window reads), own_outside (a page id past the cache), own_written (another request lists a written page)."""
+    window reads), own_outside (a page id past the cache), own_written (another request lists a written page),
+    own_spare (a page past what the step reads: valid)."""
     from mstar_attn.metadata.groups import first_read_page
 
     ps, B, out = spec.page_size, kv.shape[0], {}
@@ -242,6 +243,8 @@ def _own_lists(rng, spec, kv: np.ndarray, kind: str) -> dict:
             first[i] = start[i] + 1
         elif kind == "own_outside" and len(lists[i]):
             lists[i][int(rng.integers(len(lists[i])))] = spec.num_pages
+        elif kind == "own_spare":  # a page past what the step reads (the gather, from the first page on)
+            lists[i] = np.concatenate([lists[i], ids[-1:]])
         elif kind == "own_written" and B > 1 and len(lists[i]):
             j = (i + 1) % B
             if len(lists[j]):
@@ -301,7 +304,7 @@ def test_the_listed_decode_path_is_the_general_plan():
     from mstar_attn.metadata import plan as P
 
     kinds = ("valid", "valid", "spare", "q2", "kv0", "outside", "short", "shared_written", "past_int32", "wrapped",
-             "block_table", "own_list", "csr_extra", "own_missing", "own_short", "own_first", "own_outside", "own_written")
+             "block_table", "own_list", "csr_extra", "own_missing", "own_short", "own_first", "own_outside", "own_written", "own_spare")
     served = own_served = 0
     for _ in range(300):
         seed = fresh_seed()
@@ -334,6 +337,11 @@ def test_the_listed_decode_path_is_the_general_plan():
                          "positions"):
                 a, b = getattr(fast, name), getattr(general, name)
                 assert a.dtype == b.dtype and not a.flags.writeable, f"{where}: {name} {a.dtype} vs {b.dtype}"
+            for g, (fg, gg) in enumerate(zip(fast.groups, general.groups)):  # (own lists' arrays: the batch's or gathered)
+                for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens", "kv_start", "slot_mapping"):
+                    a, b = getattr(fg, name), getattr(gg, name)
+                    assert (a is None) == (b is None), f"{where}: group {g} {name}"
+                    assert a is None or (a.dtype == b.dtype and not a.flags.writeable), f"{where}: group {g} {name}"
             exact = np.array_equal(np.diff(step.page_indptr), -(-step.kv_lens // ps))
             taken = P._plan_batch_decode(step, spec, check) is not None
             assert taken == (exact and (step.q_lens == 1).all() and step.block_table is None and not spec.has_cross), where
