@@ -224,22 +224,28 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     read_only(kv_indices, slot_mapping)
     step = StepArrays(mode=mode, q=q, kv=kv, num_tokens=T, q_max=q_max, qo_indptr=qo_indptr, positions=positions, need=need,
                       kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last_page_len, slot_mapping=slot_mapping)
-    own = {g: cross_rows_plan(g, pages, spec, q.shape[0]) if isinstance(pages, CrossRows)
-           else cross_plan(g, pages, spec, q.shape[0], page_limit, check_ownership) if spec.groups[g].cross
-           else own_plan(g, pages, spec, step, page_limit, check_ownership)
-           for g, pages in _own_lists(batch, spec)}
+    own = _group_lists(batch, spec, step, page_limit, check_ownership)
     return _finish(spec, step, block_table=batch.block_table, backend=backend, own=own, cascade=cascade)
+
+
+def _group_lists(batch: StepBatch, spec: AttentionSpec, step: StepArrays, page_limit: int, check_ownership: bool) -> dict:
+    """The GroupPlans of the groups with lists of their own (cross-table rows, cross pages, own pages), checked."""
+    B = step.q.shape[0]
+    return {g: cross_rows_plan(g, pages, spec, B) if isinstance(pages, CrossRows)
+            else cross_plan(g, pages, spec, B, page_limit, check_ownership) if spec.groups[g].cross
+            else own_plan(g, pages, spec, step, page_limit, check_ownership)
+            for g, pages in _own_lists(batch, spec)}
 
 
 def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) -> AttentionPlan | None:
     """_plan for a decode step (every q_len 1) whose requests list exactly the pages their lengths need on the
-    shared list (own lists of groups that keep them, as _plan checks them; no cross groups, no block table, cascade
-    off): the same checks and the same plan in fewer numpy calls (the per-step path of an engine that lists pages).
+    shared list (the lists of groups that keep their own, cross groups' included, as _plan checks them; no block
+    table, cascade off): the same checks and the same plan in fewer numpy calls (the per-step path of an engine that lists pages).
     None for any other step, and for one that fails a check of the batch: _plan then names what is wrong, so both
     paths raise the same errors (the backend's check, resolve_backend, raises its own PlanError here, as in _plan)."""
     q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
     ps, B, n = spec.page_size, kv.shape[0], idx.shape[0]
-    if spec.has_cross or batch.block_table is not None or spec.cascade_groups or batch.page_size != ps \
+    if batch.block_table is not None or spec.cascade_groups or batch.page_size != ps \
             or q.shape[0] != B or indptr.shape[0] != B + 1 or not 0 < B < ARANGE.shape[0]:
         return None
     if B <= SHORT:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
@@ -265,9 +271,9 @@ def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
     read_only(listed, slot_mapping)
     step.kv_indptr, step.kv_indices, step.slot_mapping = indptr, listed, slot_mapping  # (the batch's own, as in _plan)
     own = None
-    if batch.group_pages or spec.own_page_groups:  # (the window groups' own lists: _plan's checks, on these arrays)
+    if batch.group_pages or spec.own_page_groups:  # (the groups' own lists: _plan's checks, on these arrays)
         try:
-            own = {g: own_plan(g, pages, spec, step, spec.num_pages, check_ownership) for g, pages in _own_lists(batch, spec)}
+            own = _group_lists(batch, spec, step, spec.num_pages, check_ownership)
         except PlanError:
             return None
     plan = AttentionPlan.listed_decode(spec, step, groups_of(spec, step, own), resolve_backend(spec, Mode.DECODE, B, B, 1, hi))

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mstar_attn import GroupPages, LayerGroup, Mode, PlanError, StepBatch, build_plan
+from mstar_attn import CrossRows, GroupPages, LayerGroup, Mode, PlanError, StepBatch, build_plan
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, scratch_plan
 from tests.helpers import draw_lengths, fresh_seed, random_batch, random_pages, spec_for
 
@@ -250,6 +250,24 @@ def _own_lists(rng, spec, kv: np.ndarray, kind: str) -> dict:
             if len(lists[j]):
                 lists[j][int(rng.integers(len(lists[j])))] = lists[i][-1]
         out[g] = GroupPages.from_pages(first, lists)
+    for g, group in enumerate(spec.groups):  # cross groups: encoder pages listed, or cross-table rows
+        if not group.cross:
+            continue
+        enc = rng.integers(1, 5 * ps, B).astype(np.int32)
+        write = rng.integers(0, 2, B).astype(bool)
+        i = int(rng.integers(B))
+        if kind == "cross_empty":
+            enc[i] = 0
+        if rng.integers(2):
+            rows = rng.permutation(4 * B).astype(np.int32)[:B]
+            if kind == "cross_row":
+                rows[i] = -1
+            out[g] = CrossRows.of(rows, enc, write)
+        else:
+            lists = random_pages(rng, enc, ps, spec.num_pages)
+            if kind == "cross_row" and len(lists[i]):  # (listed pages: one page short instead)
+                lists[i] = lists[i][:-1]
+            out[g] = GroupPages.cross(lists, enc, write)
     return out
 
 
@@ -304,16 +322,17 @@ def test_the_listed_decode_path_is_the_general_plan():
     from mstar_attn.metadata import plan as P
 
     kinds = ("valid", "valid", "spare", "q2", "kv0", "outside", "short", "shared_written", "past_int32", "wrapped",
-             "block_table", "own_list", "csr_extra", "own_missing", "own_short", "own_first", "own_outside", "own_written", "own_spare")
-    served = own_served = 0
-    for _ in range(300):
+             "block_table", "own_list", "csr_extra", "own_missing", "own_short", "own_first", "own_outside", "own_written", "own_spare", "cross_empty",
+             "cross_row")
+    served = own_served = cross_served = 0
+    for _ in range(400):
         seed = fresh_seed()
         rng = np.random.default_rng(seed)
         ps = int(rng.choice([1, 4, 16]))
         window = int(rng.integers(1, 40))
         groups = [(LayerGroup(),), (LayerGroup(), LayerGroup("window", window=window)), (LayerGroup("noncausal"),),
                   (LayerGroup(), LayerGroup("window", window=window, own_pages=True)),  # (an own list: _own_lists)
-                  (LayerGroup(), LayerGroup("cross"))][int(rng.choice(5, p=[0.25, 0.2, 0.15, 0.3, 0.1]))]
+                  (LayerGroup(), LayerGroup("cross"))][int(rng.choice(5, p=[0.2, 0.15, 0.15, 0.25, 0.25]))]
         B = int(rng.choice([1, 2, 7, 32, 33, 64, 300]))
         spec = spec_for(page_size=ps, num_pages=B * 7 + 16, groups=groups)
         kind = kinds[int(rng.integers(len(kinds)))]
@@ -344,10 +363,11 @@ def test_the_listed_decode_path_is_the_general_plan():
                     assert a is None or (a.dtype == b.dtype and not a.flags.writeable), f"{where}: group {g} {name}"
             exact = np.array_equal(np.diff(step.page_indptr), -(-step.kv_lens // ps))
             taken = P._plan_batch_decode(step, spec, check) is not None
-            assert taken == (exact and (step.q_lens == 1).all() and step.block_table is None and not spec.has_cross), where
+            assert taken == (exact and (step.q_lens == 1).all() and step.block_table is None), where
             served += taken
-            own_served += taken and bool(spec.own_page_groups)
-    assert served > 50 and own_served > 10, (served, own_served)
+            own_served += taken and bool(spec.own_page_groups) and not spec.has_cross
+            cross_served += taken and spec.has_cross
+    assert served > 50 and own_served > 10 and cross_served > 5, (served, own_served, cross_served)
 
 
 def test_the_ownership_scan_is_the_same_on_both_sides_of_its_short_path(monkeypatch):
