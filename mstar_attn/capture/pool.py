@@ -207,7 +207,8 @@ class GraphBufferPool(SizedBounds):
         if plan.rows is None:
             ranges = stage_pages(h, plan, offsets, rows, q_len, num_rows, self.scratch_slots)
             left = 0 if xg is None else cross.stage(h, plan, xg, offsets, rows, x_slots, updates, table)
-            rounds.stage(h, plans, offsets, self.scratch_slots)  # (a round's later steps: their own arrays)
+            if K > 1:  # a round's later steps: their own arrays
+                rounds.stage(h, plans, offsets, self.scratch_slots)
         else:
             left = stage_rows(h, plan, offsets, slots, updates, self.table, self.scratch_slots)
             ps, pad = self.spec.page_size, rows - B
@@ -226,7 +227,8 @@ class GraphBufferPool(SizedBounds):
                 steps = tuple(DeviceStep.made(p, sh, self.generations[s], self.slots, side) for p, sh in zip(plans, shapes))
                 if plan.rows is None:
                     copies = copy_ranges(offsets, ranges, plan)
-                    copies[0] = (min(copies[0][0], rounds.first_copy(offsets, K)), copies[0][1])
+                    if K > 1:
+                        copies[0] = (min(copies[0][0], rounds.first_copy(offsets, K)), copies[0][1])
                     for a, b in copies:
                         self.upload(dev[a:b], host[a:b])
                     if xg is not None:  # the table updates past the step's region, then one graph per bucket
