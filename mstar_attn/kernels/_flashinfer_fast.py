@@ -92,6 +92,13 @@ def split_kv(wrapper) -> bool:
     return bool(last)
 
 
+def padded_batch(wrapper) -> int:
+    """The CTAs the wrapper's last plan launches (padded_batch_size, index 0 of DecodePlanInfo and PrefillPlanInfo):
+    what graph_workspace_bytes bounds (tests/kernels/test_flashinfer.py holds every plan to it)."""
+    split_kv(wrapper)  # (raises unless _plan_info is a plan info this module reads)
+    return int(wrapper._plan_info[0])
+
+
 class FastDecodePlan:
     """The frozen planner call of one graph-mode BatchDecodeWithPagedKVCacheWrapper.
 

@@ -303,8 +303,9 @@ def test_graph_wrappers_own_workspaces_hold_split_and_unsplit_plans(heads, q_len
     """graph_workspace_bytes at its extremes, on the production path: graph-mode wrappers of buckets 1..256 (each
     planning into an int workspace of that size, which FlashInfer's planner refuses to pass: it raises) commit steps
     of 2-token contexts and of 50k-token ones (split-KV wherever the batch leaves the GPU idle), at each q_len:
-    every plan fits, some plans split KV, and no two wrappers share a byte of workspace."""
-    from mstar_attn.kernels._flashinfer_fast import graph_workspace_bytes, split_kv
+    every plan fits, its padded CTA count stays under the bound's premise, some plans split KV, and no two wrappers
+    share a byte of workspace."""
+    from mstar_attn.kernels._flashinfer_fast import MAX_CTAS_PER_SM, graph_workspace_bytes, padded_batch, split_kv
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -321,6 +322,8 @@ def test_graph_wrappers_own_workspaces_hold_split_and_unsplit_plans(heads, q_len
                     step = pool.commit(build_plan(batch, spec))
                     w = step.scheduled[0]
                     assert w._int_workspace_buffer.numel() == graph_workspace_bytes(B, q_len, spec.gqa_group, heads[1], sched.sms)
+                    bound = max(B * (q_len * spec.gqa_group + 1), MAX_CTAS_PER_SM * sched.sms // heads[1])
+                    assert padded_batch(w) <= bound, (f"seed {seed}", B, q_len, kv, padded_batch(w), bound)  # (the bound's premise)
                     kinds.add(split_kv(w))
     assert True in kinds, f"seed {seed}: no plan split KV"  # (the largest grid: what the bound is for)
     spans = sorted((w._int_workspace_buffer.data_ptr(), w._int_workspace_buffer.data_ptr() + w._int_workspace_buffer.numel())

@@ -55,3 +55,54 @@ def test_a_step_walking_one_token_at_a_time_keeps_the_plan_until_a_count_moves()
         kept.append(r.holds(kv))
     # request 0 crosses 64 at its 5th step: counts move from then on
     assert kept == [True] * 4 + [False] * 6
+
+
+def _aligned_end(allocs) -> int:
+    """FlashInfer's AlignedAllocator over (bytes, alignment) allocations from an aligned base: the bytes it spans."""
+    end = 0
+    for size, align in allocs:
+        end = -(-end // align) * align + size
+    return end
+
+
+def decode_plan_bytes(rows: int, kv_heads: int, blocks_per_sm: int, sms: int) -> int:
+    """DecodePlan's int workspace under CUDA graphs (scheduler.cuh, written out): split-KV iff the batch leaves the
+    grid idle (rows x gdy < blocks per SM x SMs, gdy = KV heads: graphs keep the split then), padded batch the grid
+    per KV head if split, else the batch; three int32 lists, o_indptr, the chunk size word, the mask if split."""
+    grid = blocks_per_sm * sms
+    split = rows * kv_heads < grid
+    P = grid // kv_heads if split else rows
+    return _aligned_end([(4 * P, 16), (4 * P, 16), (4 * (P + 1), 16), (4, 1)] + ([(P, 16)] if split else []))
+
+
+def prefill_plan_bytes(rows: int, q_len: int, gqa: int, kv_heads: int, sms: int, cta_tile_q: int, uniform: bool,
+                       split: bool) -> int:
+    """PrefillPlan's int workspace under CUDA graphs (scheduler.cuh, written out): padded batch max(2 x SMs / KV heads,
+    the query tiles); three int32 lists, o_indptr [rows + 1], the chunk size word, total_num_rows, merge_indptr
+    [rows x q_len + 1] if split, the mask."""
+    total_rows = rows * q_len
+    tiles = rows * -(-(q_len * gqa) // cta_tile_q) if uniform else -(-(total_rows * gqa) // cta_tile_q) + rows - 1
+    P = max(2 * sms // kv_heads, tiles)
+    allocs = [(4 * P, 16), (4 * P, 16), (4 * P, 16), (4 * (rows + 1), 16), (4, 1), (4, 16)]
+    return _aligned_end(allocs + ([(4 * (total_rows + 1), 16)] if split else []) + [(P, 16)])
+
+
+def test_graph_workspaces_hold_what_flashinfers_planners_allocate():
+    """graph_workspace_bytes against FlashInfer's planners' int allocations (written out above from scheduler.cuh)
+    over rows 1..512, q_len 1..16, GQA 1..16, 1..64 KV heads, 16..200 SMs, 1..32 blocks per SM, every query tile
+    size, split or not: never short (and so FlashInfer's planner never refuses a graph wrapper's plan)."""
+    from mstar_attn.kernels._flashinfer_fast import graph_workspace_bytes
+
+    worst = 0.0
+    for rows in (1, 2, 3, 8, 33, 64, 128, 256, 512):
+        for q_len in (1, 2, 4, 7, 16):
+            for gqa in (1, 2, 4, 8, 16):
+                for kv_heads in (1, 2, 8, 64):
+                    for sms in (16, 132, 200):
+                        have = graph_workspace_bytes(rows, q_len, gqa, kv_heads, sms)
+                        need = max([decode_plan_bytes(rows, kv_heads, b, sms) for b in (1, 2, 8, 32)] if q_len == 1 else [0])
+                        need = max(need, *(prefill_plan_bytes(rows, q_len, gqa, kv_heads, sms, t, u, s)
+                                           for t in (16, 64, 128) for u in (False, True) for s in (False, True)))
+                        assert need <= have, (rows, q_len, gqa, kv_heads, sms, need, have)
+                        worst = max(worst, need / have)
+    assert worst > 0.25, worst  # (the bound is not vacuously loose: some shape needs a good part of it)
