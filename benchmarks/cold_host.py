@@ -6,18 +6,11 @@ FlashInfer layer). A diagnosis aid, no targets. Run on the GPU: python -m benchm
 """
 import time, statistics
 import numpy as np, torch
-from mstar_attn import AttentionSpec, PoolLimits, build_plan, PagedKVCache
-from mstar_attn.capture.pool import GraphBufferPool
-from mstar_attn.capture.graphs import DecodeGraphs
-from mstar_attn.kernels import flashinfer as fi
+from mstar_attn import build_plan
 from mstar_attn.metadata.batch import StepBatch
-B, ps = 4, 4
-spec = AttentionSpec(8, 2, 64, ps, 4000)
-cache = PagedKVCache.allocate(spec, "cuda")
-pool = GraphBufferPool(spec, PoolLimits(max_batch_size=8, max_num_tokens=256, max_num_pages=4000), device="cuda")
-static = {"q": torch.zeros(8, 8, 64, device="cuda", dtype=torch.bfloat16)}
-graphs = DecodeGraphs(pool, lambda s, x: fi.run(s, x["q"], cache) if s.mark_stored(cache) is None else None, static)
-graphs.capture()
+from benchmarks.demo_shape import B, PS, decode_pool
+B, ps = B, PS
+spec, cache, pool, graphs = decode_pool()
 rng = np.random.default_rng(0)
 kv = rng.integers(20, 40, B).astype(np.int32)
 perm = rng.permutation(4000).astype(np.int32)
