@@ -183,6 +183,12 @@ def marked(step, *caches):
     return step
 
 
+def disjoint(tensors) -> bool:
+    """Whether no two of `tensors` share a byte of memory (their [data_ptr, data_ptr + bytes) ranges)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
 def attend_filled(run, cache, group: int | None = None):
     """fn(step, x) -> run(step, x["q"], cache, group) for DecodeGraphs over a cache filled by hand (or
     stored into outside the graph): the step marked stored first (marked), capture's scratch steps too."""

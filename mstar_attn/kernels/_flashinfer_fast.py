@@ -16,8 +16,7 @@ reset_workspace_buffer() takes the float and int workspaces but always allocates
 pinned mirror of the int one; the wrappers one pool slot and layer group plans at every commit share
 one int workspace (one step per slot at a time, and a slot is replanned only once its last copies
 ran), so they share one mirror too. A graph-mode decode wrapper keeps its plan across commits, so it
-gets an int workspace of its own, sized by `graph_workspace_bytes` from the planners' layout (below);
-`fixed_workspace_bytes` sizes one for a plan that never splits KV.
+gets an int workspace of its own, sized by `graph_workspace_bytes` from the planners' layout (below).
 
 tests/kernels/test_flashinfer.py::test_fast_replan_matches_public_plan compares this path with
 public plan() (plan info, the int workspace it writes, and the attention output), and
@@ -33,29 +32,22 @@ import torch
 from mstar_attn.metadata._arrays import Ranges
 
 VERSIONS = ("0.7.2", "0.7.2.post1")  # the FlashInfer releases whose internals this module reads
-FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace of a plan without split-KV; see fixed_workspace_bytes
+FIXED_WORKSPACE_BYTES = 64 << 10  # the least int workspace a graph-mode wrapper gets (graph_workspace_bytes)
 MAX_CTAS_PER_SM = 32  # the most thread blocks an SM holds (sm_80 to sm_100): a bound on a split-KV grid per SM
 
 
-def fixed_workspace_bytes(rows: int, q_len: int, gqa: int) -> int:
-    """The int workspace of a graph-mode plan without split-KV: FlashInfer's tensor-core planner
-    writes three int32 work lists and a byte mask of padded_batch_size <= rows * (q_len * gqa + 1)
-    CTAs, o_indptr [rows + 1] and a few words (16-byte aligned); twice that, and at least 64 KiB."""
-    need = 2 * (13 * rows * (q_len * gqa + 1) + 4 * rows + 256)
-    return max(FIXED_WORKSPACE_BYTES, -(-need // 4096) * 4096)
-
-
-def graph_workspace_bytes(rows: int, q_len: int, gqa: int, num_kv_heads: int, num_sms: int) -> int:
-    """The int workspace of a graph-mode decode wrapper's plans, split-KV or not, at `rows` padded requests of
-    q_len tokens. Both planners (CUDA-core decode: DecodePlan; tensor cores: PrefillPlan) lay out at most three
-    int32 work lists and a byte mask over padded_batch_size CTAs, o_indptr and merge_indptr (at most
-    max(CTAs, rows * q_len) + 1 int32 each) and two words, each 16-byte aligned. Under CUDA graphs
-    padded_batch_size is the split grid per KV head (blocks per SM x SMs / num_kv_heads: at most MAX_CTAS_PER_SM
-    blocks per SM; the tensor-core planner takes 2) or the unsplit tiles (at most rows * (q_len * gqa + 1)),
-    whatever the lengths: the same for every plan of the wrapper. Twice that, in 4 KiB pages, at least 64 KiB.
-    (Too small would make FlashInfer's planner raise, never write past it.)"""
-    ctas = max(rows * (q_len * gqa + 1), MAX_CTAS_PER_SM * num_sms // num_kv_heads)
-    need = 13 * ctas + 8 * (max(ctas, rows * q_len) + 1) + 8 + 7 * 16
+def graph_workspace_bytes(rows: int, q_len: int, gqa: int, num_kv_heads: int, num_sms: int, split: bool = True) -> int:
+    """The int workspace of a graph-mode wrapper's plans at `rows` padded requests of q_len tokens: split-KV or not,
+    or with `split` False never split (disable_split_kv on a planner that honours it). Both planners (CUDA-core
+    decode: DecodePlan; tensor cores, ragged prefill: PrefillPlan) lay out at most three int32 work lists and a
+    byte mask over padded_batch_size CTAs, o_indptr (and, split, merge_indptr: at most max(CTAs, rows * q_len) + 1
+    int32 each; unsplit, o_indptr [rows + 1] alone) and two words, each 16-byte aligned. Under CUDA graphs
+    padded_batch_size is at most the larger of the grid per KV head (blocks per SM x SMs / num_kv_heads: at most
+    MAX_CTAS_PER_SM blocks per SM split; the tensor-core planner's 2 also unsplit) and the unsplit tiles (at most
+    rows * (q_len * gqa + 1)), whatever the lengths: the same for every plan of the wrapper. Twice that, in 4 KiB
+    pages, at least 64 KiB. (Too small would make FlashInfer's planner raise, never write past it.)"""
+    ctas = max(rows * (q_len * gqa + 1), (MAX_CTAS_PER_SM if split else 2) * num_sms // num_kv_heads)
+    need = 13 * ctas + (8 * (max(ctas, rows * q_len) + 1) if split else 4 * (rows + 1)) + 8 + 7 * 16
     return max(FIXED_WORKSPACE_BYTES, -(-2 * need // 4096) * 4096)
 
 

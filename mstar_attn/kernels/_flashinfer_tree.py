@@ -50,7 +50,7 @@ import torch
 
 from mstar_attn.kernels import _tree_mask
 from mstar_attn.kernels._common import with_sinks
-from mstar_attn.kernels._flashinfer_fast import fixed_workspace_bytes, share_workspace
+from mstar_attn.kernels._flashinfer_fast import graph_workspace_bytes, share_workspace
 from mstar_attn.metadata.tree import MAX_TREE_NODES
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def _aligned(n: int) -> int:
 class TreeState:
     """Tree steps' buffers of one pool's FlashInfer PoolState (`state`). Per slot: the ancestor sets, pinned
     [max tokens] int64 and on the device; the mask kernel's arrays (qo_indptr, q_lens, mask offsets) int32
-    [3 x max batch + 12] pinned and on the device; the tree part's int workspace (fixed_workspace_bytes) and its
+    [3 x max batch + 12] pinned and on the device; the tree part's int workspace (graph_workspace_bytes, never split) and its
     pinned mirror; made at its first bucketed step, the mask buffer uint8 [max batch x max_verify_q_len^2 +
     TAIL] and its offsets int32 [max batch + 1]. Per (slot, group): the prefix pass's arrays (PrefixRequests of
     2 x max batch requests), int32 pinned, and three of them on the device (graph-mode prefixes read them)."""
@@ -144,7 +144,8 @@ class TreeState:
                             for _ in range(S)]
         self.prefix_dev = [[torch.zeros(3 * _aligned(2 * B + 1), dtype=torch.int32, device=dev) for _ in range(G)]
                            for _ in range(S)]
-        m = fixed_workspace_bytes(B, MAX_TREE_NODES, pool.spec.gqa_group)  # (the tree part plans without split-KV)
+        spec = pool.spec  # (the tree part plans without split-KV)
+        m = graph_workspace_bytes(B, MAX_TREE_NODES, spec.gqa_group, spec.num_kv_heads, state.sms, split=False)
         self.side = torch.cuda.Stream(dev)
         self.float_ws = torch.zeros(TREE_FLOAT_BYTES, dtype=torch.uint8, device=dev)  # (the side stream's: see above)
         self.int_ws = [torch.zeros(m, dtype=torch.uint8, device=dev) for _ in range(S)]

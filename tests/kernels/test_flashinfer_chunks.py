@@ -90,7 +90,8 @@ def prefill_plan_bytes(rows: int, q_len: int, gqa: int, kv_heads: int, sms: int,
 def test_graph_workspaces_hold_what_flashinfers_planners_allocate():
     """graph_workspace_bytes against FlashInfer's planners' int allocations (written out above from scheduler.cuh)
     over rows 1..512, q_len 1..16, GQA 1..16, 1..64 KV heads, 16..200 SMs, 1..32 blocks per SM, every query tile
-    size, split or not: never short (and so FlashInfer's planner never refuses a graph wrapper's plan)."""
+    size, split or not: never short (and so FlashInfer's planner never refuses a graph wrapper's plan); with
+    split=False, never short of the unsplit prefill planner's (the tree part's ragged wrapper)."""
     from mstar_attn.kernels._flashinfer_fast import graph_workspace_bytes
 
     worst = 0.0
@@ -105,4 +106,8 @@ def test_graph_workspaces_hold_what_flashinfers_planners_allocate():
                                            for t in (16, 64, 128) for u in (False, True) for s in (False, True)))
                         assert need <= have, (rows, q_len, gqa, kv_heads, sms, need, have)
                         worst = max(worst, need / have)
+                        unsplit = max(prefill_plan_bytes(rows, q_len, gqa, kv_heads, sms, t, u, False)
+                                      for t in (16, 64, 128) for u in (False, True))  # (disable_split_kv: the tree part)
+                        assert unsplit <= graph_workspace_bytes(rows, q_len, gqa, kv_heads, sms, split=False), \
+                            (rows, q_len, gqa, kv_heads, sms, unsplit)
     assert worst > 0.25, worst  # (the bound is not vacuously loose: some shape needs a good part of it)
