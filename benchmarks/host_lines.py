@@ -4,6 +4,8 @@ Per B = 1, 8, 64: the part (a) engine of host_step (pages given up front, a one-
 untimed after each step), its steps run under line_profiler over the functions of the per-step path.
 line_profiler is not a dependency: the device carries it (PYTHONPATH). Totals include the profiler's
 own cost per line (~0.1-0.3 µs); read the shares, not the absolute µs.
+With --lists: the StepBatch path instead (host_step's ListEngine over the same requests: StepBatch.from_csr +
+build_plan + commit, its step run by the decode graph; writes host_lines_lists_h100.txt).
 With --demo MODEL: the demo (python -m mstar_attn demo --model MODEL) under line_profiler over its commit and
 build_plan paths instead (writes host_lines_demo_MODEL_h100.txt).
 Run on the GPU: python -m benchmarks.host_lines OUT_DIR [--demo MODEL]   (writes host_lines_h100.txt)
@@ -19,7 +21,7 @@ from line_profiler import LineProfiler
 
 from benchmarks import cases
 from benchmarks.host_step import PS, Engine, one_layer, table_pool
-from mstar_attn import AttentionSpec, PagedKVCache
+from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits
 from mstar_attn.capture import checks, graph_cache, lease, pool, stage, steady, table
 from mstar_attn.kernels import _flashinfer_fast, flashinfer as fi
 from mstar_attn.metadata import _arrays, batch, plan, record
@@ -33,6 +35,17 @@ def functions() -> list:
             lease.SlotLeases.record, lease.CurrentStream.__call__, graph_cache.CommitGraphs.defer, F.schedule, F._kept,
             _arrays.Ranges.holds, _flashinfer_fast.FastDecodePlan.holds, batch.StepRows.decode, plan.build_plan,
             plan._plan_rows_decode, record.AttentionPlan.rows_decode]
+
+
+def list_functions() -> list:
+    """The functions a StepBatch decode step runs (bucketed pool, exact page lists)."""
+    from mstar_attn.metadata import pages
+    P, F = pool.GraphBufferPool, fi.PoolState
+    return [P.commit, P._commit_staged, P.free_slot, P.views_of, checks.validate, stage.stage_pages, stage.stage_requests,
+            stage.copy_ranges, lease.SlotLeases.free, lease.SlotLeases.record, F.schedule, F._kept,
+            _flashinfer_fast.FastDecodePlan.holds, batch.StepBatch.from_csr, plan.build_plan, plan._plan_batch_decode,
+            plan._decode_slots, record.decode_arrays, record.AttentionPlan.listed_decode, record.groups_of,
+            pages.scan_ownership, pages.written_hits]
 
 
 def demo_functions() -> list:
@@ -60,26 +73,34 @@ def demo(out_dir: str, model: str) -> None:
     open(f"{out_dir}/host_lines_demo_{model}_h100.txt", "w").write(text.getvalue())
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, lists: bool = False) -> None:
     spec = AttentionSpec(32, 8, 128, PS, cases.NUM_PAGES)
     cache = PagedKVCache.allocate(spec, "cuda")
     text = io.StringIO()
     for B in (1, 8, 64, 256):
         p = table_pool(spec, buckets=(batch.bucket_of(B),))
         eng = Engine(p, B, 2048, seed=B, room=1500)
+        if lists:  # the same requests listing their pages, on a bucketed pool without a table
+            listing, p = eng.lists(), pool.GraphBufferPool(spec, PoolLimits(
+                max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages, buckets=(batch.bucket_of(B),)))
         graphs = one_layer(p, cache)
         q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
 
         def step():
             if eng.kv[0] > eng.start[0] + 1200:  # (the pages given up front hold 1,500 more tokens)
                 eng.kv[:] = eng.start
-            return eng.step_only()
+            if not lists:
+                return eng.step_only()
+            eng.kv += 1
+            listing.kv[:] = eng.kv
+            listing.list_pages()  # (the engine's own bookkeeping: inside the profiled step, outside the listed functions)
+            return listing.commit_only(p)
 
         for _ in range(50):
             graphs(step(), q=q)
         torch.cuda.synchronize()
         lp = LineProfiler()
-        for f in functions():
+        for f in (list_functions() if lists else functions()):
             lp.add_function(f)
         timed = lp(step)
         for _ in range(2000):
@@ -87,7 +108,7 @@ def main(out_dir: str) -> None:
             torch.cuda.synchronize()
         print(f"===== B={B}", file=text)
         lp.print_stats(stream=text, output_unit=1e-6, stripzeros=True)
-    open(f"{out_dir}/host_lines_h100.txt", "w").write(text.getvalue())
+    open(f"{out_dir}/host_lines{'_lists' if lists else ''}_h100.txt", "w").write(text.getvalue())
     print(text.getvalue()[:6000])
 
 
@@ -95,4 +116,4 @@ if __name__ == "__main__":
     if "--demo" in sys.argv:
         demo(sys.argv[1], sys.argv[sys.argv.index("--demo") + 1])
     else:
-        main(sys.argv[1] if len(sys.argv) > 1 else ".")
+        main(sys.argv[1] if len(sys.argv) > 1 else ".", "--lists" in sys.argv)

@@ -5,7 +5,11 @@
     StepRows step / plan()): FlashInfer's own plan(); the StepRows path (StepRows.decode +
     build_plan + commit(defer=True), the pages already in the table: `rows_step`), the same with the
     engine's table.append for the requests starting a page (`rows_step_append`), the same committed
-    without defer (the commit launches its own device graph: `rows_step_no_defer`), the StepBatch path;
+    without defer (the commit launches its own device graph: `rows_step_no_defer`), the StepBatch path
+    on the same kind of pool (bucketed, its step run by a decode graph: StepBatch.from_csr of the exact page lists +
+    build_plan + commit: `batch_step`; the lists change as pages fill, untimed, as the engine keeps them), and the
+    StepBatch path committed eagerly on an unbucketed pool (`batch_step_eager`: its FlashInfer wrapper plans every
+    step, so it pays plan() itself);
     host-to-device bytes per step. Every StepRows step is then run by a one-layer decode graph and
     the GPU drained, untimed (a deferred commit's device work runs inside that graph); the engine's
     own update of its lengths follows, untimed, as plan()'s arguments are made outside its arm.
@@ -88,9 +92,40 @@ class Engine:
             self.table.append(rows, [self.free.pop() for _ in range(rows.shape[0])])
         return self.pool.commit(build_plan(StepRows.decode(self.rows, self.kv), self.pool.spec), defer=self.defer)
 
+    def lists(self) -> ListEngine:
+        """An engine over the same requests (lengths and each row's pages) that lists its pages per step."""
+        held = [self.table.pages(int(r)) for r in self.rows]
+        pages = np.full((len(held), max(p.shape[0] for p in held)), -1, np.int32)  # (-1: past a row's pages, never listed)
+        for i, p in enumerate(held):
+            pages[i, : p.shape[0]] = p
+        return ListEngine(pages, self.kv)
+
     def csr(self):
         pages = [self.table.pages(int(r))[: -(-int(k) // PS)] for r, k in zip(self.rows, self.kv)]
         return StepBatch.from_pages(np.ones(len(pages), np.int32), self.kv, pages, PS)
+
+
+class ListEngine:
+    """A decode batch that keeps each request's pages itself and lists them per step (StepBatch.from_csr): the
+    pages each length uses, exactly. pages [B, P] int32 (room for the walk), kv [B] the next step's lengths."""
+
+    def __init__(self, pages: np.ndarray, kv: np.ndarray):
+        self.pages, self.kv, self.ones = pages, kv.copy(), np.ones(kv.shape[0], np.int32)
+        self.list_pages()
+
+    def advance(self) -> None:
+        """The next step's lengths and page lists (the engine's own bookkeeping, untimed)."""
+        self.kv += 1
+        self.list_pages()
+
+    def list_pages(self) -> None:
+        used = -(-self.kv // PS)
+        self.indptr = np.zeros(self.kv.shape[0] + 1, np.int32)
+        np.cumsum(used, out=self.indptr[1:])
+        self.indices = self.pages[np.arange(self.pages.shape[1]) < used[:, None]]
+
+    def commit_only(self, pool):
+        return pool.commit(build_plan(StepBatch.from_csr(self.ones, self.kv, self.indptr, self.indices, PS), pool.spec))
 
 
 def host_us(fn, n=400, warmup=40, sync_every=50, after=None) -> list[float]:
@@ -190,10 +225,15 @@ def part_a(spec, ws) -> list[dict]:
 
         before = {e: e.pool.steady.commits for e in (lean, eng)}
         lean.advance(), eager.advance()
+        listing = lean.lists()  # the lean engine's requests, listing their pages: the same lengths, step by step
+        list_pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
+                                                     buckets=(bucket_of(B),)))
+        run[id(list_pool.slots)] = one_layer(list_pool, cache)
         t = interleaved({  # call by call: the host's noise hits every arm alike (the lengths advance untimed)
             "flashinfer_plan": (raw_plan, raw_after), "rows_step": (lean.commit_only, lambda st: (after(st), lean.advance())),
             "rows_step_append": (eng.step, after), "rows_step_no_defer": (eager.commit_only, lambda st: (after(st), eager.advance())),
-            "batch_step": (old, lambda step: (step.mark_stored(cache), fi.run(step, q, cache), torch.cuda.synchronize()))})
+            "batch_step": (lambda: listing.commit_only(list_pool), lambda st: (after(st), listing.advance())),
+            "batch_step_eager": (old, lambda step: (step.mark_stored(cache), fi.run(step, q, cache), torch.cuda.synchronize()))})
         # the share of the steps (the 40 warm-up calls too) the pool served as steady commits (capture/steady.py)
         steady = {k: (e.pool.steady.commits - before[e]) / (len(t[k]) + 40) for k, e in (("rows_step", lean), ("rows_step_append", eng))}
         t["flashinfer_plan_hot"] = []
@@ -201,20 +241,23 @@ def part_a(spec, ws) -> list[dict]:
             t["flashinfer_plan_hot"] += host_us(raw_plan)  # back to back, nothing between calls
         after(lean.step_only())
         rows_bytes = lean_pool.last_commit_bytes
+        after(listing.commit_only(list_pool))
         old()
         med = {k: statistics.median(v) for k, v in t.items()}
         sched = lean_pool.backend_state("flashinfer")
         rows.append(dict(batch=B, **{f"{k}_us": v for k, v in med.items()}, **{f"{k}_iqr_us": spread(v) for k, v in t.items()},
                          **{f"{k}_mean_us": float(np.mean(v)) for k, v in t.items()},
                          ratio=med["rows_step"] / med["flashinfer_plan"], batch_ratio=med["batch_step"] / med["flashinfer_plan"],
+                         batch_eager_ratio=med["batch_step_eager"] / med["flashinfer_plan"],
                          paired_ratio=statistics.median(np.divide(t["rows_step"], t["flashinfer_plan"])),
                          ratio_vs_hot_plan=med["rows_step"] / med["flashinfer_plan_hot"],
                          append_ratio=med["rows_step_append"] / med["flashinfer_plan"],
-                         rows_h2d_bytes=rows_bytes, batch_h2d_bytes=old_pool.last_commit_bytes,
+                         rows_h2d_bytes=rows_bytes, batch_h2d_bytes=list_pool.last_commit_bytes,
+                         batch_eager_h2d_bytes=old_pool.last_commit_bytes,
                          fixed_schedule=bool(sched.fixed), split_kv_plans=len(sched.fast),
                          steady_share=steady["rows_step"], steady_share_append=steady["rows_step_append"]))
         print(rows[-1], flush=True)
-        del pool, old_pool, lean_pool, eager_pool, run
+        del pool, old_pool, lean_pool, eager_pool, list_pool, run
     return rows
 
 
