@@ -20,8 +20,13 @@ from mstar_attn.capture.gather import gather_csr
 from mstar_attn.capture.layout import Offsets
 from mstar_attn.capture.stage import stage_table
 from mstar_attn.capture.table import FREE, PageTable
+from mstar_attn.metadata._arrays import SHORT
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
+
+
+NO_SLOTS = np.zeros(0, np.int64)  # check's slots for a step storing no encoder tokens
+NO_SLOTS.flags.writeable = False
 
 
 def rows_group(plan: AttentionPlan) -> int | None:
@@ -41,6 +46,8 @@ def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
                         "(GraphBufferPool(spec, PoolLimits(..., max_requests=...)) with a cross-attention group in the spec)")
     gp, ps = plan.groups[g], plan.spec.page_size
     rows, kv, new = gp.table_rows, gp.kv_lens, gp.new_lens
+    if not gp.stored and 0 < rows.shape[0] <= SHORT and _reads_stored(table, rows, kv, ps):
+        return NO_SLOTS
     if rows.max() >= table.max_requests:
         i = int(np.flatnonzero(rows >= table.max_requests)[0])
         raise PlanError(f"{name}.rows[{i}]: row {rows[i]} is not a cross-table row (0..{table.max_requests - 1}) (request {i})")
@@ -59,7 +66,7 @@ def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
                         + (f"{held} stored" if held else "none stored yet (store them with write=True at the request's "
                            "first step)") + f" (request {i})")
     if not w.any():
-        return np.zeros(0, np.int64)
+        return NO_SLOTS
     writers = rows[w]
     if np.unique(writers).shape[0] != writers.shape[0]:
         raise PlanError(f"{name}.new_lens: two requests store their encoder K/V into the same cross-table row")
@@ -76,9 +83,20 @@ def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
     return table.slots(page, pos)
 
 
+def _reads_stored(table: PageTable, rows: np.ndarray, kv: np.ndarray, ps: int) -> bool:
+    """check's outcome for a step storing nothing, on Python ints (at most SHORT requests): every row is a table row
+    holding the pages of its request's encoder length and exactly that many stored tokens. False: check's numpy
+    path decides (and names what is wrong)."""
+    if max(rows.tolist()) >= table.max_requests:
+        return False
+    return all(c * ps >= k and s == k for c, s, k in zip(table.counts[rows].tolist(), table.stored[rows].tolist(), kv.tolist()))
+
+
 def record(table: PageTable, plan: AttentionPlan, g: int) -> None:
     """After a commit that stores encoder K/V: their rows now hold that many tokens."""
     gp = plan.groups[g]
+    if not gp.stored:
+        return
     w = gp.new_lens > 0
     table.stored[gp.table_rows[w]] = gp.kv_lens[w]
 

@@ -73,7 +73,7 @@ def optional_array_field(**kw):
     return attrs.field(default=None, eq=attrs.cmp_using(eq=_same_or_none), repr=False, **kw)
 
 
-SHORT = 32  # per-request checks over at most this many requests run on Python lists (numpy's fixed cost per call is higher)
+SHORT = 64  # per-request checks over at most this many requests run on Python lists (numpy's fixed cost per call is higher)
 
 
 class Ranges:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import array_field, int_array, optional_array_field, positive_int
+from mstar_attn.metadata._arrays import INT32, INT32_MAX, array_field, int_array, optional_array_field, positive_int
 from mstar_attn.metadata.errors import PlanError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the batch sizes a pool pads decode / verify steps to by default
@@ -179,6 +179,9 @@ class StepBatch:
 
     @classmethod
     def from_csr(cls, q_lens, kv_lens, page_indptr, page_indices, page_size: int, group_pages=None) -> StepBatch:
+        if group_pages is None and type(page_size) is int and 0 < page_size <= INT32_MAX \
+                and _int32_vector(q_lens) and _int32_vector(kv_lens) and _int32_vector(page_indptr) and _int32_vector(page_indices):
+            return _packed(cls, (q_lens, kv_lens, page_indptr, page_indices), page_size)
         return cls(q_lens, kv_lens, page_indptr, page_indices, page_size, None, group_pages)
 
     @classmethod
@@ -208,6 +211,26 @@ class StepBatch:
     def pages_of_group(self, group: int) -> GroupPages | None:
         """The own list of layer group `group`, or None (it reads the shared list)."""
         return next((p for g, p in self.group_pages if g == group), None)
+
+
+def _int32_vector(a) -> bool:
+    return type(a) is np.ndarray and a.dtype is INT32 and a.ndim == 1
+
+
+def _packed(cls, arrays: tuple, page_size: int) -> StepBatch:
+    """A StepBatch of four int32 vectors (q_lens, kv_lens, page_indptr, page_indices), field for field what the
+    constructor makes of them, in one copy: read-only views of one read-only array (the per-step path of an engine
+    that lists its pages: numpy's fixed cost per call is most of what small arrays cost)."""
+    packed = np.concatenate(arrays)
+    packed.flags.writeable = False
+    batch, at = object.__new__(cls), 0
+    for name, a in zip(("q_lens", "kv_lens", "page_indptr", "page_indices"), arrays):
+        object.__setattr__(batch, name, packed[at : at + a.shape[0]])
+        at += a.shape[0]
+    object.__setattr__(batch, "page_size", page_size)
+    object.__setattr__(batch, "block_table", None)
+    object.__setattr__(batch, "group_pages", ())
+    return batch
 
 
 @attrs.frozen(slots=False)  # (an instance dict: decode writes it at once)

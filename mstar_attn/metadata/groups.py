@@ -3,10 +3,12 @@ pages trimmed from the front of the shared list) or a group with its own page li
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, Ranges, array_field, fail_at, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, SHORT, Ranges, array_field, fail_at, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.batch import CrossRows, GroupPages
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.pages import check_indptr, check_page_ids, gather_ranges, scan_ownership
@@ -39,11 +41,11 @@ class GroupPlan:
     slot_mapping: np.ndarray | None = optional_array_field()
     new_lens: np.ndarray | None = optional_array_field()
     table_rows: np.ndarray | None = optional_array_field()
+    # encoder tokens a cross group stores this step (write_kv's rows for it; sum(new_lens)); 0 for other groups
+    stored: int = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def stored(self) -> int:
-        """Encoder tokens a cross group stores this step (write_kv's rows for it); 0 for other groups."""
-        return 0 if self.new_lens is None else int(self.new_lens.sum(dtype=np.int64))
+    def __attrs_post_init__(self):
+        object.__setattr__(self, "stored", 0 if self.new_lens is None else int(self.new_lens.sum(dtype=np.int64)))
 
 
 @attrs.define(kw_only=True, slots=True)
@@ -177,6 +179,8 @@ def cross_rows_plan(g: int, lists: CrossRows, spec: AttentionSpec, B: int) -> Gr
     rows, kv, new = lists.rows, lists.kv_lens, lists.new_lens
     if rows.shape != (B,) or kv.shape != (B,) or new.shape != (B,):
         raise PlanError(f"{name}: rows {rows.shape}, kv_lens {kv.shape} and new_lens {new.shape} must be [B] (B = {B})")
+    if 0 < B <= SHORT and (plan := _short_cross_rows(group, lists, ps)) is not None:
+        return plan
     _cross_lengths(name, kv, new, ps)
     if rows.min() < 0:
         fail_at(f"{name}.rows", rows < 0, "a cross-table row is negative")
@@ -188,6 +192,21 @@ def cross_rows_plan(g: int, lists: CrossRows, spec: AttentionSpec, B: int) -> Gr
     last_page_len = (kv - (need - 1) * ps).astype(np.int32)
     read_only(kv_indptr, last_page_len)
     return GroupPlan(group, kv_indptr, None, last_page_len, kv, None, None, new, rows)
+
+
+def _short_cross_rows(group: LayerGroup, lists: CrossRows, ps: int) -> GroupPlan | None:
+    """cross_rows_plan for at most SHORT requests, on Python ints (numpy's fixed cost per call is higher): the same
+    plan, or None when a check fails (cross_rows_plan's numpy checks then name it)."""
+    lengths, new, rows = lists.kv_lens.tolist(), lists.new_lens.tolist(), lists.rows.tolist()
+    if not (min(lengths) >= 1 and max(lengths) <= INT32_MAX - ps and min(rows) >= 0 and sum(new) <= INT32_MAX
+            and all(n == 0 or n == k for n, k in zip(new, lengths))
+            and len(lengths) * (max(lengths) // ps + 1) <= INT32_MAX):
+        return None
+    need = [(k + ps - 1) // ps for k in lengths]
+    arrays = np.array([0, *accumulate(need), *(k - (n - 1) * ps for k, n in zip(lengths, need))], np.int32)
+    read_only(arrays)  # (its views below are read-only too)
+    B = len(lengths)
+    return GroupPlan(group, arrays[: B + 1], None, arrays[B + 1 :], lists.kv_lens, None, None, lists.new_lens, lists.rows)
 
 
 def cross_plan(g: int, pages: GroupPages, spec: AttentionSpec, B: int, page_limit: int,

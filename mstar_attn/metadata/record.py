@@ -4,11 +4,12 @@ plan derives its arrays with on first read. Numpy only, host only (see plan.py f
 from __future__ import annotations
 
 import enum
+from itertools import accumulate
 
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import array_field, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata._arrays import SHORT, array_field, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.cascade import CascadePlan
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays, first_read_page, window_plan
@@ -279,6 +280,15 @@ def decode_arrays(spec: AttentionSpec, q: np.ndarray, kv: np.ndarray, max_kv: in
     StepRows step, and what capture/derive.py derives on the device; a StepBatch decode step listing exactly these
     pages has the same ones (its page_indptr is this kv_indptr)."""
     B, ps = kv.shape[0], spec.page_size
+    if B <= SHORT:  # (Python ints and one array: numpy's fixed cost per call is higher than a short loop)
+        lengths = kv.tolist()
+        pages = [(k + ps - 1) // ps for k in lengths]
+        arrays = np.array([0, *accumulate(pages), *((k - 1) % ps + 1 for k in lengths), *pages], np.int32)
+        positions = np.subtract(kv, 1, dtype=np.int64)
+        read_only(arrays, positions)  # (the views below are read-only too)
+        return StepArrays(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=decode_qo_indptr(B),
+                          positions=positions, need=arrays[2 * B + 1 :], kv_indptr=arrays[: B + 1],
+                          last_page_len=arrays[B + 1 : 2 * B + 1], max_kv=max_kv)
     need = kv + (ps - 1)
     need //= ps
     kv_indptr = np.empty(B + 1, np.int32)

@@ -109,3 +109,50 @@ def test_cross_rows_are_checked_at_commit_and_a_failed_commit_keeps_the_table_up
     with pytest.raises(PlanError, match="one cross-attention group per step may name cross-table rows"):
         build_plan(StepBatch.from_pages([1], [5], [[0]], 16, group_pages={1: CrossRows.of([0], [5]), 2: CrossRows.of([0], [5])}),
                    two)
+
+
+def test_the_short_check_decides_as_the_numpy_check(monkeypatch):
+    """cross.check of a step storing nothing, over at most SHORT requests (Python ints), accepts and refuses exactly
+    what its numpy path does, with the same PlanError: rows past the table, rows short of pages, lengths other than
+    the stored ones, rows never stored."""
+    from mstar_attn.capture import cross
+
+    spec = AttentionSpec(4, 2, 16, 4, 8000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
+    for _ in range(30):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        table = cpu_pool(spec).cross_table
+        stored = {}
+        for r in range(40):  # 40 rows assigned, 30 of them stored
+            n = int(rng.integers(1, 60))
+            table.assign(r, list(range(100 * r, 100 * r + -(-n // 4))))
+            if r < 30:
+                table.stored[r] = stored[r] = n
+        for _ in range(40):
+            B = int(rng.integers(1, 33))
+            rows = rng.integers(0, 30, B)
+            lens = np.array([stored[int(r)] for r in rows])
+            fault, i = int(rng.integers(0, 6)), int(rng.integers(0, B))
+            if fault == 2:
+                rows[i] = int(rng.choice([64, 65, 1000]))  # past the table's 64 rows (or its scratch row)
+            elif fault == 3:
+                lens[i] += int(rng.integers(1, 8))  # other than stored (and maybe past its pages)
+            elif fault == 4:
+                rows[i] = int(rng.integers(30, 40))  # assigned, never stored
+            elif fault == 5:
+                lens[i] = lens[i] - 1 if lens[i] > 1 else 2  # other than stored
+            batch = StepBatch.from_pages([1] * B, [1] * B, [[j] for j in range(B)], 4,
+                                         group_pages={1: CrossRows.of(rows, lens)})
+            plan = build_plan(batch, spec)
+
+            def outcome(short):
+                monkeypatch.setattr(cross, "SHORT", short)
+                try:
+                    return cross.check(table, plan, 1).tolist()
+                except PlanError as e:
+                    return str(e)
+
+            a, b = outcome(cross.SHORT), outcome(0)
+            monkeypatch.undo()
+            assert a == b, (seed, fault, a, b)
+            assert (a == []) == (fault in (0, 1)), (seed, fault, a)

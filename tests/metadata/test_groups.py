@@ -268,3 +268,45 @@ def test_window_decode_ranges_hold_exactly_the_lengths_whose_group_lengths_stay_
             inside = int(low[i]) <= int(lens[i]) < int(low[i]) + int(span[i])
             same_page = max(x - W, 0) // ps == max(int(kv[i]) - W, 0) // ps
             assert held == (inside and (same_page or wide[i])), (f"seed {seed}", W, ps, i, x, int(kv[i]), held, inside)
+
+
+def test_cross_rows_plans_on_python_ints_equal_the_numpy_paths(monkeypatch):
+    """cross_rows_plan over at most SHORT requests (Python ints) plans what its numpy path plans, and refuses what
+    it refuses with the same PlanError: lengths below 1 or past int32, partial stores, negative rows, sums past int32."""
+    from mstar_attn import CrossRows
+    from mstar_attn.metadata import groups
+
+    def outcome(batch, spec, short):
+        monkeypatch.setattr(groups, "SHORT", short)
+        try:
+            return build_plan(batch, spec).groups[1]
+        except PlanError as e:
+            return str(e)
+
+    big = 2**31 - 1
+    for _ in range(300):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        ps, B = int(rng.choice([1, 4, 16])), int(rng.integers(1, 65))
+        enc = rng.integers(1, 3000, B)
+        rows, write = rng.integers(0, 64, B), rng.random(B) < 0.3
+        new = np.where(write, enc, 0)
+        fault = rng.integers(0, 8)  # 0-2: valid; else one field broken at a random request
+        i = int(rng.integers(0, B))
+        if fault == 3:
+            enc[i] = 0
+        elif fault == 4:
+            enc[i] = big - int(rng.integers(0, ps))
+        elif fault == 5:
+            new[i] = max(1, enc[i] - 1) if new[i] == 0 else new[i] - 1
+        elif fault == 6:
+            rows[i] = -1 - int(rng.integers(0, 5))
+        elif fault == 7 and B > 1:  # every request stores: more encoder tokens than int32 offsets hold
+            enc[:], new[:] = big // B + 1000, big // B + 1000
+        cross = CrossRows(rows, enc, new)
+        batch = StepBatch.from_pages([1] * B, [1] * B, [[j] for j in range(B)], ps, group_pages={1: cross})
+        spec = cross_spec(ps)
+        a, b = outcome(batch, spec, groups.SHORT), outcome(batch, spec, 0)
+        assert a == b, (seed, fault, a, b)
+        if fault < 3:
+            assert not isinstance(a, str) and not a.kv_indptr.flags.writeable and a.kv_indptr.dtype == np.int32, seed

@@ -143,3 +143,25 @@ def test_a_group_that_is_neither_window_nor_own_list_reads_the_plans_own_kv_lens
                 if group.kind is not Kind.WINDOW and g not in spec.own_page_groups:
                     assert np.array_equal(plan.kv_lens_of(g), plan.kv_lens), (seed, g)
                     assert np.array_equal(plan.groups[g].kv_lens, plan.kv_lens), (seed, g)
+
+
+def test_short_decode_arrays_equal_the_numpy_paths(monkeypatch):
+    """decode_arrays over at most SHORT requests (Python ints, one array) gives what its numpy path gives: the same
+    values and dtypes, read-only, for every page size and length (one past a page, exactly a page, one token)."""
+    from mstar_attn.metadata import record
+
+    for _ in range(200):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        ps, B = int(rng.choice([1, 2, 4, 16, 64])), int(rng.integers(1, record.SHORT + 1))
+        kv = rng.choice([1, ps, ps + 1, 2 * ps, int(rng.integers(1, 5000))], B).astype(np.int32)
+        spec, q = spec_for(page_size=ps), np.ones(B, np.int32)
+        short = record.decode_arrays(spec, q, kv, int(kv.max()))
+        monkeypatch.setattr(record, "SHORT", 0)
+        long = record.decode_arrays(spec, q, kv, int(kv.max()))
+        monkeypatch.undo()
+        for name in ("qo_indptr", "positions", "need", "kv_indptr", "last_page_len"):
+            a, b = getattr(short, name), getattr(long, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), (seed, name)
+            assert not a.flags.writeable, (seed, name)
+        assert (short.num_tokens, short.q_max, short.max_kv, short.mode) == (long.num_tokens, long.q_max, long.max_kv, long.mode)
