@@ -209,8 +209,8 @@ class TreeState:
         # (and where its partial outputs might outgrow the float workspace: FlashInfer would refuse the plan)
         fix = R * spec.num_kv_heads >= min(state.fixed_min_ctas, FIXED_MIN_CTAS_FALLBACK) or not split_fits(
             spec, R, step.padded_num_tokens, state.sms, state.float_ws.numel())
-        w.plan(qo, ptr, dg.kv_indices, last, *heads, spec.page_size, causal=False, seq_lens=lens,
-               **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)
+        w.plan(qo, ptr, dg.listed(), last, *heads, spec.page_size, causal=False, seq_lens=lens,  # (the ids in use: the
+               **({"disable_split_kv": True} if fix else {}), **state.plan_kwargs)  # wrapper copies them onto themselves)
         return w
 
     def _plan_tree(self, step: DeviceStep, q: np.ndarray, mask: torch.Tensor):
