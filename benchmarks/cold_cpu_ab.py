@@ -9,7 +9,8 @@ path off by patching its threshold to 0 (or, for StepRows, to the old 32), so bo
 - cross_b4: a BART-shaped StepBatch decode step (page 4, a cross group naming cross-table rows, B = 4); the short paths
   of decode_arrays, cross_rows_plan and cross.check off / on. (GroupPlan.stored computed once and cross.record's skip
   are in both arms.) The cross device work is left out: on the CPU it runs eagerly, on the GPU it is a graph replay.
-Run: python -m benchmarks.cold_cpu_ab   (prints medians of build_plan + commit, µs)
+- calls_bB: the Python function calls and C-level calls (numpy, torch, builtins) one such StepBatch step makes (cProfile).
+Run: python -m benchmarks.cold_cpu_ab   (prints medians of build_plan + commit, µs, then the call counts)
 """
 
 import statistics
@@ -142,12 +143,36 @@ def cross_case(B: int = 4, ps: int = 4) -> dict:
         record.SHORT = groups.SHORT = cross.SHORT = saved
 
 
+def calls_case(B: int) -> dict:
+    """Calls per StepBatch step (host_step's ListEngine, the short paths on) over 100 steps, from cProfile."""
+    import cProfile
+    import pstats
+
+    lean = hs.Engine(table_pool(B), B, 2048, seed=B, room=1500)
+    lean.advance()
+    listing = lean.lists()
+    pool = GraphBufferPool(SPEC, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=SPEC.num_pages,
+                                            buckets=(bucket_of(B),)), device="cpu")
+    for _ in range(5):
+        listing.commit_only(pool)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(100):
+        listing.commit_only(pool)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    c_level = sum(v[1] for k, v in stats.items() if k[0].startswith("~"))
+    return {"python": (sum(v[1] for v in stats.values()) - c_level) / 100, "c_level": c_level / 100}
+
+
 def main() -> None:
     torch.set_num_threads(1)  # (2-core CI-like hosts: torch's CPU copies otherwise spin up threads per call)
     print("rows_b64", rows_case(64), flush=True)
     for B in (1, 8):
         print(f"lists_b{B}", lists_case(B), flush=True)
     print("cross_b4", cross_case(), flush=True)
+    for B in (1, 64, 256):
+        print(f"calls_b{B}", calls_case(B), flush=True)
 
 
 if __name__ == "__main__":

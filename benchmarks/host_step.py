@@ -119,12 +119,14 @@ class ListEngine:
         self.list_pages()
 
     def list_pages(self) -> None:
+        """indptr [B+1] and indices int32: each request's first ceil(kv / page) pages."""
         used = -(-self.kv // PS)
         self.indptr = np.zeros(self.kv.shape[0] + 1, np.int32)
         np.cumsum(used, out=self.indptr[1:])
         self.indices = self.pages[np.arange(self.pages.shape[1]) < used[:, None]]
 
     def commit_only(self, pool):
+        """StepBatch.from_csr + build_plan + commit of this step into `pool` (the timed part of a StepBatch step)."""
         return pool.commit(build_plan(StepBatch.from_csr(self.ones, self.kv, self.indptr, self.indices, PS), pool.spec))
 
 

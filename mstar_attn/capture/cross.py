@@ -84,9 +84,9 @@ def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
 
 
 def _reads_stored(table: PageTable, rows: np.ndarray, kv: np.ndarray, ps: int) -> bool:
-    """check's outcome for a step storing nothing, on Python ints (at most SHORT requests): every row is a table row
-    holding the pages of its request's encoder length and exactly that many stored tokens. False: check's numpy
-    path decides (and names what is wrong)."""
+    """check's outcome for a step storing nothing, on Python ints (at most SHORT requests; rows, kv [B] int32 host,
+    rows >= 0 as build_plan checked): every row is a table row holding the pages of its request's encoder length and
+    exactly that many stored tokens. False: check's numpy path decides (and names what is wrong)."""
     if max(rows.tolist()) >= table.max_requests:
         return False
     return all(c * ps >= k and s == k for c, s, k in zip(table.counts[rows].tolist(), table.stored[rows].tolist(), kv.tolist()))

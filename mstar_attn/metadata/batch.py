@@ -214,6 +214,7 @@ class StepBatch:
 
 
 def _int32_vector(a) -> bool:
+    """Whether `a` is a 1-D numpy array of native int32 (what int_array copies without a value scan)."""
     return type(a) is np.ndarray and a.dtype is INT32 and a.ndim == 1
 
 

@@ -195,8 +195,9 @@ def cross_rows_plan(g: int, lists: CrossRows, spec: AttentionSpec, B: int) -> Gr
 
 
 def _short_cross_rows(group: LayerGroup, lists: CrossRows, ps: int) -> GroupPlan | None:
-    """cross_rows_plan for at most SHORT requests, on Python ints (numpy's fixed cost per call is higher): the same
-    plan, or None when a check fails (cross_rows_plan's numpy checks then name it)."""
+    """cross_rows_plan for 1..SHORT requests, on Python ints (numpy's fixed cost per call is higher): the same plan
+    (kv_indptr [B+1] and kv_last_page_len [B] int32, read-only views of one array; lists' own [B] int32 kv_lens,
+    new_lens and rows), or None when a check fails (cross_rows_plan's numpy checks then name it)."""
     lengths, new, rows = lists.kv_lens.tolist(), lists.new_lens.tolist(), lists.rows.tolist()
     if not (min(lengths) >= 1 and max(lengths) <= INT32_MAX - ps and min(rows) >= 0 and sum(new) <= INT32_MAX
             and all(n == 0 or n == k for n, k in zip(new, lengths))

@@ -129,7 +129,7 @@ def test_the_short_check_decides_as_the_numpy_check(monkeypatch):
             if r < 30:
                 table.stored[r] = stored[r] = n
         for _ in range(40):
-            B = int(rng.integers(1, 33))
+            B = int(rng.integers(1, cross.SHORT + 9))  # (both sides of the short path's bound)
             rows = rng.integers(0, 30, B)
             lens = np.array([stored[int(r)] for r in rows])
             fault, i = int(rng.integers(0, 6)), int(rng.integers(0, B))

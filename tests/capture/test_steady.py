@@ -17,7 +17,7 @@ import torch
 from mstar_attn import LayerGroup, PagedKVCache, PlanError, StepBatch, build_plan
 from mstar_attn.capture.steady import intersect
 from mstar_attn.kernels import reference
-from mstar_attn.metadata._arrays import Ranges
+from mstar_attn.metadata._arrays import SHORT, Ranges
 from mstar_attn.metadata.batch import StepRows
 from tests.capture.test_derive import GROUPS, _arrays
 from tests.capture.test_graph_cache import _same_arrays
@@ -247,7 +247,7 @@ def test_a_bad_step_raises_before_anything_changes_also_in_steady_state(groups, 
     assert sum(good(nxt + d) for d in range(2, 6)) >= 2, seed
 
 
-@pytest.mark.parametrize("B", [5, 40])  # (Ranges.holds: a Python loop up to 32 requests, numpy past)
+@pytest.mark.parametrize("B", [5, SHORT + 8])  # (Ranges.holds: a Python loop up to SHORT requests, numpy past)
 def test_intersect_holds_what_every_range_holds(B):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)

@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from mstar_attn import LayerGroup, PlanError, build_plan
-from mstar_attn.metadata._arrays import Ranges
+from mstar_attn.metadata._arrays import SHORT, Ranges
 from mstar_attn.metadata.batch import StepRows
 from tests.capture.test_steady import PS, _spec
 from tests.capture.test_table import admit, table_pool
 from tests.helpers import fresh_seed
+
+LONG = SHORT + 8  # a batch past the short (Python-int) paths
 
 
 def test_decode_ranges_hold_what_check_step_accepts_and_changes_count_every_change():
@@ -25,7 +27,7 @@ def test_decode_ranges_hold_what_check_step_accepts_and_changes_count_every_chan
     table = table_pool(spec, max_requests=12, width=W).table
     free = [int(p) for p in rng.permutation(spec.num_pages)]
     accepted = refused = 0
-    seen = {(B, h): 0 for B in (5, 40) for h in (True, False)}  # (batch checks that held / did not)
+    seen = {(B, h): 0 for B in (5, LONG) for h in (True, False)}  # (batch checks that held / did not)
     mixed = np.zeros(12, bool)  # (rows given shared pages after pages of their own, until released whole)
     for it in range(150):
         r = int(rng.integers(12))
@@ -67,7 +69,7 @@ def test_decode_ranges_hold_what_check_step_accepts_and_changes_count_every_chan
                 if not mixed[row]:
                     accepted, refused = accepted + holds, refused + (not holds)
         held = np.flatnonzero(table.span[:12] > 0)
-        for B in (5, 40) if held.shape[0] else ():  # holds_decode over a batch (Ranges.holds' Python and numpy paths)
+        for B in (5, LONG) if held.shape[0] else ():  # holds_decode over a batch (Ranges.holds' Python and numpy paths)
             rows = rng.choice(held, B).astype(np.int32)
             low, span = table.low[rows].astype(np.int64), table.span[rows].astype(np.int64)
             kv = low + rng.integers(0, span)  # inside each range; one request at or past an edge half the time
@@ -81,7 +83,7 @@ def test_decode_ranges_hold_what_check_step_accepts_and_changes_count_every_chan
     assert accepted > 100 and refused > 100 and min(seen.values()) > 5, (seed, accepted, refused, seen)
 
 
-@pytest.mark.parametrize("B", [4, 40])
+@pytest.mark.parametrize("B", [4, LONG])
 def test_a_backend_promise_still_bounds_steady_commits_after_appends(monkeypatch, B):
     """A backend state's promise (SteadyTerms.ranges) is checked on every steady commit, also once appends changed the
     table (a short batch's path and a long one's): a length past the promise, inside the table's ranges, takes the
@@ -94,8 +96,8 @@ def test_a_backend_promise_still_bounds_steady_commits_after_appends(monkeypatch
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     spec = _spec((LayerGroup(),), num_pages=6000)
-    pool = table_pool(spec, max_requests=80, width=160, num_slots=1, buckets=(4, 64)) if B <= 32 else \
-        pool_of(spec, max_batch_size=64, max_num_tokens=600, max_num_pages=spec.num_pages, buckets=(64,), max_requests=80,
+    pool = table_pool(spec, max_requests=80, width=160, num_slots=1, buckets=(4, 64)) if B <= SHORT else \
+        pool_of(spec, max_batch_size=128, max_num_tokens=600, max_num_pages=spec.num_pages, buckets=(128,), max_requests=LONG + 8,
                 max_pages_per_request=160, num_slots=1, device="cpu")
     kv = rng.integers(10, 60, B).astype(np.int32)
     rows, _ = admit(pool, rng, kv + 40)  # (room: the table's ranges never end the walk)
