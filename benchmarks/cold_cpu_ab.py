@@ -38,8 +38,7 @@ BIG = np.zeros(4 << 20, np.int64)  # 32 MB
 
 
 def table_pool(B):
-    return GraphBufferPool(SPEC, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=SPEC.num_pages,
-                                            max_requests=1024, max_pages_per_request=512, buckets=(bucket_of(B),)), device="cpu")
+    return hs.table_pool(SPEC, (bucket_of(B),), "cpu")
 
 
 def alternate(arms: dict, steps: int = 3000) -> dict:
@@ -89,8 +88,7 @@ def lists_case(B: int) -> dict:
         lean = hs.Engine(table_pool(B), B, 2048, seed=B, room=1500)
         lean.advance()
         listing = lean.lists()
-        pool = GraphBufferPool(SPEC, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=SPEC.num_pages,
-                                                buckets=(bucket_of(B),)), device="cpu")
+        pool = hs.list_pool(SPEC, B, "cpu")
 
         def step():
             t = time.perf_counter()
@@ -151,8 +149,7 @@ def calls_case(B: int) -> dict:
     lean = hs.Engine(table_pool(B), B, 2048, seed=B, room=1500)
     lean.advance()
     listing = lean.lists()
-    pool = GraphBufferPool(SPEC, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=SPEC.num_pages,
-                                            buckets=(bucket_of(B),)), device="cpu")
+    pool = hs.list_pool(SPEC, B, "cpu")
     for _ in range(5):
         listing.commit_only(pool)
     prof = cProfile.Profile()

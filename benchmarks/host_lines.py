@@ -20,8 +20,8 @@ import torch
 from line_profiler import LineProfiler
 
 from benchmarks import cases
-from benchmarks.host_step import PS, Engine, one_layer, table_pool
-from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits
+from benchmarks.host_step import PS, Engine, list_pool, one_layer, table_pool
+from mstar_attn import AttentionSpec, PagedKVCache
 from mstar_attn.capture import checks, graph_cache, lease, pool, stage, steady, table
 from mstar_attn.kernels import _flashinfer_fast, flashinfer as fi
 from mstar_attn.metadata import _arrays, batch, plan, record
@@ -81,8 +81,7 @@ def main(out_dir: str, lists: bool = False) -> None:
         p = table_pool(spec, buckets=(batch.bucket_of(B),))
         eng = Engine(p, B, 2048, seed=B, room=1500)
         if lists:  # the same requests listing their pages, on a bucketed pool without a table
-            listing, p = eng.lists(), pool.GraphBufferPool(spec, PoolLimits(
-                max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages, buckets=(batch.bucket_of(B),)))
+            listing, p = eng.lists(), list_pool(spec, B)
         graphs = one_layer(p, cache)
         q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
 

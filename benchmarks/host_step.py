@@ -47,11 +47,17 @@ import flashinfer  # noqa: E402
 PS = cases.PAGE
 
 
-def table_pool(spec, buckets=None) -> GraphBufferPool:
+def table_pool(spec, buckets=None, device=None) -> GraphBufferPool:
     """The part (a) pool: a page table of 1,024 rows x 512 pages, buckets up to 256 requests (or `buckets`)."""
     return GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
                                             max_requests=1024, max_pages_per_request=512,
-                                            **({} if buckets is None else {"buckets": buckets})))
+                                            **({} if buckets is None else {"buckets": buckets})), device=device)
+
+
+def list_pool(spec, B: int, device=None) -> GraphBufferPool:
+    """The part (a) pool of steps that list their pages (ListEngine): table_pool's bounds, no table, B's bucket."""
+    return GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
+                                            buckets=(bucket_of(B),)), device=device)
 
 
 class Engine:
@@ -100,9 +106,9 @@ class Engine:
             pages[i, : p.shape[0]] = p
         return ListEngine(pages, self.kv)
 
-    def csr(self):
-        pages = [self.table.pages(int(r))[: -(-int(k) // PS)] for r, k in zip(self.rows, self.kv)]
-        return StepBatch.from_pages(np.ones(len(pages), np.int32), self.kv, pages, PS)
+    def csr(self) -> StepBatch:
+        """This step as a StepBatch listing the pages it reads."""
+        return self.lists().batch()
 
 
 class ListEngine:
@@ -125,9 +131,12 @@ class ListEngine:
         np.cumsum(used, out=self.indptr[1:])
         self.indices = self.pages[np.arange(self.pages.shape[1]) < used[:, None]]
 
+    def batch(self) -> StepBatch:
+        return StepBatch.from_csr(self.ones, self.kv, self.indptr, self.indices, PS)
+
     def commit_only(self, pool):
         """StepBatch.from_csr + build_plan + commit of this step into `pool` (the timed part of a StepBatch step)."""
-        return pool.commit(build_plan(StepBatch.from_csr(self.ones, self.kv, self.indptr, self.indices, PS), pool.spec))
+        return pool.commit(build_plan(self.batch(), pool.spec))
 
 
 def host_us(fn, n=400, warmup=40, sync_every=50, after=None) -> list[float]:
@@ -228,13 +237,12 @@ def part_a(spec, ws) -> list[dict]:
         before = {e: e.pool.steady.commits for e in (lean, eng)}
         lean.advance(), eager.advance()
         listing = lean.lists()  # the lean engine's requests, listing their pages: the same lengths, step by step
-        list_pool = GraphBufferPool(spec, PoolLimits(max_batch_size=256, max_num_tokens=4096, max_num_pages=spec.num_pages,
-                                                     buckets=(bucket_of(B),)))
-        run[id(list_pool.slots)] = one_layer(list_pool, cache)
+        lists_pool = list_pool(spec, B)
+        run[id(lists_pool.slots)] = one_layer(lists_pool, cache)
         t = interleaved({  # call by call: the host's noise hits every arm alike (the lengths advance untimed)
             "flashinfer_plan": (raw_plan, raw_after), "rows_step": (lean.commit_only, lambda st: (after(st), lean.advance())),
             "rows_step_append": (eng.step, after), "rows_step_no_defer": (eager.commit_only, lambda st: (after(st), eager.advance())),
-            "batch_step": (lambda: listing.commit_only(list_pool), lambda st: (after(st), listing.advance())),
+            "batch_step": (lambda: listing.commit_only(lists_pool), lambda st: (after(st), listing.advance())),
             "batch_step_eager": (old, lambda step: (step.mark_stored(cache), fi.run(step, q, cache), torch.cuda.synchronize()))})
         # the share of the steps (the 40 warm-up calls too) the pool served as steady commits (capture/steady.py)
         steady = {k: (e.pool.steady.commits - before[e]) / (len(t[k]) + 40) for k, e in (("rows_step", lean), ("rows_step_append", eng))}
@@ -243,7 +251,7 @@ def part_a(spec, ws) -> list[dict]:
             t["flashinfer_plan_hot"] += host_us(raw_plan)  # back to back, nothing between calls
         after(lean.step_only())
         rows_bytes = lean_pool.last_commit_bytes
-        after(listing.commit_only(list_pool))
+        after(listing.commit_only(lists_pool))
         old()
         med = {k: statistics.median(v) for k, v in t.items()}
         sched = lean_pool.backend_state("flashinfer")
@@ -254,12 +262,12 @@ def part_a(spec, ws) -> list[dict]:
                          paired_ratio=statistics.median(np.divide(t["rows_step"], t["flashinfer_plan"])),
                          ratio_vs_hot_plan=med["rows_step"] / med["flashinfer_plan_hot"],
                          append_ratio=med["rows_step_append"] / med["flashinfer_plan"],
-                         rows_h2d_bytes=rows_bytes, batch_h2d_bytes=list_pool.last_commit_bytes,
+                         rows_h2d_bytes=rows_bytes, batch_h2d_bytes=lists_pool.last_commit_bytes,
                          batch_eager_h2d_bytes=old_pool.last_commit_bytes,
                          fixed_schedule=bool(sched.fixed), split_kv_plans=len(sched.fast),
                          steady_share=steady["rows_step"], steady_share_append=steady["rows_step_append"]))
         print(rows[-1], flush=True)
-        del pool, old_pool, lean_pool, eager_pool, list_pool, run
+        del pool, old_pool, lean_pool, eager_pool, lists_pool, run
     return rows
 
 

@@ -7,6 +7,8 @@ against int32 before it is cast. int32 input is copied without a value scan.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import attrs
 import numpy as np
 
@@ -16,11 +18,16 @@ INT32_MAX = 2**31 - 1
 INT32 = np.dtype(np.int32)  # (native byte order: the dtype object numpy gives every such array)
 
 
+def is_int32(value, ndim: int) -> bool:
+    """Whether `value` is a numpy array of native int32 and rank `ndim` (what int_array copies without a value scan)."""
+    return type(value) is np.ndarray and value.dtype is INT32 and value.ndim == ndim
+
+
 def int_array(name: str, value, ndim: int, request: int | None = None) -> np.ndarray:
     """A read-only int32 copy of `value` (a list or numpy array of integers of rank `ndim`), or PlanError.
     request: the request the whole array belongs to (one request's page list), named in errors;
     None: a 1-D array is indexed by request."""
-    if type(value) is np.ndarray and value.dtype is INT32 and value.ndim == ndim:  # (the common case, per step)
+    if is_int32(value, ndim):  # (the common case, per step)
         out = value.copy()
         out.setflags(write=False)
         return out
@@ -112,6 +119,17 @@ def within(values: np.ndarray, low: np.ndarray, span: np.ndarray, diff: np.ndarr
     diff = np.subtract(values, low, out=diff)
     ok = np.less(diff.view(np.uint32), span, out=ok)
     return np.count_nonzero(ok) == ok.shape[0]
+
+
+def short_page_spans(lengths: list[int], ps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(kv_indptr [B+1], last_page_len [B], need [B]) int32 of B KV lengths (Python ints >= 1, at most SHORT of them,
+    their pages' sum within int32) on pages of ps tokens: read-only views of one array, made from Python ints (numpy's
+    fixed cost per call is higher than a short loop)."""
+    need = [(k + ps - 1) // ps for k in lengths]
+    B = len(lengths)
+    spans = np.array([0, *accumulate(need), *(k - (n - 1) * ps for k, n in zip(lengths, need)), *need], np.int32)
+    spans.flags.writeable = False  # (so are its views)
+    return spans[: B + 1], spans[B + 1 : 2 * B + 1], spans[2 * B + 1 :]
 
 
 def read_only(*arrays: np.ndarray) -> None:

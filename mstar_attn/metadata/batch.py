@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32, INT32_MAX, array_field, int_array, optional_array_field, positive_int
+from mstar_attn.metadata._arrays import INT32_MAX, array_field, int_array, is_int32, optional_array_field, positive_int
 from mstar_attn.metadata.errors import PlanError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the batch sizes a pool pads decode / verify steps to by default
@@ -180,7 +180,7 @@ class StepBatch:
     @classmethod
     def from_csr(cls, q_lens, kv_lens, page_indptr, page_indices, page_size: int, group_pages=None) -> StepBatch:
         if group_pages is None and type(page_size) is int and 0 < page_size <= INT32_MAX \
-                and _int32_vector(q_lens) and _int32_vector(kv_lens) and _int32_vector(page_indptr) and _int32_vector(page_indices):
+                and is_int32(q_lens, 1) and is_int32(kv_lens, 1) and is_int32(page_indptr, 1) and is_int32(page_indices, 1):
             return _packed(cls, (q_lens, kv_lens, page_indptr, page_indices), page_size)
         return cls(q_lens, kv_lens, page_indptr, page_indices, page_size, None, group_pages)
 
@@ -211,11 +211,6 @@ class StepBatch:
     def pages_of_group(self, group: int) -> GroupPages | None:
         """The own list of layer group `group`, or None (it reads the shared list)."""
         return next((p for g, p in self.group_pages if g == group), None)
-
-
-def _int32_vector(a) -> bool:
-    """Whether `a` is a 1-D numpy array of native int32 (what int_array copies without a value scan)."""
-    return type(a) is np.ndarray and a.dtype is INT32 and a.ndim == 1
 
 
 def _packed(cls, arrays: tuple, page_size: int) -> StepBatch:

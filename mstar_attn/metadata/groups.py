@@ -3,12 +3,10 @@ pages trimmed from the front of the shared list) or a group with its own page li
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, SHORT, Ranges, array_field, fail_at, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, SHORT, Ranges, short_page_spans, array_field, fail_at, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.batch import CrossRows, GroupPages
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.pages import check_indptr, check_page_ids, gather_ranges, scan_ownership
@@ -203,11 +201,8 @@ def _short_cross_rows(group: LayerGroup, lists: CrossRows, ps: int) -> GroupPlan
             and all(n == 0 or n == k for n, k in zip(new, lengths))
             and len(lengths) * (max(lengths) // ps + 1) <= INT32_MAX):
         return None
-    need = [(k + ps - 1) // ps for k in lengths]
-    arrays = np.array([0, *accumulate(need), *(k - (n - 1) * ps for k, n in zip(lengths, need))], np.int32)
-    read_only(arrays)  # (its views below are read-only too)
-    B = len(lengths)
-    return GroupPlan(group, arrays[: B + 1], None, arrays[B + 1 :], lists.kv_lens, None, None, lists.new_lens, lists.rows)
+    kv_indptr, last_page_len, _ = short_page_spans(lengths, ps)
+    return GroupPlan(group, kv_indptr, None, last_page_len, lists.kv_lens, None, None, lists.new_lens, lists.rows)
 
 
 def cross_plan(g: int, pages: GroupPages, spec: AttentionSpec, B: int, page_limit: int,

@@ -252,10 +252,10 @@ def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
         new, lengths = q.tolist(), kv.tolist()
         one, lo, hi = min(new) == max(new) == 1, min(lengths), max(lengths)
     else:
-        one, lo, hi = _MIN(q) == _MAX(q) == 1, int(_MIN(kv)), int(_MAX(kv))
+        lengths, (one, lo, hi) = None, (_MIN(q) == _MAX(q) == 1, int(_MIN(kv)), int(_MAX(kv)))
     if not one or lo < 1 or hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:  # (every sum of need fits int32:
         return None                                                                    # an indptr matching it never wrapped)
-    step = decode_arrays(spec, q, kv, hi)  # (its kv_indptr is the page_indptr of exact lists)
+    step = decode_arrays(spec, q, kv, hi, lengths)  # (its kv_indptr is the page_indptr of exact lists)
     end = int(indptr[-1])
     if end > n or step.kv_indptr.tobytes() != indptr.tobytes():
         return None

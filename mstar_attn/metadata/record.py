@@ -4,12 +4,11 @@ plan derives its arrays with on first read. Numpy only, host only (see plan.py f
 from __future__ import annotations
 
 import enum
-from itertools import accumulate
 
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import SHORT, array_field, nullable_array_field, optional_array_field, read_only
+from mstar_attn.metadata._arrays import SHORT, array_field, short_page_spans, nullable_array_field, optional_array_field, read_only
 from mstar_attn.metadata.cascade import CascadePlan
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays, first_read_page, window_plan
@@ -275,20 +274,19 @@ def decode_qo_indptr(B: int) -> np.ndarray:
     return out
 
 
-def decode_arrays(spec: AttentionSpec, q: np.ndarray, kv: np.ndarray, max_kv: int) -> StepArrays:
+def decode_arrays(spec: AttentionSpec, q: np.ndarray, kv: np.ndarray, max_kv: int,
+                  lengths: list[int] | None = None) -> StepArrays:
     """The arrays of a decode step [B] from its KV lengths (read-only; no page ids): what build_plan holds for a
     StepRows step, and what capture/derive.py derives on the device; a StepBatch decode step listing exactly these
-    pages has the same ones (its page_indptr is this kv_indptr)."""
+    pages has the same ones (its page_indptr is this kv_indptr). lengths: kv as Python ints, when the caller has
+    them already (read by the short path)."""
     B, ps = kv.shape[0], spec.page_size
     if B <= SHORT:  # (Python ints and one array: numpy's fixed cost per call is higher than a short loop)
-        lengths = kv.tolist()
-        pages = [(k + ps - 1) // ps for k in lengths]
-        arrays = np.array([0, *accumulate(pages), *((k - 1) % ps + 1 for k in lengths), *pages], np.int32)
+        kv_indptr, last_page_len, need = short_page_spans(kv.tolist() if lengths is None else lengths, ps)
         positions = np.subtract(kv, 1, dtype=np.int64)
-        read_only(arrays, positions)  # (the views below are read-only too)
+        read_only(positions)
         return StepArrays(mode=Mode.DECODE, q=q, kv=kv, num_tokens=B, q_max=1, qo_indptr=decode_qo_indptr(B),
-                          positions=positions, need=arrays[2 * B + 1 :], kv_indptr=arrays[: B + 1],
-                          last_page_len=arrays[B + 1 : 2 * B + 1], max_kv=max_kv)
+                          positions=positions, need=need, kv_indptr=kv_indptr, last_page_len=last_page_len, max_kv=max_kv)
     need = kv + (ps - 1)
     need //= ps
     kv_indptr = np.empty(B + 1, np.int32)
