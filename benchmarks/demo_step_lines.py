@@ -11,7 +11,7 @@ from mstar_attn import build_plan
 from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.capture import checks, lease, stage, step as stp, cross
 from mstar_attn.kernels import flashinfer as fi
-from mstar_attn.metadata import plan as pl, pages, record
+from mstar_attn.metadata import listed, plan as pl, pages, record
 from mstar_attn.metadata.batch import StepBatch
 from benchmarks.demo_shape import B, PS, decode_pool
 
@@ -50,7 +50,7 @@ lp = LineProfiler()
 P = GraphBufferPool
 for f in (P.commit, P._commit_staged, P.free_slot, checks.validate, stage.stage_pages, stage.stage_requests, stage.copy_ranges,
           lease.SlotLeases.free, lease.SlotLeases.record, lease.SlotLeases.after_consumer, lease.SlotLeases.claim_consumer,
-          stp.DeviceStep.__init__, fi.PoolState.schedule, fi.PoolState._kept, pl.build_plan, pl._plan_batch_decode,
+          stp.DeviceStep.__init__, fi.PoolState.schedule, fi.PoolState._kept, pl.build_plan, listed.plan_listed_decode,
           pages.scan_ownership, record.AttentionPlan.listed_decode, cross.rows_group):
     lp.add_function(f)
 ks = [kv + i for i in range(8)]

@@ -24,7 +24,7 @@ from benchmarks.host_step import PS, Engine, list_pool, one_layer, table_pool
 from mstar_attn import AttentionSpec, PagedKVCache
 from mstar_attn.capture import checks, graph_cache, lease, pool, stage, steady, table
 from mstar_attn.kernels import _flashinfer_fast, flashinfer as fi
-from mstar_attn.metadata import _arrays, batch, plan, record
+from mstar_attn.metadata import _arrays, batch, listed, plan, record
 
 
 def functions() -> list:
@@ -41,11 +41,11 @@ def list_functions() -> list:
     """The functions a StepBatch decode step runs (bucketed pool, exact page lists)."""
     from mstar_attn.metadata import pages
     P, F = pool.GraphBufferPool, fi.PoolState
-    return [P.commit, P._commit_staged, P.free_slot, P.views_of, checks.validate, stage.stage_pages, stage.stage_requests,
-            stage.copy_ranges, lease.SlotLeases.free, lease.SlotLeases.record, F.schedule, F._kept,
-            _flashinfer_fast.FastDecodePlan.holds, batch.StepBatch.from_csr, plan.build_plan, plan._plan_batch_decode,
-            plan._decode_slots, record.decode_arrays, record.AttentionPlan.listed_decode, record.groups_of,
-            pages.scan_ownership, pages.written_hits]
+    return [P.commit, P._commit_staged, P._commit_derived, P.free_slot, P.views_of, checks.validate, stage.stage_derived,
+            stage.stage_listed, lease.SlotLeases.free, lease.SlotLeases.record, graph_cache.CommitGraphs.defer, F.schedule,
+            F._kept, _flashinfer_fast.FastDecodePlan.holds, batch.StepBatch.from_csr, plan.build_plan,
+            listed.plan_listed_decode, listed._plan_lists_decode, record.AttentionPlan.lists_decode, pages.scan_ownership,
+            pages.written_hits]
 
 
 def demo_functions() -> list:

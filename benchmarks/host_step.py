@@ -135,8 +135,9 @@ class ListEngine:
         return StepBatch.from_csr(self.ones, self.kv, self.indptr, self.indices, PS)
 
     def commit_only(self, pool):
-        """StepBatch.from_csr + build_plan + commit of this step into `pool` (the timed part of a StepBatch step)."""
-        return pool.commit(build_plan(self.batch(), pool.spec))
+        """StepBatch.from_csr + build_plan + commit(defer=True) of this step into `pool` (the timed part of a StepBatch
+        step; its device work runs in the decode graph that runs the step, as the StepRows arm's)."""
+        return pool.commit(build_plan(self.batch(), pool.spec), defer=True)
 
 
 def host_us(fn, n=400, warmup=40, sync_every=50, after=None) -> list[float]:

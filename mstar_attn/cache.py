@@ -35,6 +35,20 @@ def default_device(device: torch.device | str | None = None) -> torch.device | s
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def pool_device(device: torch.device | str | None) -> torch.device:
+    """The torch device a pool lives on: `device` (None: default_device), CUDA with its index fixed now (the
+    current device for "cuda"); PlanError for what is not a torch device, or CUDA where torch sees none."""
+    device = default_device(device)
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise PlanError(f"device: {device!r} is not a torch device ({e})") from None
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise PlanError(f"device: {device!r}, but this torch ({torch.__version__}) sees no CUDA device; a CPU pool "
+                        "is device='cpu' (with backend='reference')")
+    return torch.device("cuda", torch.cuda.current_device()) if out.type == "cuda" and out.index is None else out
+
+
 @attrs.frozen
 class PagedKVCache:
     """k, v: [pages, page_size, num_kv_heads, head_dim], one dtype, one device. (A latent-attention

@@ -28,23 +28,28 @@ def derive(buf, src, table, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q
     derive.COPY_FIRST requests its device copy, buf itself); buf: the slot's device buffer; counter: one
     int32 device cell, 0 between launches; fence: one int32 cell (pinned) the last program to finish
     reading src writes the staged fence value to. BLOCK_R: a power of two >= R (and so 2 * BLOCK_R >= U);
-    BLOCK_Q: a power of two >= q_len. meta (int32 [16 + G],
+    BLOCK_Q: a power of two >= q_len. meta (int32 [17 + G],
     derive.Derivation.meta): R, q_len, page size, table width, the offsets of the rows, kv_lens,
     qo_indptr, group 0's kv_indptr (its last_page_len and kv_lens follow), the stride between groups'
     kv_indptr, group 0's first_page (groups R apart), group 0's indices, the stride between groups'
     indices, the table updates (positions [U], then values [U]), U, the fence cell, the slot_mapping
-    (int64, at an even offset), then each group's window (0: none).
+    (int64, at an even offset), whether the step is listed (below), then each group's window (0: none).
 
     A request's program applies the updates that fall in its own table row before reading the row (a
     barrier between: every thread of the program sees them); program (R, 0) applies them all, so rows
     outside the step get theirs too (the same values twice: staged positions are distinct or carry the
-    same latest value)."""
+    same latest value).
+
+    A listed step is a StepBatch decode step (derive.listed_step; its meta's U is 0: no table updates): `table` is
+    then the slot's pinned staging, where the host wrote each request's exact page list, request after request, at
+    group 0's indices offset; request i's list starts at the sum of the page counts before it (no rows read)."""
     i, g = tl.program_id(0), tl.program_id(1)
     R, q_len, ps, width = tl.load(meta + 0), tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3)
     rows_at, kv_at, qo_at = tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6)
     ptr_at, ptr_stride, first_at = tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
     idx_at, idx_stride = tl.load(meta + 10), tl.load(meta + 11)
     upd_at, U, fence_at = tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14)
+    listed = tl.load(meta + 16) != 0
     slots = (buf + tl.load(meta + 15)).to(tl.pointer_type(tl.int64))
     G = tl.num_programs(1)
     # every read of src first, independent of each other: one round trip over the bus
@@ -55,19 +60,22 @@ def derive(buf, src, table, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q
     r = tl.arange(0, BLOCK_R)
     kv = tl.load(src + kv_at + r, mask=r < R, other=0)
     at = tl.minimum(i, R - 1)  # (program (R, 0) reads request R - 1's: unused)
-    row = tl.load(src + rows_at + at)
+    row = tl.load(src + rows_at + at)  # (a listed step's: unused)
     kv_i = tl.load(src + kv_at + at)
     fence_value = tl.load(src + fence_at)
     if i == R:
         if g == 0:
             tl.store(table + pos, val, mask=mu)
     else:
-        lo = row.to(tl.int64) * width
-        p64 = pos.to(tl.int64)
-        tl.store(table + pos, val, mask=mu & (p64 >= lo) & (p64 < lo + width))
-        tl.debug_barrier()
-        w = tl.load(meta + 16 + g)
         need = (kv + ps - 1) // ps
+        if listed:  # request i's list: past every page listed before it
+            lo = idx_at.to(tl.int64) + tl.sum(tl.where(r < i, need, 0), 0).to(tl.int64)
+        else:
+            lo = row.to(tl.int64) * width
+            p64 = pos.to(tl.int64)
+            tl.store(table + pos, val, mask=mu & (p64 >= lo) & (p64 < lo + width))
+            tl.debug_barrier()
+        w = tl.load(meta + 17 + g)
         first = tl.where(w > 0, tl.maximum(kv - q_len - (w - 1), 0) // ps, 0)
         count = tl.where(r <= i, need - first, 0)  # requests 0..i: their pages end at this sum
         end = tl.sum(count, 0)

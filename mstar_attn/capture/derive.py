@@ -36,6 +36,7 @@ import torch
 
 from mstar_attn.capture.gather import gather_csr
 from mstar_attn.capture.layout import Offsets
+from mstar_attn.metadata.plan import AttentionPlan, Mode
 
 if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
@@ -67,12 +68,13 @@ def _copy_kernel():
 
 class Derivation:
     """What a pool's derivations share: the page table (int32 [(max_requests + 1) * width + 1] on the
-    device, the last element a dump) and its width, each layer group's window W (0: none) on the host
+    device, the last element a dump; a pool without one: one int32, width 0, for listed steps alone) and its
+    width, each layer group's window W (0: none) on the host
     and as an int32 device tensor, the page size, each group's index capacity (P), and the Triton
     kernel (None: torch ops) with one int32 device counter per pool slot (num_slots; the kernel's
     count of programs done, 0 between launches) and one cell it writes the fence to when it has none.
-    Per slot shape it keeps the kernel's meta vector (int32 [16 + G] on the device, made at the shape's
-    first, uncaptured, commit): bounded by the buckets. copy_first (default: COPY_FIRST when made): past
+    Per slot shape it keeps the kernel's meta vectors (int32 [17 + G] on the device, one for StepRows steps and
+    one for listed steps, made at the shape's first, uncaptured, commit): bounded by the buckets. copy_first (default: COPY_FIRST when made): past
     this many requests the kernel reads the head's device copy, which the copy kernel (with the kernel) makes
     first; fixed for the Derivation's life, so a key's captured work never changes its reads."""
 
@@ -91,9 +93,10 @@ class Derivation:
         n = self.counters.numel() * 4 + sum(m.numel() * 4 for m in self._meta.values())
         return {f"derive meta ({len(self._meta)} shapes)": (n, 0)}
 
-    def meta(self, offsets: Offsets, q_len: int) -> torch.Tensor:
-        """The derive kernel's meta vector for one slot shape (see _derive_triton.derive)."""
-        key = (offsets.batch_size, offsets.num_tokens)
+    def meta(self, offsets: Offsets, q_len: int, listed: bool = False) -> torch.Tensor:
+        """The derive kernel's meta vector for one slot shape, of StepRows steps or listed ones (see
+        _derive_triton.derive; a listed step's has no table updates)."""
+        key = (offsets.batch_size, offsets.num_tokens, listed)
         m = self._meta.get(key)
         if m is None:
             g, G = offsets.groups, len(offsets.groups)
@@ -101,9 +104,25 @@ class Derivation:
             m = self._meta[key] = torch.tensor(
                 [offsets.batch_size, q_len, self.page_size, self.width, offsets.table_rows, offsets.kv_lens, offsets.qo,
                  g[0].kv_indptr, stride[0], g[0].first_page, g[0].indices, stride[1], offsets.updates,
-                 offsets.update_capacity, offsets.fence, offsets.slots, *self.windows], dtype=torch.int32,
-                device=self.table.device)
+                 0 if listed else offsets.update_capacity, offsets.fence, offsets.slots, int(listed), *self.windows],
+                dtype=torch.int32, device=self.table.device)
         return m
+
+
+def listed_step(plan: AttentionPlan) -> bool:
+    """Whether a bucketed step of a spec whose groups all read the shared list (no own_pages, no cross groups) is a
+    StepBatch decode step the device derives like a StepRows one, from its KV lengths and its exact page lists
+    (build_plan's kv_indptr and kv_indices: the pages each length needs, from logical page 0): a plain decode step,
+    no cascade, draft round or token tree."""
+    return plan.rows is None and plan.mode is Mode.DECODE and plan.cascade is None and plan.draft_step is None \
+        and plan.tree is None
+
+
+def work_key(step: DeviceStep, derived: bool) -> tuple:
+    """The graph key of a commit's device work (rows_work): derived from the page table (a StepRows step), from its
+    staged lists (a listed step), or the staged arrays' copy and gather (`derived` False)."""
+    kind = "staged" if not derived else "derived" if step.plan.rows is not None else "listed"
+    return kind, step.slot, step.padded_batch_size, step.padded_num_tokens, step.plan.backend
 
 
 def apply_updates(table: torch.Tensor, buf: torch.Tensor, offsets: Offsets) -> None:
@@ -114,31 +133,32 @@ def apply_updates(table: torch.Tensor, buf: torch.Tensor, offsets: Offsets) -> N
 
 
 def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation,
-                  fence: torch.Tensor | None, slot: int) -> None:
+                  fence: torch.Tensor | None, slot: int, listed: bool = False) -> None:
     """A bucketed StepRows step's whole device work by the Triton kernels: from its staged head in `src` (the
     slot's int32 staging, pinned on CUDA) into the slot buffer `buf` (int32, on the table's device): the table
     updates applied, the head's rows and kv_lens copied, every derived array filled (q_len tokens per request);
     `fence` (an int32 [1] pinned cell, or None) gets the staged fence value once the staging was read. slot: the
     pool slot (its counter). Up to d.copy_first requests one launch reads `src` in place; past it the copy kernel
-    moves the head (up to offsets.draft) into `buf` first and the derive kernel reads that: two launches."""
+    moves the head (up to offsets.draft) into `buf` first and the derive kernel reads that: two launches.
+    listed: a StepBatch decode step (listed_step): each request's pages are read from its exact list, staged in
+    `src` at group 0's indices offset (always the staging itself), instead of from the page table; no updates."""
     R, G = offsets.batch_size, len(offsets.groups)
     if not 0 <= slot < d.counters.numel() // 4 - 1:
         raise ValueError(f"derive_staged: slot {slot}, but the Derivation counts {d.counters.numel() // 4 - 1} slots")
+    pages = src if listed else d.table
     if R > d.copy_first:  # (the kernel then rewrites the head's rows and lengths in place with the values it read)
         d.copy_kernel[(-(-offsets.draft // d.copy_block),)](buf, src, offsets.draft, BLOCK=d.copy_block)
         src = buf
-    d.kernel[(R + 1, G)](buf, src, d.table, d.meta(offsets, q_len), d.counters[4 * slot : 4 * slot + 1],
+    d.kernel[(R + 1, G)](buf, src, pages, d.meta(offsets, q_len, listed), d.counters[4 * slot : 4 * slot + 1],
                          d.counters[-4:-3] if fence is None else fence, BLOCK_R=max(16, 1 << (R - 1).bit_length()),
                          BLOCK_Q=max(16, 1 << (q_len - 1).bit_length()))
 
 
-def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> None:
-    """Fill a bucketed StepRows step's arrays in the slot buffer `buf` (int32, on the table's device)
-    from its rows and kv_lens in buf's head (see the module docstring), q_len tokens per request, the
-    table's updates applied (torch ops; the Triton kernel: derive_staged). Reads nothing back to the host."""
+def _spans(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> tuple[torch.Tensor, torch.Tensor]:
+    """qo_indptr and each group's first_page, kv_indptr, last_page_len and kv_lens into `buf` from the kv_lens in
+    its head (torch ops); returns (kv [R] int32, the tokens' positions [R, q_len] int64)."""
     R, ps = offsets.batch_size, d.page_size
     kv = buf[offsets.kv_lens : offsets.kv_lens + R]
-    rows = buf[offsets.table_rows : offsets.table_rows + R]
     buf[offsets.qo : offsets.qo + R + 1].copy_(torch.arange(R + 1, device=buf.device) * q_len)
     need = (kv + (ps - 1)).div_(ps, rounding_mode="floor")
     for o, w in zip(offsets.groups, d.windows):
@@ -149,10 +169,41 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) 
         torch.cumsum(need - first, 0, out=buf[o_ptr + 1 : o_ptr + R + 1])
         buf[o_lpl : o_lpl + R] = kv - (need - 1) * ps
         buf[o_len : o_len + R] = kv - first * ps
-    pos = (kv[:, None] - q_len).long() + torch.arange(q_len, device=buf.device)
+    return kv, (kv[:, None] - q_len).long() + torch.arange(q_len, device=buf.device)
+
+
+def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> None:
+    """Fill a bucketed StepRows step's arrays in the slot buffer `buf` (int32, on the table's device)
+    from its rows and kv_lens in buf's head (see the module docstring), q_len tokens per request, the
+    table's updates applied (torch ops; the Triton kernel: derive_staged). Reads nothing back to the host."""
+    R, ps = offsets.batch_size, d.page_size
+    rows = buf[offsets.table_rows : offsets.table_rows + R]
+    kv, pos = _spans(buf, offsets, q_len, d)
     page = d.table[rows.long()[:, None] * d.width + pos.div(ps, rounding_mode="floor")]
     buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64).copy_((page.long() * ps + pos % ps).view(-1))
     gather_csr(d.table, d.width, rows, buf, offsets.groups, d.capacity)
+
+
+def derive_listed(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> None:
+    """Fill a bucketed StepBatch decode step's arrays (listed_step) in the slot buffer `buf` (int32) from the
+    kv_lens in its head and each request's exact page list, request after request, in group 0's index region
+    (padding requests: q_len tokens, one scratch page each), as derive_rows does from the page table (torch ops:
+    every group's list gathered over the whole index region; the Triton kernel: derive_staged(listed=True))."""
+    R, ps, cap = offsets.batch_size, d.page_size, d.capacity
+    i0 = offsets.groups[0].indices
+    lists = buf[i0 : i0 + cap].clone()  # (group 0's own list is rewritten below: a window group's is trimmed)
+    kv, pos = _spans(buf, offsets, q_len, d)
+    need = (kv + (ps - 1)).div(ps, rounding_mode="floor").long()
+    start = torch.cumsum(need, 0) - need  # where each request's list starts in `lists`
+    page = lists[(start[:, None] + pos.div(ps, rounding_mode="floor")).clamp_(max=cap - 1)]
+    buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64).copy_((page.long() * ps + pos % ps).view(-1))
+    j = torch.arange(cap, device=buf.device)
+    for o in offsets.groups:
+        indptr, first = buf[o.kv_indptr : o.kv_indptr + R + 1].long(), buf[o.first_page : o.first_page + R].long()
+        i = (torch.searchsorted(indptr[1:], j, right=True)).clamp_(max=R - 1)  # the request entry j belongs to
+        src = (start[i] + first[i] + j - indptr[i]).clamp_(0, cap - 1)
+        dst = torch.where(j < indptr[R], j, cap)  # (past the step's entries: the dump)
+        buf[o.indices : o.indices + cap + 1].index_copy_(0, dst, lists[src])
 
 
 def rows_work(d: Derivation, dev: torch.Tensor, host: torch.Tensor, fence: torch.Tensor | None, step: DeviceStep,
@@ -169,10 +220,16 @@ def rows_work(d: Derivation, dev: torch.Tensor, host: torch.Tensor, fence: torch
     end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)
 
     fused = derived and d.kernel is not None  # (the Triton kernels read the staging and write the fence)
+    listed = step.plan.rows is None  # (a derived StepBatch decode step: its pages from its staged lists)
+    i0 = offsets.groups[0].indices
 
     def work():
         if fused:
-            derive_staged(dev, host, offsets, step.q_len, d, fence, step.slot)
+            derive_staged(dev, host, offsets, step.q_len, d, fence, step.slot, listed)
+        elif listed:
+            dev[:end].copy_(host[:end], non_blocking=True)
+            dev[i0 : i0 + d.capacity].copy_(host[i0 : i0 + d.capacity], non_blocking=True)
+            derive_listed(dev, offsets, step.q_len, d)
         elif derived:
             dev[:end].copy_(host[:end], non_blocking=True)
             apply_updates(d.table, dev, offsets)
@@ -182,7 +239,7 @@ def rows_work(d: Derivation, dev: torch.Tensor, host: torch.Tensor, fence: torch
             at = offsets.updates
             d.table.index_copy_(0, dev[at : at + U].long(), dev[at + U : at + 2 * U])
             gather_csr(d.table, d.width, step.table_rows, dev, offsets.groups, d.capacity)
-        if state is not None:  # a backend's own arrays (dense page tables)
+        if state is not None and not listed:  # a backend's own arrays (dense page tables, from the page table)
             state.gather(step)
         if fence is not None and not fused:  # the last node
             fence.copy_(dev[offsets.fence : offsets.fence + 1], non_blocking=True)

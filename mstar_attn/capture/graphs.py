@@ -67,9 +67,10 @@ class DecodeGraphs:
         self.memory = None  # the graphs' shared memory pool, made at the first capture
         # (slot, bucket, q_len, backend, cascade, tree) -> (graph, its output)
         self.graphs: dict[tuple[int, int, int, str, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # the same keys -> the graph that first runs a deferred commit's device work (commit(defer=True)),
-        # captured at the first such step of the key: then one launch per step does both
-        self.prepared: dict[tuple[int, int, int, str, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # the same keys and the kind of commit work ("derived", "listed") -> the graph that first runs a deferred
+        # commit's device work (commit(defer=True)), captured at the first such step of the key: then one launch per
+        # step does both
+        self.prepared: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _check_capture(self, buckets, q_lens, backends, trees: bool = False) -> None:
         pool = self.pool
@@ -177,6 +178,7 @@ class DecodeGraphs:
         work = self.pool.device_work
         pending = work.pending_key(step.slot, step.generation)
         if pending is not None:
+            key = (*key, pending[0])  # (the folded graph of this kind of commit work: derived or listed)
             full = self.prepared.get(key)
             if full is not None:  # the commit's work, then the forward: one launch
                 work.taken(step.slot)

@@ -3,12 +3,11 @@
 State lives here and nowhere else: per slot, one pinned int32 staging buffer and its device twin (laid out by
 `Layout`), and each backend's PoolState (FlashInfer wrappers, FA4 page tables) bound to them. `commit(plan)` checks
 everything first (a commit that raises changes nothing), stages the plan into the next slot, queues its copies and
-device work, runs the backend's host scheduling and returns a `DeviceStep`; a slot's next decode step that differs
-by its lengths only takes the steady commit (steady.py). Two slots let the host commit step N+1 while the GPU reads
-step N; a slot's staging is rewritten only once the copies out of it have run, which an event recorded at commit
-proves, or the fence a derived commit's graph writes back (lease.py).
-
-Everything the pool keeps is bounded by its constructor's arguments: views are cached only for bucketed shapes
+device work (bucketed decode steps: derived on the device, derive.py), runs the backend's host scheduling and returns
+a `DeviceStep`; a slot's next decode step that differs by its lengths only takes the steady commit (steady.py). Two
+slots let the host commit step N+1 while the GPU reads step N; a slot's staging is rewritten only once the copies
+out of it have run, which an event recorded at commit proves, or the fence a derived commit's graph writes back
+(lease.py). All the pool keeps is bounded by its constructor's arguments: views are cached only for bucketed shapes
 (slots x buckets x q_lens), backend states keep one state per slot, group, bucket and q_len (memory_report()).
 """
 from __future__ import annotations
@@ -20,7 +19,7 @@ import warnings
 import numpy as np
 import torch
 
-from mstar_attn.cache import default_device
+from mstar_attn.cache import pool_device
 from mstar_attn.capture import checks, cross, derive, rounds
 from mstar_attn.capture.layout import SlotViews, slot_views
 from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits, limits_of, sizing  # noqa: F401  (re-exported)
@@ -57,21 +56,11 @@ class GraphBufferPool(SizedBounds):
                  num_slots: int = 2, float_workspace_bytes: int = FLOAT_WORKSPACE_BYTES, **bounds):
         if not isinstance(spec, AttentionSpec):
             raise PlanError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-        self.spec, self.limits = spec, limits_of(limits, bounds)
-        device = default_device(device)
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise PlanError(f"device: {device!r} is not a torch device ({e})") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise PlanError(f"device: {device!r}, but this torch ({torch.__version__}) sees no CUDA device; a CPU pool "
-                            "is device='cpu' (with backend='reference')")
+        self.spec, self.limits, self.device = spec, limits_of(limits, bounds), pool_device(device)
         size = self.sizing = sizing(spec, self.limits)  # (its bounds read as the pool's: SizedBounds)
         self.float_workspace_bytes = positive_int("float_workspace_bytes", float_workspace_bytes)
         ps, max_requests = spec.page_size, self.limits.max_requests
         cuda = self.cuda = self.device.type == "cuda"
-        if cuda and self.device.index is None:  # "cuda": the current device, fixed now
-            self.device = torch.device("cuda", torch.cuda.current_device())
         slots = positive_int("num_slots", num_slots)
         self.host = [torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=cuda) for _ in range(slots)]
         self.host_np = [h.numpy() for h in self.host]
@@ -97,8 +86,11 @@ class GraphBufferPool(SizedBounds):
         # per slot, its last general decode commit's decisions, for the steady commits after it (steady.py)
         self.steady = SteadySlots(self.slots, self.host_np, self.unstaged, self.held, self.table,
                                   self.layout.index_capacity, self.current_stream)
-        self.derivation = None if self.table is None else derive.Derivation(  # bucketed StepRows steps (derive.py)
-            self.table.dev, self.table.width, spec.groups, ps, self.layout.index_capacity,
+        # bucketed decode StepBatch steps whose groups all read the shared list: derived too, from their staged lists
+        self.lists_derived = not spec.own_page_groups and not spec.has_cross
+        self.derivation = None if self.table is None and not self.lists_derived else derive.Derivation(  # (derive.py)
+            self.table.dev if self.table is not None else torch.zeros(1, dtype=torch.int32, device=self.device),
+            0 if self.table is None else self.table.width, spec.groups, ps, self.layout.index_capacity,
             derive.triton_kernel() if cuda and derive.USE_TRITON else None, slots)
         self.view = PoolView(spec=spec, sizing=size, device=self.device, host=self.host, dev=self.dev, table=self.table,
                              cross_table=self.cross_table, float_workspace_bytes=self.float_workspace_bytes,
@@ -172,8 +164,8 @@ class GraphBufferPool(SizedBounds):
             state.check(plan, bucket)
         here = self.current_stream() if self.cuda else None
         side = stream if stream is not None and self.cuda and stream != here else None
-        if plan.rows is not None and bucket is not None:  # the device derives the step's arrays (derive.py)
-            return self._commit_derived(plan, bucket, state, slot, here, side, defer)
+        if bucket is not None and (plan.rows is not None or self.lists_derived and derive.listed_step(plan)):
+            return self._commit_derived(plan, bucket, state, slot, here, side, defer)  # the device derives its arrays
         return self._commit_staged((plan,), bucket, state, slot, here, side, False)[0]
 
     def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:
@@ -259,25 +251,27 @@ class GraphBufferPool(SizedBounds):
 
     def _commit_derived(self, plan: AttentionPlan, bucket: int, state, slot: int | None, here, side,
                         defer: bool) -> DeviceStep:
-        """commit for a bucketed StepRows step (after validate and the backend state's check): the table check,
-        then the rows, lengths and table updates staged in the slot's head, and the device work that
-        derives every other array from them (derive.rows_work): deferred with `defer` (see commit),
-        else one graph launch. Its StepShape is made once per slot and bucket shape. A backend state that
-        plans from host arrays (not lazy_host_arrays) gets them staged, and runs after the device work."""
-        table, lease, q_len = self.table, self.leases, plan.max_q_len
-        table.check_step(plan, slots=False)  # the last check, O(B)
+        """commit for a bucketed StepRows step or listed step (derive.listed_step), after validate and the backend
+        state's check: the table check, the rows, lengths and table updates (a listed step: lengths and page lists)
+        staged, and the device work deriving every other array (derive.rows_work): deferred with `defer` (see
+        commit), else one graph launch. A backend state that plans from host arrays (not lazy_host_arrays) gets
+        them staged, and runs after the device work."""
+        table, lease, q_len, listed = self.table, self.leases, plan.max_q_len, plan.rows is None
+        if not listed:
+            table.check_step(plan, slots=False)  # the last check, O(B)
         s = self.free_slot(slot)
         shape = self._kept_shape(s, bucket, q_len)
         offsets = self._offsets[(bucket, q_len)]
-        updates = table.take_updates()  # (put back if the commit fails)
+        updates = None if listed else table.take_updates()  # (put back if the commit fails)
         h, lazy = self.host_np[s], state is None or state.lazy_host_arrays  # (lazy: no planner reads the host arrays)
         try:
-            left = stage_derived(h, plan, offsets, bucket, q_len, updates, table, self.held[s])
+            left, paged = stage_derived(h, plan, offsets, bucket, q_len, updates, table, self.held[s])
             h[offsets.fence] = lease.next_fence(s)
             if not lazy:  # the pinned O(rows) arrays, for a backend state that plans from them (else stage_host, if asked)
                 stage_requests(h, plan, offsets, bucket, q_len)
         except BaseException:
-            table.restore_updates(updates)
+            if updates is not None:
+                table.restore_updates(updates)
             raise
         generation = self.generations[s] = self.generations[s] + 1  # from here on the slot's previous step is stale
         self.unstaged[s] = generation if lazy else -1
@@ -293,7 +287,7 @@ class GraphBufferPool(SizedBounds):
             step = DeviceStep.made(plan, shape, generation, self.slots, side)
             self.last_commit_bytes = sent = table.send(updates) if left else 0  # (admissions past the head: sent first)
             if not lazy:
-                self._rows_device_work(step, state, offsets, True)
+                self._rows_device_work(step, state, offsets, True, paged)
             if state is not None:  # (a fresh object no caller has seen yet: set, not rebuilt)
                 object.__setattr__(step, "scheduled", state.schedule(step))
             if lazy:  # (after the backend state's copies: their order does not matter, the arrays are the same)
@@ -301,18 +295,19 @@ class GraphBufferPool(SizedBounds):
                 # backend state planned from it (staged the host arrays) or anything was uploaded
                 fenced = side is None and self.unstaged[s] == generation and self.last_commit_bytes == sent
                 if defer and fenced:  # (the work left for the step's first use: see commit)
-                    key, work = ("derived", s, bucket, bucket * q_len, plan.backend), lambda st: self._work(st, state, offsets, True)
+                    key, work = derive.work_key(step, True), lambda st: self._work(st, state, offsets, True)
                     self.device_work.defer(s, generation, key, lambda: work(step), on)
-                    self.last_commit_bytes += offsets.draft * 4
+                    self.last_commit_bytes += (offsets.draft + paged) * 4
                     if decode_rows(plan) and (terms := SteadyTerms(scheduled=()) if state is None else state.steady(step)):
                         self.steady.record(s, step, terms, key, work, offsets, here)
                 else:
-                    self._rows_device_work(step, state, offsets, True)
+                    self._rows_device_work(step, state, offsets, True, paged)
                 fenced = fenced and here is not None
             if side is None and here is not None:  # (see commit)
                 lease.claim_consumer(s, here, "commit")
         except BaseException:
-            table.restore_updates(updates)
+            if updates is not None:
+                table.restore_updates(updates)
             self.device_work.drop(s)  # (a deferred work of this commit: never launched)
             self.steady.drop(s)
             fenced = False
@@ -354,12 +349,13 @@ class GraphBufferPool(SizedBounds):
         s, fence = step.slot, self.leases.fence_cell(step.slot) if derived and self.cuda else None
         return derive.rows_work(self.derivation, self.dev[s], self.host[s], fence, step, state, offsets, derived)
 
-    def _rows_device_work(self, step: DeviceStep, state, offsets, derived: bool) -> None:
+    def _rows_device_work(self, step: DeviceStep, state, offsets, derived: bool, paged: int = 0) -> None:
         """A StepRows commit's device work (derive.rows_work), launched now: replayed as one graph for a bucketed CUDA
-        step (captured at the first commit of its key), so its host cost is one launch (deferred: _commit_derived)."""
-        key = ("derived" if derived else "staged", step.slot, step.padded_batch_size, step.padded_num_tokens, step.plan.backend)
+        step (captured at the first commit of its key), so its host cost is one launch (deferred: _commit_derived).
+        paged: the page ids a derived StepBatch step staged (its work reads them)."""
+        key = derive.work_key(step, derived)
         self.device_work.run(key, derived, self._work(step, state, offsets, derived))
-        self.last_commit_bytes += (offsets.draft if derived else offsets.head_end) * 4  # (what the work's copy moves)
+        self.last_commit_bytes += ((offsets.draft + paged) if derived else offsets.head_end) * 4  # (what the work reads)
 
     def stage_host(self, step: DeviceStep) -> None:
         """Write a derived step's O(rows) arrays (stage_requests) into its slot's pinned staging for a backend state

@@ -73,23 +73,42 @@ class StagedHead:
     clean: bool = False
 
 
-def stage_derived(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, updates: np.ndarray,
-                  table: PageTable, held: StagedHead) -> int:
+def stage_derived(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, updates: np.ndarray | None,
+                  table: PageTable | None, held: StagedHead) -> tuple[int, int]:
     """Write a bucketed StepRows step into a slot's staging h: the table rows and KV lengths (padding
     requests: the scratch row and q_len tokens) and the table updates, all the device derives the
     step from (capture/derive.py); the rows, padding and an empty update region only when `held` (the
-    slot's last derived commit, updated here) did not leave them. Returns how many updates did not fit
-    (see stage_table)."""
+    slot's last derived commit, updated here) did not leave them. A listed step (a StepBatch decode step,
+    derive.listed_step; no updates or table): stage_listed, `held` emptied. Returns (how many updates did not fit,
+    see stage_table; the page entries a listed step staged)."""
+    if plan.rows is None:
+        held.rows = ()  # (the head's lengths in another layout: the slot's next StepRows step stages the head whole)
+        return 0, stage_listed(h, plan, offsets, rows, q_len, plan.spec.scratch_page)
     B, at = plan.batch_size, offsets.kv_lens
     h[at : at + B] = plan.kv_lens
     key = (table.checked_rows, rows, q_len)  # (the plan's rows, as bytes: commit ran table.check_step on them)
     if key == held.rows and held.clean and not updates.shape[0]:
-        return 0
+        return 0, 0
     held.rows = ()  # (until the head is whole again: an exception below leaves no false memo)
     h[at + B : at + rows] = q_len
     left = stage_table(h, offsets, plan.rows, rows, updates, table)
     held.rows, held.clean = key, left > 0 or not updates.shape[0]
-    return left
+    return left, 0
+
+
+def stage_listed(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, scratch_page: int) -> int:
+    """Write a bucketed StepBatch decode step whose groups read the shared list (derive.listed_step) into a slot's
+    staging h: its KV lengths (padding requests: q_len) in the head, and its exact page lists [n], request after
+    request, at group 0's indices (padding requests: one scratch page each), all the device derives the step from
+    (capture/derive.py). Returns the page entries staged."""
+    B, at, per = plan.batch_size, offsets.kv_lens, -(-q_len // plan.spec.page_size)
+    h[at : at + B] = plan.kv_lens
+    h[at + B : at + rows] = q_len
+    i0, n = offsets.groups[0].indices, plan.kv_indices.shape[0]
+    h[i0 : i0 + n] = plan.kv_indices
+    end = n + (rows - B) * per
+    h[i0 + n : i0 + end] = scratch_page
+    return end
 
 
 def stage_table(h: np.ndarray, offsets: Offsets, table_rows: np.ndarray, rows: int, updates: np.ndarray,

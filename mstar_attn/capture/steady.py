@@ -98,7 +98,7 @@ class Steady:
 def decode_rows(plan: AttentionPlan) -> bool:
     """Whether `plan` is a lazy StepRows decode plan (build_plan of StepRows.decode) and nothing else: no draft
     step (those commit as a round), no cascade, no token tree (each of those schedules otherwise)."""
-    return plan.lazy and plan.tree is None and plan.draft_step is None and plan.cascade is None
+    return plan.lazy and plan.rows is not None and plan.tree is None and plan.draft_step is None and plan.cascade is None
 
 
 def allowed(table: PageTable, rows: np.ndarray, promise: tuple) -> Ranges:

@@ -12,13 +12,14 @@ from mstar_attn.metadata._arrays import INT32_MAX, SHORT, fail_at, read_only
 import attrs
 
 from mstar_attn.metadata.backends import AUTO, AUTO_CASCADE, BACKENDS, CASCADE_BACKENDS, TREE_BACKENDS
-from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, StepRows
+from mstar_attn.metadata.batch import GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.cascade import plan_cascade
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan
+from mstar_attn.metadata.groups import GroupPlan, StepArrays
+from mstar_attn.metadata.listed import decode_slots, group_lists, plan_listed_decode
 from mstar_attn.metadata.pages import gather_ranges, read_pages, scan_ownership
 from mstar_attn.metadata.select import resolve_backend
-from mstar_attn.metadata.record import (ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, decode_arrays, decode_qo_indptr, groups_of,
+from mstar_attn.metadata.record import (ARANGE, MAX_VERIFY_Q_LEN, AttentionPlan, Mode, decode_qo_indptr, groups_of,
                                          new_token_positions)
 from mstar_attn.metadata.spec import AttentionSpec, Kind
 from mstar_attn.metadata.tree import DraftTree
@@ -51,7 +52,7 @@ def build_plan(batch: StepBatch | StepRows, spec: AttentionSpec, *, check_owners
         raise PlanError(f"batch: expected a StepBatch or StepRows, got {type(batch).__name__}")
     if not isinstance(check_ownership, bool):
         raise PlanError(f"check_ownership: expected True or False, got {check_ownership!r}")
-    return _plan_batch_decode(batch, spec, check_ownership) or _plan(batch, spec, check_ownership, spec.num_pages)
+    return plan_listed_decode(batch, spec, check_ownership) or _plan(batch, spec, check_ownership, spec.num_pages)
 
 
 def build_tree_plan(batch: StepBatch | StepRows, spec: AttentionSpec, tree: DraftTree) -> AttentionPlan:
@@ -213,7 +214,7 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
 
     mode, T, qo_indptr, positions = _new_tokens(q, kv, q_max)
     if mode is Mode.DECODE:  # one token per request, written on its last page
-        written, slot_mapping = _decode_slots(kv_indices, kv_indptr, last_page_len, ps)
+        written, slot_mapping = decode_slots(kv_indices, kv_indptr, last_page_len, ps)
     else:
         page_of = np.repeat(kv_indptr[:-1], q) + (positions // ps)
         slot_mapping = kv_indices[page_of].astype(np.int64) * ps + positions % ps
@@ -224,99 +225,8 @@ def _plan(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, page_lim
     read_only(kv_indices, slot_mapping)
     step = StepArrays(mode=mode, q=q, kv=kv, num_tokens=T, q_max=q_max, qo_indptr=qo_indptr, positions=positions, need=need,
                       kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last_page_len, slot_mapping=slot_mapping)
-    own = _group_lists(batch, spec, step, page_limit, check_ownership)
+    own = group_lists(batch, spec, step, page_limit, check_ownership)
     return _finish(spec, step, block_table=batch.block_table, backend=backend, own=own, cascade=cascade)
-
-
-def _group_lists(batch: StepBatch, spec: AttentionSpec, step: StepArrays, page_limit: int, check_ownership: bool) -> dict:
-    """The GroupPlans of the groups with lists of their own (cross-table rows, cross pages, own pages), checked."""
-    B = step.q.shape[0]
-    return {g: cross_rows_plan(g, pages, spec, B) if isinstance(pages, CrossRows)
-            else cross_plan(g, pages, spec, B, page_limit, check_ownership) if spec.groups[g].cross
-            else own_plan(g, pages, spec, step, page_limit, check_ownership)
-            for g, pages in _own_lists(batch, spec)}
-
-
-def _plan_batch_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) -> AttentionPlan | None:
-    """_plan for a decode step (every q_len 1) whose requests list exactly the pages their lengths need on the
-    shared list (the lists of groups that keep their own, cross groups' included, as _plan checks them; no block
-    table, cascade off): the same checks and the same plan in fewer numpy calls (the per-step path of an engine that lists pages).
-    None for any other step, and for one that fails a check of the batch: _plan then names what is wrong, so both
-    paths raise the same errors (the backend's check, resolve_backend, raises its own PlanError here, as in _plan)."""
-    q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
-    ps, B, n = spec.page_size, kv.shape[0], idx.shape[0]
-    if batch.block_table is not None or spec.cascade_groups or batch.page_size != ps \
-            or q.shape[0] != B or indptr.shape[0] != B + 1 or not 0 < B < ARANGE.shape[0]:
-        return None
-    if B <= SHORT:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
-        new, lengths = q.tolist(), kv.tolist()
-        one, lo, hi = min(new) == max(new) == 1, min(lengths), max(lengths)
-    else:
-        lengths, (one, lo, hi) = None, (_MIN(q) == _MAX(q) == 1, int(_MIN(kv)), int(_MAX(kv)))
-    if not one or lo < 1 or hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:  # (every sum of need fits int32:
-        return None                                                                    # an indptr matching it never wrapped)
-    step = decode_arrays(spec, q, kv, hi, lengths)  # (its kv_indptr is the page_indptr of exact lists)
-    end = int(indptr[-1])
-    if end > n or step.kv_indptr.tobytes() != indptr.tobytes():
-        return None
-    listed = idx[:end]
-    if _MIN(listed) < 0 or _MAX(listed) >= spec.num_pages:
-        return None
-    written, slot_mapping = _decode_slots(listed, indptr, step.last_page_len, ps)
-    if check_ownership:
-        try:
-            scan_ownership(spec, indptr, listed, written)
-        except PlanError:
-            return None
-    read_only(listed, slot_mapping)
-    step.kv_indptr, step.kv_indices, step.slot_mapping = indptr, listed, slot_mapping  # (the batch's own, as in _plan)
-    own = None
-    if batch.group_pages or spec.own_page_groups:  # (the groups' own lists: _plan's checks, on these arrays)
-        try:
-            own = _group_lists(batch, spec, step, spec.num_pages, check_ownership)
-        except PlanError:
-            return None
-    plan = AttentionPlan.listed_decode(spec, step, groups_of(spec, step, own), resolve_backend(spec, Mode.DECODE, B, B, 1, hi))
-    object.__setattr__(plan, "sealed", True)
-    return plan
-
-
-def _decode_slots(kv_indices: np.ndarray, kv_indptr: np.ndarray, last_page_len: np.ndarray, ps: int):
-    """A decode step's written pages [B] (each request's last listed page) and slot_mapping [B] int64 (where its one
-    new token goes: that page's last_page_len - 1)."""
-    written = kv_indices[kv_indptr[1:] - 1]
-    slot_mapping = np.multiply(written, ps, dtype=np.int64)
-    slot_mapping += last_page_len
-    slot_mapping -= 1
-    return written, slot_mapping
-
-
-def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPages]]:
-    """The batch's own page lists, checked against the spec: exactly the own_pages groups have one."""
-    for g, _ in batch.group_pages:
-        if g >= len(spec.groups):
-            raise PlanError(f"group_pages[{g}]: the spec has {len(spec.groups)} layer groups (0..{len(spec.groups) - 1})")
-        if not spec.groups[g].own_pages:
-            raise PlanError(f"group_pages[{g}]: layer group {g} reads the shared page list (its LayerGroup has "
-                            "own_pages=False), so the batch may not give it a list of its own")
-    for g, pages in batch.group_pages:
-        if isinstance(pages, CrossRows) and not spec.groups[g].cross:
-            raise PlanError(f"group_pages[{g}]: CrossRows name a cross-attention group's encoder pages; layer group {g} "
-                            "is not one (give it a GroupPages)")
-        if isinstance(pages, CrossRows):
-            continue
-        if not spec.groups[g].cross and (pages.kv_lens is not None or pages.new_lens is not None):
-            raise PlanError(f"group_pages[{g}]: kv_lens / new_lens are for cross-attention groups; layer group {g} "
-                            "reads the step's own tokens")
-    if sum(isinstance(p, CrossRows) for _, p in batch.group_pages) > 1:
-        raise PlanError("group_pages: one cross-attention group per step may name cross-table rows (CrossRows); "
-                        "make the cross layers one layer group, or list the other groups' pages (GroupPages.cross)")
-    given = {g for g, _ in batch.group_pages}
-    for g in spec.own_page_groups:
-        if g not in given:
-            raise PlanError(f"group_pages: layer group {g} keeps its own page list (own_pages=True); the batch must "
-                            f"give it: StepBatch.from_...(..., group_pages={{{g}: GroupPages(...)}})")
-    return list(batch.group_pages)
 
 
 def _plan_rows(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:

@@ -86,7 +86,6 @@ class AttentionPlan:
     q_lens: np.ndarray = array_field()
     kv_lens: np.ndarray = array_field()
     kv_indices: np.ndarray | None = nullable_array_field()
-    slot_mapping: np.ndarray | None = nullable_array_field()
     block_table: np.ndarray | None = optional_array_field()
     backend: str = "flashinfer"  # the BACKENDS name that serves this step
     rows: np.ndarray | None = optional_array_field()  # StepRows plans: each request's page-table row
@@ -101,6 +100,7 @@ class AttentionPlan:
     _kv_indptr: np.ndarray | None = _array_arg("kv_indptr")
     _kv_last_page_len: np.ndarray | None = _array_arg("kv_last_page_len")
     _positions: np.ndarray | None = _array_arg("positions")
+    _slot_mapping: np.ndarray | None = _array_arg("slot_mapping")
     _groups: tuple[GroupPlan, ...] | None = _array_arg("groups")
     _cache: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)  # a lazy plan's derived arrays
     # True only for plans build_plan / scratch_plan made: attrs.evolve makes a new plan through
@@ -111,6 +111,7 @@ class AttentionPlan:
     kv_indptr = property(lambda self: self._array("kv_indptr"), doc="[B+1] int32")
     kv_last_page_len = property(lambda self: self._array("kv_last_page_len"), doc="[B] int32")
     positions = property(lambda self: self._array("positions"), doc="[T] int64")
+    slot_mapping = property(lambda self: self._array("slot_mapping"), doc="[T] int64, or None (a StepRows plan)")
     groups = property(lambda self: self._array("groups"), doc="tuple[GroupPlan, ...], one per layer group")
 
     @classmethod
@@ -133,14 +134,29 @@ class AttentionPlan:
         plan = object.__new__(cls)
         plan.__dict__.update(_DECODE_DEFAULTS, spec=spec, batch_size=st.num_tokens, num_tokens=st.num_tokens,
                              max_kv_len=st.max_kv, q_lens=st.q, kv_lens=st.kv, kv_indices=st.kv_indices,
-                             slot_mapping=st.slot_mapping, backend=backend, _qo_indptr=st.qo_indptr,
+                             _slot_mapping=st.slot_mapping, backend=backend, _qo_indptr=st.qo_indptr,
                              _kv_indptr=st.kv_indptr, _kv_last_page_len=st.last_page_len, _positions=st.positions,
                              _groups=groups, _cache={})
         return plan
 
+    @classmethod
+    def lists_decode(cls, spec: AttentionSpec, q_lens: np.ndarray, kv_lens: np.ndarray, kv_indptr: np.ndarray,
+                     kv_indices: np.ndarray, max_kv_len: int, backend: str) -> AttentionPlan:
+        """The lazy plan of a decode step that lists exactly its pages (build_plan's per-step path for a StepBatch
+        whose groups all read the shared list): its lengths, kv_indptr [B+1] and kv_indices (the pages each length
+        needs, from logical page 0); every other array derived on first read (a pool derives them on the device
+        instead). Field for field what __init__ makes of these arguments, in one dict write (not sealed)."""
+        B = kv_lens.shape[0]
+        plan = object.__new__(cls)
+        plan.__dict__.update(_DECODE_DEFAULTS, spec=spec, batch_size=B, num_tokens=B, max_kv_len=max_kv_len,
+                             q_lens=q_lens, kv_lens=kv_lens, kv_indices=kv_indices, backend=backend,
+                             _kv_indptr=kv_indptr, _cache={})
+        return plan
+
     @property
     def lazy(self) -> bool:
-        """Whether this plan was built without its arrays (a StepRows decode plan: they are derived on read)."""
+        """Whether this plan was built without its arrays (a decode plan of StepRows, or of a StepBatch listing
+        exactly its pages: they are derived on read)."""
         return self._groups is None
 
     @property
@@ -154,13 +170,16 @@ class AttentionPlan:
         return given if given is not None else self._lazy(name)
 
     def _lazy(self, name: str):
-        """A StepRows decode plan's array `name`, derived on first read (positions and qo_indptr alone,
-        the rest together: `decode_arrays`); PlanError for a plan that holds no such array otherwise."""
+        """A lazy decode plan's array `name`, derived on first read (positions and qo_indptr alone, the rest
+        together: `decode_arrays`; a plan that lists its pages: slot_mapping and groups over its lists too); a
+        StepRows plan's slot_mapping is None; PlanError for a plan that holds no such array otherwise."""
         got = self._cache.get(name)
         if got is not None:
             return got
-        if self.rows is None or self.mode is not Mode.DECODE:
-            raise PlanError(f"AttentionPlan.{name}: this plan holds none, and only a StepRows decode plan derives its "
+        if name == "slot_mapping" and (self.rows is not None or self._groups is not None):
+            return None  # (a StepRows plan: the pool derives its slots)
+        if self.mode is not Mode.DECODE or self._groups is not None or (self.rows is None and self.kv_indices is None):
+            raise PlanError(f"AttentionPlan.{name}: this plan holds none, and only a lazy decode plan derives its "
                             "arrays from its lengths: make plans with build_plan (a hand-made plan lists them all)")
         kv, c = self.kv_lens, self._cache
         if name == "positions":
@@ -172,6 +191,10 @@ class AttentionPlan:
             step = decode_arrays(self.spec, self.q_lens, kv, self.max_kv_len)
             c.setdefault("positions", step.positions)
             c.setdefault("qo_indptr", step.qo_indptr)
+            if self.kv_indices is not None:  # (its lists: the pages of each length, from logical page 0)
+                step.kv_indptr, step.kv_indices = self._kv_indptr, self.kv_indices
+                step.slot_mapping = c["slot_mapping"] = listed_slots(self.kv_indices, step.kv_indptr, step.last_page_len,
+                                                                     self.spec.page_size)
             c["kv_indptr"], c["kv_last_page_len"], c["groups"] = step.kv_indptr, step.last_page_len, groups_of(self.spec, step)
             got = c[name]
         return got
@@ -241,11 +264,21 @@ class AttentionPlan:
 # the fields rows_decode / listed_decode do not take, as __init__ sets them for a decode plan (tests/metadata/test_record.py)
 _DECODE_DEFAULTS = {**{a.name: a.default for a in attrs.fields(AttentionPlan) if a.default is not attrs.NOTHING
                        and not isinstance(a.default, attrs.Factory)},
-                    "mode": Mode.DECODE, "max_q_len": 1, "kv_indices": None, "slot_mapping": None}
+                    "mode": Mode.DECODE, "max_q_len": 1, "kv_indices": None}
 
 _STORED = ("spec", "mode", "batch_size", "num_tokens", "max_q_len", "max_kv_len", "q_lens", "kv_lens", "kv_indices",
-           "slot_mapping", "block_table", "backend", "rows", "draft_step", "cascade", "tree")
-_DERIVED = ("qo_indptr", "kv_indptr", "kv_last_page_len", "positions", "groups")
+           "block_table", "backend", "rows", "draft_step", "cascade", "tree")
+_DERIVED = ("qo_indptr", "kv_indptr", "kv_last_page_len", "positions", "slot_mapping", "groups")
+
+
+def listed_slots(kv_indices: np.ndarray, kv_indptr: np.ndarray, last_page_len: np.ndarray, ps: int) -> np.ndarray:
+    """A decode step's slot_mapping [B] int64 (read-only) from its exact page lists (kv_indptr [B+1], kv_indices,
+    int32): each request's one new token goes to its last listed page, at that page's last_page_len [B] - 1."""
+    out = np.multiply(kv_indices[kv_indptr[1:] - 1], ps, dtype=np.int64)
+    out += last_page_len
+    out -= 1
+    out.flags.writeable = False
+    return out
 
 
 def _same(a, b) -> bool:

@@ -15,7 +15,8 @@ from mstar_attn.kernels.base import PoolStateBase
 from mstar_attn.metadata.backends import BACKENDS
 from mstar_attn.metadata.batch import StepRows
 from tests.capture.test_table import admit, table_pool
-from tests.helpers import fresh_seed, spec_for
+from tests.helpers import fresh_seed, pool_of, random_batch, spec_for
+from tests.support.staged import assert_same_arrays, staged_arrays, step_arrays
 
 GROUPS = (LayerGroup(), LayerGroup("window", window=9), LayerGroup("window", window=40))
 
@@ -32,6 +33,18 @@ def _random_step(seed: int, ps: int, q_len: int):
     plan = build_plan(StepRows(rows, q, kv) if q_len > 1 else StepRows.decode(rows, kv), spec)
     csr = build_plan(StepBatch.from_pages(q, kv, lists, ps), spec)
     return spec, pool, plan, csr
+
+
+def _random_listed_step(seed: int, ps: int, table: bool = False):
+    """A CPU pool (with a page table, or without) and a bucketed StepBatch decode step of 1..16 requests over random
+    pages (sometimes a spare page past what a request reads), which the pool derives from its staged lists."""
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=ps, num_pages=3000, groups=GROUPS)
+    pool = table_pool(spec, width=160) if table else pool_of(
+        spec, max_batch_size=32, max_num_tokens=600, max_num_pages=3000, device="cpu", buckets=(1, 2, 4, 8, 16))
+    B = int(rng.integers(1, 17))
+    kv = rng.integers(1, min(300, 140 * ps), B)
+    return spec, pool, build_plan(random_batch(rng, np.ones(B, np.int32), kv, ps, 3000, extra=int(rng.integers(0, 2))), spec)
 
 
 def _arrays(step):
@@ -51,21 +64,17 @@ def test_derived_arrays_equal_the_host_staged_ones_for_the_same_step(ps, q_len):
         seed = fresh_seed()
         spec, pool, plan, csr = _random_step(seed, ps, q_len)
         step = pool.commit(plan)
-        want = table_pool(spec, width=160).commit(csr)  # the same step by pages: staged on the host, padded
-        assert step.bucket is not None and step.padded_batch_size == want.padded_batch_size, f"seed {seed}"
-        got, ref = _arrays(step), _arrays(want)
-        assert np.array_equal(got[0], ref[0]), f"seed {seed}: qo_indptr"
-        for g, (a, b) in enumerate(zip(got[1:], ref[1:])):
-            for name, x, y in zip(("kv_indptr", "last_page_len", "kv_lens", "", "indices"), a, b):
-                if name:  # (first_page is a StepRows-only array: checked below)
-                    assert np.array_equal(x, y), f"seed {seed}, group {g}: {name}\n{x}\n{y}"
+        assert step.bucket is not None and step.padded_batch_size == pool.bucket_for(csr), f"seed {seed}"
+        # the same step by pages, as the host stages it, padded
+        assert_same_arrays(step_arrays(step), staged_arrays(pool, csr, step.padded_batch_size, q_len), f"seed {seed}")
+        got = _arrays(step)
+        for g, a in enumerate(got[1:]):  # (first_page: a derived step's array alone)
             kv_start = csr.groups[g].kv_start
             first = np.zeros(plan.batch_size, np.int32) if kv_start is None else kv_start // ps
             assert np.array_equal(a[3][: plan.batch_size], first), f"seed {seed}, group {g}: first_page"
             assert not a[3][plan.batch_size :].any(), f"seed {seed}, group {g}: padding first_page"
         T, N = plan.num_tokens, step.padded_num_tokens
         slots = step.slot_mapping.numpy()
-        assert np.array_equal(slots[:T], csr.slot_mapping), f"seed {seed}: slot_mapping"
         assert (slots[T:N] // ps == spec.scratch_page).all(), f"seed {seed}: padding rows write the scratch page"
 
 
@@ -80,6 +89,35 @@ def test_a_negative_control_a_wrong_window_is_caught(monkeypatch):
     got = _arrays(pool.commit(plan))[3]
     B = plan.batch_size
     assert not np.array_equal(got[2][:B], csr.groups[2].kv_lens), f"seed {seed}"
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_listed_decode_steps_derive_what_the_host_stages(ps):
+    """A bucketed StepBatch decode step whose groups read the shared list (window groups among them) takes the
+    derived commit: it stages its lengths and its page lists alone (the byte count: the head, then one entry per
+    listed page and padding request), and the arrays derived from them equal the host staging of the same step,
+    padding requests included; pools with a page table and without."""
+    for i in range(8):
+        seed = fresh_seed()
+        spec, pool, plan = _random_listed_step(seed, ps, table=i % 2 == 1)
+        step = pool.commit(plan)
+        R, B = step.padded_batch_size, plan.batch_size
+        assert step.bucket is not None, f"seed {seed}"
+        assert pool.last_commit_bytes == 4 * (pool.layout.at(R, R).draft + plan.kv_indices.shape[0] + R - B), f"seed {seed}"
+        assert_same_arrays(step_arrays(step), staged_arrays(pool, plan, R), f"seed {seed}")
+
+
+def test_a_negative_control_a_listed_step_with_a_wrong_window_is_caught(monkeypatch):
+    """The comparison above sees a derivation of a listed step that reads one window group as a full one."""
+    seed = fresh_seed()
+    spec, pool, plan = _random_listed_step(seed, 4)
+    while plan.max_kv_len <= 48:
+        seed = fresh_seed()
+        spec, pool, plan = _random_listed_step(seed, 4)
+    monkeypatch.setattr(pool.derivation, "windows", (0, 9, 0))
+    step = pool.commit(plan)
+    with pytest.raises(AssertionError):
+        assert_same_arrays(step_arrays(step), staged_arrays(pool, plan, step.padded_batch_size), f"seed {seed}")
 
 
 def copy_reads(monkeypatch, copy_first: bool) -> None:
@@ -105,15 +143,32 @@ def derive_again(pool, step, kernel, device: str):
             buf[a : a + n] = -7
     buf[offsets.qo : offsets.qo + R + 1] = -7
     buf[offsets.slots : offsets.slots + 2 * N] = -7
-    d = pool.derivation
+    d, listed = pool.derivation, step.plan.rows is None  # (listed: a StepBatch decode step, from its staged lists)
     again = derive.Derivation(d.table.to(device), d.width, pool.spec.groups, pool.spec.page_size, d.capacity, kernel)
-    if kernel is None:
+    if kernel is None and listed:  # (the torch ops read the lists the work copied into group 0's index region)
+        i0 = offsets.groups[0].indices
+        buf[i0 : i0 + d.capacity] = pool.host[step.slot][i0 : i0 + d.capacity].to(device)
+        derive.derive_listed(buf, offsets, step.q_len, again)
+    elif kernel is None:
         derive.derive_rows(buf, offsets, step.q_len, again)
     else:
         buf[offsets.table_rows : offsets.table_rows + R] = -7
         buf[offsets.kv_lens : offsets.kv_lens + R] = -7
-        derive.derive_staged(buf, staging_on(pool.host[step.slot], device), offsets, step.q_len, again, None, step.slot)
+        derive.derive_staged(buf, staging_on(pool.host[step.slot], device), offsets, step.q_len, again, None, step.slot,
+                             listed)
     return buf, offsets
+
+
+def check_again(pool, step, buf: torch.Tensor, offsets, seed: int) -> None:
+    """derive_again's buffer (on any device) against the committed step's slot (the torch ops, CPU): the head from
+    the first pages on (a StepRows step: from its rows), every derived array and each group's used indices."""
+    s, R, buf = step.slot, step.padded_batch_size, buf.cpu()
+    start = 0 if step.plan.rows is not None else R  # (a listed step has no rows: the kernel leaves them)
+    assert torch.equal(buf[start : offsets.updates], pool.dev[s][start : offsets.updates]), f"seed {seed}"
+    assert torch.equal(buf[offsets.qo : offsets.head_end], pool.dev[s][offsets.qo : offsets.head_end]), f"seed {seed}"
+    for dg, o in zip(step.groups, offsets.groups):
+        n = int(dg.kv_indptr[-1])
+        assert torch.equal(buf[o.indices : o.indices + n], dg.kv_indices[:n]), f"seed {seed}"
 
 
 def staging_on(host: torch.Tensor, device: str) -> torch.Tensor:
@@ -173,14 +228,12 @@ def test_the_triton_kernel_equals_the_torch_ops_under_the_interpreter(copy_first
         seed = fresh_seed()
         spec, pool, plan, _ = _random_step(seed, ps, q_len)
         step = pool.commit(plan)  # the torch ops (CPU)
-        buf, offsets = derive_again(pool, step, module.derive, "cpu")
-        s = step.slot
-        assert torch.equal(buf[: offsets.updates], pool.dev[s][: offsets.updates]), f"seed {seed}"
-        assert torch.equal(buf[offsets.qo : offsets.head_end], pool.dev[s][offsets.qo : offsets.head_end]), f"seed {seed}"
-        for dg, o in zip(step.groups, offsets.groups):
-            o_idx = o.indices
-            n = int(dg.kv_indptr[-1])
-            assert torch.equal(buf[o_idx : o_idx + n], dg.kv_indices[:n]), f"seed {seed}"
+        check_again(pool, step, *derive_again(pool, step, module.derive, "cpu"), seed)
+    for ps in (1, 4, 16):  # StepBatch decode steps, from their staged lists
+        seed = fresh_seed()
+        spec, pool, plan = _random_listed_step(seed, ps, table=ps == 4)
+        step = pool.commit(plan)  # the torch ops (CPU)
+        check_again(pool, step, *derive_again(pool, step, module.derive, "cpu"), seed)
     for _ in range(3):
         check_fused_updates(module.derive, "cpu", fresh_seed())
 
@@ -222,7 +275,7 @@ def test_derived_steps_stay_right_when_other_steps_write_the_slot_between():
         seed = fresh_seed()
         rng = np.random.default_rng(seed)
         spec = spec_for(page_size=4, num_pages=3000, groups=GROUPS)
-        pool, ref_pool = table_pool(spec, width=160, num_slots=1), table_pool(spec, width=160)
+        pool = table_pool(spec, width=160, num_slots=1)
         B = int(rng.integers(2, 9))
         kv = rng.integers(10, 200, B).astype(np.int32)
         rows, _ = admit(pool, rng, kv + 8)  # (room for the walk below)
@@ -232,12 +285,8 @@ def test_derived_steps_stay_right_when_other_steps_write_the_slot_between():
             pages = [pool.table.pages(int(r))[: -(-int(k) // 4)] for r, k in zip(rows, kv)]
             csr = build_plan(StepBatch.from_pages(np.ones(len(rows), np.int32), kv, pages, 4), spec)
             step = pool.commit(build_plan(StepRows.decode(rows, kv), spec))
-            got, ref = _arrays(step), _arrays(ref_pool.commit(csr))
-            assert step.bucket is not None and np.array_equal(got[0], ref[0]), (seed, label)
-            for g, (a, b) in enumerate(zip(got[1:], ref[1:])):
-                for i in (0, 1, 2, 4):
-                    assert np.array_equal(a[i], b[i]), (seed, label, g, i)
-            assert np.array_equal(step.slot_mapping.numpy()[:B], csr.slot_mapping), (seed, label)
+            assert step.bucket is not None, (seed, label)
+            assert_same_arrays(step_arrays(step), staged_arrays(pool, csr, step.padded_batch_size), (seed, label))
 
         derived(rows, kv, "first")
         derived(rows, kv, "the same step again")
@@ -252,9 +301,11 @@ def test_derived_steps_stay_right_when_other_steps_write_the_slot_between():
         order = rng.permutation(B)
         order[:2] = order[1::-1] if order[0] < order[1] else order[:2]  # (never the same order)
         derived(rows[order], (kv + 3)[order], "rows reordered")
-        other = build_plan(StepBatch.from_pages(np.ones(1, np.int32), [3], [[next(free)]], 4), spec)
-        pool.commit(other)
+        n = B + 3  # (more requests than the rows' step: the head's lengths past B are the StepBatch step's)
+        other = build_plan(StepBatch.from_pages(np.ones(n, np.int32), [3] * n, [[next(free)] for _ in range(n)], 4), spec)
+        assert_same_arrays(step_arrays(pool.commit(other)), staged_arrays(pool, other, pool.bucket_for(other)), seed)
         derived(rows, kv + 4, "after a StepBatch step")
+        derived(rows, kv + 5, "the next one")
 
 
 class _LazyPoolState(PoolStateBase):
@@ -285,7 +336,7 @@ def test_derived_steps_over_two_slots_with_verify_steps_and_page_churn():
         seed = fresh_seed()
         rng = np.random.default_rng(seed)
         spec = spec_for(page_size=4, num_pages=3000, groups=GROUPS)
-        pool, ref_pool = table_pool(spec, width=160), table_pool(spec, width=160)
+        pool = table_pool(spec, width=160)
         B = int(rng.choice([3, 5, 6, 7]))  # (bucket padding: the padding rows' q_len is staged too)
         kv = rng.integers(10, 200, B).astype(np.int32)
         rows, _ = admit(pool, rng, kv + 40)
@@ -302,12 +353,8 @@ def test_derived_steps_over_two_slots_with_verify_steps_and_page_churn():
             pages = [pool.table.pages(int(r))[: -(-int(k) // 4)] for r, k in zip(rows, kv)]
             csr = build_plan(StepBatch.from_pages(q, kv, pages, 4), spec)
             step = pool.commit(plan)
-            got, ref = _arrays(step), _arrays(ref_pool.commit(csr))
-            assert step.bucket is not None and np.array_equal(got[0], ref[0]), (seed, i)
-            for g, (a, b) in enumerate(zip(got[1:], ref[1:])):
-                for j in (0, 1, 2, 4):
-                    assert np.array_equal(a[j], b[j]), (seed, i, g, j)
-            assert np.array_equal(step.slot_mapping.numpy()[: B * q_len], csr.slot_mapping), (seed, i)
+            assert step.bucket is not None, (seed, i)
+            assert_same_arrays(step_arrays(step), staged_arrays(pool, csr, step.padded_batch_size, q_len), (seed, i))
 
         for i in range(16):
             step(i, int(rng.integers(B)) if rng.random() < 0.4 else None, int(rng.choice([1, 3])))

@@ -38,6 +38,7 @@ def test_device_buffers_hold_the_plan_and_padding_reads_the_scratch_page(q, kv):
     plan = build_plan(random_batch(np.random.default_rng(seed), q, kv, 4, 200, extra=1), spec)
     pool = pool_for(spec)
     step = pool.commit(plan)
+    pool.stage_host(step)  # (a derived decode step's pinned arrays, which dg.listed() reads: staged on request)
     got = device_arrays(step)
     B, T = plan.batch_size, plan.num_tokens
     bucket = pool.bucket_for(plan)
@@ -58,16 +59,22 @@ def test_device_buffers_hold_the_plan_and_padding_reads_the_scratch_page(q, kv):
 
 
 def test_a_one_request_decode_copies_its_own_arrays_only():
-    """Byte counter: qo_indptr [2], per group indptr [2], last_page_len [1], kv_lens [1], one int64 slot,
-    then 4 bytes per page each group reads: nothing of the rest of the pool's buffers."""
+    """Byte counter: a decode step's head (the bucket's rows, first pages, lengths, update region and fence) and 4
+    bytes per page its list holds (the window group's list is derived from it on the device); a verify step's
+    arrays staged on the host: qo_indptr [2], per group indptr [2], last_page_len [1], kv_lens [1], int64 slots,
+    then 4 bytes per page each group reads. Nothing of the rest of the pool's buffers."""
     spec = spec_for(page_size=16, num_pages=5000, groups=GROUPS)
     pool = pool_for(spec, max_batch_size=256, max_num_tokens=8192, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
-    plan = build_plan(random_batch(np.random.default_rng(0), [1], [2000], 16, 5000), spec)
+    rng = np.random.default_rng(0)
+    plan = build_plan(random_batch(rng, [1], [2000], 16, 5000), spec)
+    pool.commit(plan)
+    assert pool.last_commit_bytes == 4 * pool.layout.at(1, 1).draft + 4 * 125
+    assert pool.layout.size * 4 > 100 * pool.last_commit_bytes  # what one copy of the whole slot would move
+    plan = build_plan(random_batch(rng, [4], [2000], 16, 5000), spec)  # (a verify step: staged on the host)
     pool.commit(plan)
     pages = sum(gp.kv_indices.shape[0] for gp in plan.groups)  # 125 + 1 (the window group reads one page)
-    head = (2 + 2 * (2 + 1 + 1)) * 4 + 8
-    assert pool.last_commit_bytes == head + 4 * pages == 48 + 4 * 126
-    assert pool.layout.size * 4 > 100 * pool.last_commit_bytes  # what one copy of the whole slot would move
+    head = (2 + 2 * (2 + 1 + 1)) * 4 + 8 * 4
+    assert pool.last_commit_bytes == head + 4 * pages == 72 + 4 * 126
 
 
 def test_views_are_cached_for_bucketed_shapes_only():

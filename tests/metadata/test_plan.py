@@ -316,15 +316,16 @@ def _decode_batch(rng, spec, B: int, kind: str) -> StepBatch:
 
 
 def test_the_listed_decode_path_is_the_general_plan():
-    """build_plan's per-step path for a StepBatch decode step (plan._plan_batch_decode) against the general one
+    """build_plan's per-step path for a StepBatch decode step (listed.plan_listed_decode) against the general one
     (plan._plan) on random batches of 1..300 requests, valid and broken: the same plan field for field (array
     dtypes included), or the same PlanError; and the per-step path serves every valid decode step it is for."""
     from mstar_attn.metadata import plan as P
+    from mstar_attn.metadata.listed import plan_listed_decode
 
     kinds = ("valid", "valid", "spare", "q2", "kv0", "outside", "short", "shared_written", "past_int32", "wrapped",
              "block_table", "own_list", "csr_extra", "own_missing", "own_short", "own_first", "own_outside", "own_written", "own_spare", "cross_empty",
              "cross_row")
-    served = own_served = cross_served = 0
+    served = own_served = cross_served = lazy_served = 0
     for _ in range(400):
         seed = fresh_seed()
         rng = np.random.default_rng(seed)
@@ -362,12 +363,15 @@ def test_the_listed_decode_path_is_the_general_plan():
                     assert (a is None) == (b is None), f"{where}: group {g} {name}"
                     assert a is None or (a.dtype == b.dtype and not a.flags.writeable), f"{where}: group {g} {name}"
             exact = np.array_equal(np.diff(step.page_indptr), -(-step.kv_lens // ps))
-            taken = P._plan_batch_decode(step, spec, check) is not None
+            taken = plan_listed_decode(step, spec, check) is not None
             assert taken == (exact and (step.q_lens == 1).all() and step.block_table is None), where
             served += taken
             own_served += taken and bool(spec.own_page_groups) and not spec.has_cross
             cross_served += taken and spec.has_cross
-    assert served > 50 and own_served > 10 and cross_served > 5, (served, own_served, cross_served)
+            lazy_served += taken and fast.lazy  # (every group on the shared list: a lazy plan, derived on read above)
+            assert not taken or fast.lazy == (not spec.own_page_groups and not spec.has_cross), where
+    assert served > 50 and own_served > 10 and cross_served > 5 and lazy_served > 20, (served, own_served, cross_served,
+                                                                                        lazy_served)
 
 
 def test_the_ownership_scan_is_the_same_on_both_sides_of_its_short_path(monkeypatch):

@@ -5,7 +5,7 @@ import attrs
 import numpy as np
 import pytest
 
-from mstar_attn import Kind, LayerGroup, Mode, PlanError, StepBatch, build_plan
+from mstar_attn import GroupPages, Kind, LayerGroup, Mode, PlanError, StepBatch, build_plan
 from mstar_attn.metadata.batch import StepRows
 from mstar_attn.metadata.record import AttentionPlan
 from tests.helpers import fresh_seed, spec_for
@@ -105,28 +105,34 @@ def test_rows_decode_makes_the_plan_init_makes_field_for_field():
         lazy.max_kv_len = 1
 
 
-def test_listed_decode_makes_the_plan_init_makes_field_for_field():
-    """AttentionPlan.listed_decode (build_plan's per-step constructor of a StepBatch decode step) against __init__
-    on the same arguments: every attrs field is the same object, the instance's attribute names, a cache of its own."""
+@pytest.mark.parametrize("own", [False, True], ids=["shared-list", "own-list-group"])
+def test_listed_decode_plans_are_what_init_makes_field_for_field(own):
+    """build_plan's per-step constructors of a StepBatch decode step listing exactly its pages, against __init__ on
+    the same arguments: every attrs field the same object, the instance's attribute names, a cache of its own. Every
+    group on the shared list: AttentionPlan.lists_decode, lazy (its lengths and lists only); a group with a list of
+    its own (own): AttentionPlan.listed_decode, every array given."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     ps, B = int(rng.choice([1, 4, 16])), int(rng.integers(1, 40))
     kv = rng.integers(1, 300, B).astype(np.int32)
     need = -(-kv // ps)
-    spec = spec_for(page_size=ps, num_pages=int(need.sum()) + 3,
-                    groups=(LayerGroup(), LayerGroup("window", window=int(rng.integers(1, 70))), LayerGroup("noncausal")))
+    window = LayerGroup("window", window=int(rng.integers(1, 70)), own_pages=own)
+    spec = spec_for(page_size=ps, num_pages=int(need.sum()) + 3, groups=(LayerGroup(), window, LayerGroup("noncausal")))
     pages = np.split(rng.permutation(spec.num_pages)[: int(need.sum())], np.cumsum(need)[:-1])
-    fast = build_plan(StepBatch.from_pages(np.ones(B, np.int32), kv, pages, ps), spec)
+    lists = {1: GroupPages.from_pages(np.zeros(B, np.int32), pages)} if own else None
+    fast = build_plan(StepBatch.from_pages(np.ones(B, np.int32), kv, pages, ps, lists), spec)
+    assert fast.lazy is not own, f"seed {seed}"
+    given = dict(slot_mapping=fast.slot_mapping, qo_indptr=fast.qo_indptr, kv_last_page_len=fast.kv_last_page_len,
+                 positions=fast.positions, groups=fast.groups) if own else {}
     init = AttentionPlan(spec=spec, mode=Mode.DECODE, batch_size=B, num_tokens=B, max_q_len=1, max_kv_len=fast.max_kv_len,
-                         q_lens=fast.q_lens, kv_lens=fast.kv_lens, kv_indices=fast.kv_indices, slot_mapping=fast.slot_mapping,
-                         backend=fast.backend, qo_indptr=fast.qo_indptr, kv_indptr=fast.kv_indptr,
-                         kv_last_page_len=fast.kv_last_page_len, positions=fast.positions, groups=fast.groups)
+                         q_lens=fast.q_lens, kv_lens=fast.kv_lens, kv_indices=fast.kv_indices, backend=fast.backend,
+                         kv_indptr=fast.kv_indptr, **given)
     object.__setattr__(init, "sealed", True)
-    assert set(vars(init)) == set(vars(fast)) and not fast.lazy, f"seed {seed}"
+    assert set(vars(init)) == set(vars(fast)), f"seed {seed}"
     for field in attrs.fields(AttentionPlan):
         a, b = getattr(init, field.name), getattr(fast, field.name)
         assert a is b or (field.name == "_cache" and a == b == {}), f"seed {seed}: field {field.name}: {a!r} vs {b!r}"
-    assert init._cache is not fast._cache, f"seed {seed}"
+    assert init._cache is not fast._cache and init == fast, f"seed {seed}"
 
 
 def test_a_group_that_is_neither_window_nor_own_list_reads_the_plans_own_kv_lens():

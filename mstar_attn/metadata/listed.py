@@ -1,0 +1,157 @@
+"""build_plan's per-step path for a StepBatch decode step that lists exactly its pages (`plan_listed_decode`), and
+the checks of a batch's own page lists (`group_lists`) that it shares with the general path. Pure numpy, host only."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import numpy as np
+
+from mstar_attn.metadata._arrays import INT32_MAX, SHORT, read_only
+from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.groups import StepArrays, cross_plan, cross_rows_plan, own_plan
+from mstar_attn.metadata.pages import LISTED_SHORT, scan_ownership
+from mstar_attn.metadata.record import ARANGE, AttentionPlan, Mode, decode_arrays, groups_of
+from mstar_attn.metadata.select import resolve_backend
+from mstar_attn.metadata.spec import AttentionSpec
+
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # (min / max of a per-step array without ndarray's wrappers)
+
+
+def plan_listed_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) -> AttentionPlan | None:
+    """_plan for a decode step (every q_len 1) whose requests list exactly the pages their lengths need on the
+    shared list (the lists of groups that keep their own, cross groups' included, as _plan checks them; no block
+    table, cascade off): the same checks and the same plan in fewer numpy calls (the per-step path of an engine that lists pages).
+    None for any other step, and for one that fails a check of the batch: _plan then names what is wrong, so both
+    paths raise the same errors (the backend's check, resolve_backend, raises its own PlanError here, as in _plan)."""
+    q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
+    ps, B, n = spec.page_size, kv.shape[0], idx.shape[0]
+    if batch.block_table is not None or spec.cascade_groups or batch.page_size != ps \
+            or q.shape[0] != B or indptr.shape[0] != B + 1 or not 0 < B < ARANGE.shape[0]:
+        return None
+    if B <= SHORT:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
+        new, lengths = q.tolist(), kv.tolist()
+        one, lo, hi = min(new) == max(new) == 1, min(lengths), max(lengths)
+    else:
+        lengths, (one, lo, hi) = None, (_MIN(q) == _MAX(q) == 1, int(_MIN(kv)), int(_MAX(kv)))
+    if not one or lo < 1 or hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:  # (every sum of need fits int32:
+        return None                                                                    # an indptr matching it never wrapped)
+    if not (batch.group_pages or spec.own_page_groups or spec.has_cross):  # every group reads the shared list
+        return _plan_lists_decode(batch, spec, check_ownership, lengths, hi)
+    step = decode_arrays(spec, q, kv, hi, lengths)  # (its kv_indptr is the page_indptr of exact lists)
+    end = int(indptr[-1])
+    if end > n or step.kv_indptr.tobytes() != indptr.tobytes():
+        return None
+    listed = idx[:end]
+    if _MIN(listed) < 0 or _MAX(listed) >= spec.num_pages:
+        return None
+    written, slot_mapping = decode_slots(listed, indptr, step.last_page_len, ps)
+    if check_ownership:
+        try:
+            scan_ownership(spec, indptr, listed, written)
+        except PlanError:
+            return None
+    read_only(listed, slot_mapping)
+    step.kv_indptr, step.kv_indices, step.slot_mapping = indptr, listed, slot_mapping  # (the batch's own, as in _plan)
+    own = None
+    if batch.group_pages or spec.own_page_groups:  # (the groups' own lists: _plan's checks, on these arrays)
+        try:
+            own = group_lists(batch, spec, step, spec.num_pages, check_ownership)
+        except PlanError:
+            return None
+    plan = AttentionPlan.listed_decode(spec, step, groups_of(spec, step, own), resolve_backend(spec, Mode.DECODE, B, B, 1, hi))
+    object.__setattr__(plan, "sealed", True)
+    return plan
+
+
+def _plan_lists_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, lengths: list[int] | None,
+                       hi: int) -> AttentionPlan | None:
+    """plan_listed_decode for a step whose groups all read the shared list, after its length checks (lengths: the
+    kv_lens as Python ints, for at most SHORT requests, else None; hi: the longest): the lists' checks, and a lazy
+    plan of the batch's own arrays (AttentionPlan.lists_decode: the rest derived on read; a pool derives them on the
+    device). Python ints where the step is short. None where a check fails (_plan names it)."""
+    kv, indptr, idx, ps = batch.kv_lens, batch.page_indptr, batch.page_indices, spec.page_size
+    B = kv.shape[0]
+    if lengths is not None:  # each list exactly its pages: indptr is the running sum of the pages each length needs
+        ends = list(accumulate([(k + ps - 1) // ps for k in lengths]))
+        if indptr.tolist() != [0, *ends]:
+            return None
+        end = ends[-1]
+    else:
+        need = kv + (ps - 1)
+        need //= ps
+        ends = np.cumsum(need, dtype=np.int32)  # (int32: every sum of need fits, checked above)
+        if indptr[0] != 0 or ends.tobytes() != indptr[1:].tobytes():
+            return None
+        end = int(ends[-1])
+    if end > idx.shape[0]:
+        return None
+    listed = idx[:end]  # (a view of the batch's read-only array: read-only)
+    if end <= LISTED_SHORT:  # (Python's min, max and a set over a short list: cheaper than numpy's fixed cost)
+        pages = listed.tolist()
+        if min(pages) < 0 or max(pages) >= spec.num_pages:
+            return None
+        if check_ownership:  # each written page (a request's last) listed once in all, by its writer
+            writers = set(pages[e - 1] for e in (ends if lengths is not None else ends.tolist()))
+            if len(writers) != B or sum(map(writers.__contains__, pages)) != B:
+                return None
+    else:
+        if _MIN(listed) < 0 or _MAX(listed) >= spec.num_pages:
+            return None
+        if check_ownership:
+            try:
+                scan_ownership(spec, indptr, listed, listed[indptr[1:] - 1])
+            except PlanError:
+                return None
+    plan = AttentionPlan.lists_decode(spec, batch.q_lens, kv, indptr, listed, hi,
+                                      resolve_backend(spec, Mode.DECODE, B, B, 1, hi))
+    object.__setattr__(plan, "sealed", True)
+    return plan
+
+
+def group_lists(batch: StepBatch, spec: AttentionSpec, step: StepArrays, page_limit: int, check_ownership: bool) -> dict:
+    """The GroupPlans of the groups with lists of their own (cross-table rows, cross pages, own pages), checked."""
+    B = step.q.shape[0]
+    return {g: cross_rows_plan(g, pages, spec, B) if isinstance(pages, CrossRows)
+            else cross_plan(g, pages, spec, B, page_limit, check_ownership) if spec.groups[g].cross
+            else own_plan(g, pages, spec, step, page_limit, check_ownership)
+            for g, pages in _own_lists(batch, spec)}
+
+
+def decode_slots(kv_indices: np.ndarray, kv_indptr: np.ndarray, last_page_len: np.ndarray, ps: int):
+    """A decode step's written pages [B] (each request's last listed page) and slot_mapping [B] int64 (where its one
+    new token goes: that page's last_page_len - 1)."""
+    written = kv_indices[kv_indptr[1:] - 1]
+    slot_mapping = np.multiply(written, ps, dtype=np.int64)
+    slot_mapping += last_page_len
+    slot_mapping -= 1
+    return written, slot_mapping
+
+
+def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPages]]:
+    """The batch's own page lists, checked against the spec: exactly the own_pages groups have one."""
+    for g, _ in batch.group_pages:
+        if g >= len(spec.groups):
+            raise PlanError(f"group_pages[{g}]: the spec has {len(spec.groups)} layer groups (0..{len(spec.groups) - 1})")
+        if not spec.groups[g].own_pages:
+            raise PlanError(f"group_pages[{g}]: layer group {g} reads the shared page list (its LayerGroup has "
+                            "own_pages=False), so the batch may not give it a list of its own")
+    for g, pages in batch.group_pages:
+        if isinstance(pages, CrossRows) and not spec.groups[g].cross:
+            raise PlanError(f"group_pages[{g}]: CrossRows name a cross-attention group's encoder pages; layer group {g} "
+                            "is not one (give it a GroupPages)")
+        if isinstance(pages, CrossRows):
+            continue
+        if not spec.groups[g].cross and (pages.kv_lens is not None or pages.new_lens is not None):
+            raise PlanError(f"group_pages[{g}]: kv_lens / new_lens are for cross-attention groups; layer group {g} "
+                            "reads the step's own tokens")
+    if sum(isinstance(p, CrossRows) for _, p in batch.group_pages) > 1:
+        raise PlanError("group_pages: one cross-attention group per step may name cross-table rows (CrossRows); "
+                        "make the cross layers one layer group, or list the other groups' pages (GroupPages.cross)")
+    given = {g for g, _ in batch.group_pages}
+    for g in spec.own_page_groups:
+        if g not in given:
+            raise PlanError(f"group_pages: layer group {g} keeps its own page list (own_pages=True); the batch must "
+                            f"give it: StepBatch.from_...(..., group_pages={{{g}: GroupPages(...)}})")
+    return list(batch.group_pages)

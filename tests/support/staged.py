@@ -1,0 +1,45 @@
+"""The host twin of a bucketed step's device arrays: what `stage_pages` (the pure host staging of a step that lists
+its pages) writes for a plan, read back as the arrays a committed step's device views hold (CPU pools)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mstar_attn.capture.stage import stage_pages
+
+
+def staged_arrays(pool, plan, rows: int, q_len: int = 1) -> dict:
+    """`plan` (a plan that lists its pages) padded to `rows` requests of q_len tokens each, as stage_pages writes it
+    into a fresh host buffer of `pool`'s layout: qo [rows+1], slots [rows * q_len] int64, and per group (kv_indptr
+    [rows+1], last_page_len [rows], kv_lens [rows], the used indices) (numpy)."""
+    N = rows * q_len
+    offsets = pool.layout.at(rows, N)
+    h = np.full(pool.layout.size, -7, np.int32)  # (never a value a step holds)
+    stage_pages(h, plan, offsets, rows, q_len, N, pool.scratch_slots)
+    groups = []
+    for o in offsets.groups:
+        indptr = h[o.kv_indptr : o.kv_indptr + rows + 1]
+        groups.append((indptr, h[o.last_page_len : o.last_page_len + rows], h[o.kv_lens : o.kv_lens + rows],
+                       h[o.indices : o.indices + indptr[-1]]))
+    return dict(qo=h[offsets.qo : offsets.qo + rows + 1], slots=h[offsets.slots : offsets.slots + 2 * N].view(np.int64),
+                groups=groups, tokens=plan.num_tokens, scratch=(plan.spec.scratch_page, plan.spec.page_size))
+
+
+def step_arrays(step) -> dict:
+    """The same arrays of a committed step (CPU), read from its device views, padding requests included."""
+    R, N = step.padded_batch_size, step.padded_num_tokens
+    groups = [(dg.kv_indptr.numpy()[: R + 1], dg.kv_last_page_len.numpy()[:R], dg.kv_lens.numpy()[:R],
+               dg.kv_indices.numpy()[: int(dg.kv_indptr[R])]) for dg in step.groups]
+    return dict(qo=step.qo_indptr.numpy()[: R + 1], slots=step.slot_mapping.numpy()[:N], groups=groups)
+
+
+def assert_same_arrays(got: dict, want: dict, context) -> None:
+    """Every array equal (`got` from step_arrays, `want` from staged_arrays), the first difference named with
+    `context`; padding token rows may write any slot of the scratch page."""
+    assert np.array_equal(got["qo"], want["qo"]), (context, "qo_indptr", got["qo"], want["qo"])
+    T, (scratch, ps) = want["tokens"], want["scratch"]
+    assert np.array_equal(got["slots"][:T], want["slots"][:T]), (context, "slot_mapping", got["slots"], want["slots"])
+    assert got["slots"].shape == want["slots"].shape and (got["slots"][T:] // ps == scratch).all(), (context, got["slots"])
+    for g, (a, b) in enumerate(zip(got["groups"], want["groups"], strict=True)):
+        for name, x, y in zip(("kv_indptr", "last_page_len", "kv_lens", "indices"), a, b):
+            assert np.array_equal(x, y), (context, f"group {g}", name, x, y)
