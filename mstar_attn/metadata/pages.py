@@ -9,6 +9,9 @@ from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.spec import AttentionSpec
 
 LISTED_SHORT = 256  # an ownership scan over at most this many listed pages runs on a set of Python ints
+# past it, a pool of fewer pages than this (or than 4 per listed page) gets a boolean table over every page id (128 KB:
+# one allocation numpy fills at once, no fresh pages to map); larger pools a hashed table (written_hits)
+DIRECT_PAGES = 1 << 17
 
 
 def gather_ranges(src: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,17 +51,10 @@ def check_page_ids(spec: AttentionSpec, field: str, indptr: np.ndarray, listed: 
         raise PlanError(f"{field}: request {i} lists page {listed[j]}, {what} (pages 0..{spec.num_pages - 1})")
 
 
-def written_hits(listed: np.ndarray, ordered: np.ndarray, num_pages: int) -> int:
-    """How many entries of `listed` are pages of `ordered` (the written pages, sorted, distinct).
-
-    A boolean table over page ids when the pool is at most 4x the step's listed pages; otherwise
-    a table of a power of two >= 4 * len(listed) slots indexed by page id modulo its size, whose
-    few hits (the written pages, plus ~len(ordered) / 4 collisions) are then checked exactly. Either
-    way O(pages listed + pages written), never O(pool size)."""
-    if num_pages <= 4 * listed.shape[0]:
-        table = np.zeros(num_pages, np.bool_)
-        table[ordered] = True
-        return int(np.count_nonzero(table.take(listed)))
+def written_hits(listed: np.ndarray, ordered: np.ndarray) -> int:
+    """How many entries of `listed` are pages of `ordered` (the written pages, sorted, distinct): a table of a
+    power of two >= 4 * len(listed) slots indexed by page id modulo its size, whose few hits (the written pages,
+    plus ~len(ordered) / 4 collisions) are then checked exactly. O(pages listed + pages written), never O(pool size)."""
     size = 1 << max(4 * listed.shape[0] - 1, 1).bit_length()
     table = np.zeros(size, np.bool_)
     table[ordered & (size - 1)] = True
@@ -75,17 +71,25 @@ def scan_ownership(spec: AttentionSpec, indptr, listed: np.ndarray, written: np.
     written pages, once each. Pages only read (a shared prefix) may be listed by several requests.
     No page may repeat in `written` (two writers), and since each written page is listed once by
     its writer, the listed entries that hit a written page must number exactly n: any excess is
-    another request listing it (to read it, write it, or hold it as a spare). O(n log n + pages).
+    another request listing it (to read it, write it, or hold it as a spare). O(pages listed + n log n), or with a
+    table over every page id (a pool of at most DIRECT_PAGES, or 4 per listed page) O(pages listed + pool size).
     """
-    if listed.shape[0] <= LISTED_SHORT:  # (a set of Python ints: cheaper than numpy's fixed cost per call)
+    n, listed_n = written.shape[0], listed.shape[0]
+    if listed_n <= LISTED_SHORT:  # (a set of Python ints: cheaper than numpy's fixed cost per call)
         writers = set(written.tolist())
-        if len(writers) == written.shape[0] and sum(map(writers.__contains__, listed.tolist())) == len(writers):
+        if len(writers) == n and sum(map(writers.__contains__, listed.tolist())) == n:
+            return
+    elif spec.num_pages <= max(DIRECT_PAGES, 4 * listed_n):  # (+1: a scratch plan lists the scratch page)
+        table = np.zeros(spec.num_pages + 1, np.bool_)
+        table[written] = True
+        if np.count_nonzero(table) == n and np.count_nonzero(table.take(listed)) == n:  # (distinct, listed once)
+            return
+    else:
+        ordered = np.sort(written)
+        if not (ordered[1:] == ordered[:-1]).any() and written_hits(listed, ordered) == n:
             return
     ordered = np.sort(written)
     twice = ordered[1:] == ordered[:-1]
-    if not twice.any() and listed.shape[0] > LISTED_SHORT \
-            and written_hits(listed, ordered, spec.num_pages) == written.shape[0]:
-        return
     if twice.any():
         page = int(ordered[1:][twice][0])
     else:

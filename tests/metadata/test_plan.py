@@ -374,10 +374,11 @@ def test_the_listed_decode_path_is_the_general_plan():
                                                                                         lazy_served)
 
 
-def test_the_ownership_scan_is_the_same_on_both_sides_of_its_short_path(monkeypatch):
-    """pages.scan_ownership over at most LISTED_SHORT listed pages (a set of Python ints) and over more (numpy's
-    sort and hash table): the same accept / reject and the same message on random lists whose written pages are
-    now and then duplicated or listed by another request (LISTED_SHORT patched so both paths run on each case)."""
+def test_the_ownership_scan_is_the_same_on_each_of_its_paths(monkeypatch):
+    """pages.scan_ownership over at most LISTED_SHORT listed pages (a set of Python ints) and over more (a table over
+    every page id, or numpy's sort and hash table past DIRECT_PAGES): the same accept / reject and the same message on
+    random lists whose written pages are now and then duplicated or listed by another request (LISTED_SHORT and
+    DIRECT_PAGES patched so every path runs on each case)."""
     from mstar_attn.metadata import pages
 
     outcomes = {True: 0, False: 0}
@@ -393,13 +394,14 @@ def test_the_ownership_scan_is_the_same_on_both_sides_of_its_short_path(monkeypa
             listed[int(rng.integers(indptr[-1]))] = listed[indptr[int(rng.integers(1, B + 1))] - 1]
         written = listed[indptr[1:] - 1]
         got = []
-        for limit in (0, 1 << 30):
+        for limit, direct in ((1 << 30, 0), (0, 1 << 30), (0, 0)):  # (the Python set, the direct table, the hashed one)
             monkeypatch.setattr(pages, "LISTED_SHORT", limit)
+            monkeypatch.setattr(pages, "DIRECT_PAGES", direct)
             try:
                 pages.scan_ownership(spec, indptr, listed, written)
                 got.append(None)
             except PlanError as e:
                 got.append(str(e))
-        assert got[0] == got[1], f"seed {seed}: {got}"
+        assert got[0] == got[1] == got[2], f"seed {seed}: {got}"
         outcomes[got[0] is None] += 1
     assert min(outcomes.values()) > 30, outcomes
