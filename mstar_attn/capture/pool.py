@@ -26,7 +26,7 @@ from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits,
 from mstar_attn.capture.lease import CurrentStream, SlotLeases, check_slot, check_stream
 from mstar_attn.capture.graph_cache import CommitGraphs
 from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
-from mstar_attn.capture.steady import SteadySlots, SteadyTerms, decode_rows
+from mstar_attn.capture.steady import SteadySlots, SteadyTerms, decode_lists, decode_rows
 from mstar_attn.capture.step import DeviceStep, MemoryReport, Slots, StepShape, shapes_of
 from mstar_attn.capture.table import PageTable
 from mstar_attn.capture.view import PoolView, SizedBounds
@@ -151,7 +151,9 @@ class GraphBufferPool(SizedBounds):
         """
         if defer and stream is None and slot is None and (step := self.steady.commit(plan, self.next_slot)):
             self.next_slot = (step.slot + 1) % len(self.host)  # (a steady decode step: steady.py; its deferred copy)
-            self.last_commit_bytes = self.steady.records[step.slot].offsets.draft * 4
+            rec = self.steady.records[step.slot]  # (and a listed step's lists, padding included)
+            self.last_commit_bytes = (rec.offsets.draft + (0 if rec.rows is not None else plan.kv_indices.shape[0]
+                                                           + rec.shape.padded_batch_size - plan.batch_size)) * 4
             self.bytes_to_device += self.last_commit_bytes
             return step
         bucket = checks.validate(self.view, plan)  # the plan's bucket (None: unpadded)
@@ -298,7 +300,8 @@ class GraphBufferPool(SizedBounds):
                     key, work = derive.work_key(step, True), lambda st: self._work(st, state, offsets, True)
                     self.device_work.defer(s, generation, key, lambda: work(step), on)
                     self.last_commit_bytes += (offsets.draft + paged) * 4
-                    if decode_rows(plan) and (terms := SteadyTerms(scheduled=()) if state is None else state.steady(step)):
+                    if (decode_rows(plan) or decode_lists(plan)) and (
+                            terms := SteadyTerms(scheduled=()) if state is None else state.steady(step)):
                         self.steady.record(s, step, terms, key, work, offsets, here)
                 else:
                     self._rows_device_work(step, state, offsets, True, paged)

@@ -44,9 +44,9 @@ import attrs
 import numpy as np
 
 from mstar_attn.capture.lease import FENCE_MASK
-from mstar_attn.capture.stage import stage_updates
+from mstar_attn.capture.stage import stage_listed, stage_updates
 from mstar_attn.capture.step import DeviceStep
-from mstar_attn.metadata._arrays import SHORT, Ranges
+from mstar_attn.metadata._arrays import INT32_MAX, SHORT, Ranges
 from mstar_attn.metadata.plan import AttentionPlan
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class Steady:
 
     spec: object
     backend: str
-    rows: bytes
+    rows: bytes | None
     table_reshapes: int
     max_kv_len: int
     promise: tuple
@@ -93,12 +93,19 @@ class Steady:
     offsets: Offsets
     stream: object = None
     stream_key: object = None
+    max_pages: int = 0  # a listed step's record (rows None): the most page entries its lists may hold
 
 
 def decode_rows(plan: AttentionPlan) -> bool:
     """Whether `plan` is a lazy StepRows decode plan (build_plan of StepRows.decode) and nothing else: no draft
     step (those commit as a round), no cascade, no token tree (each of those schedules otherwise)."""
     return plan.lazy and plan.rows is not None and plan.tree is None and plan.draft_step is None and plan.cascade is None
+
+
+def decode_lists(plan: AttentionPlan) -> bool:
+    """Whether `plan` is a lazy decode plan of a StepBatch listing exactly its pages (build_plan's
+    AttentionPlan.lists_decode: every group on the shared list) and nothing else (no token tree)."""
+    return plan.lazy and plan.rows is None and plan.tree is None and plan.draft_step is None and plan.cascade is None
 
 
 def allowed(table: PageTable, rows: np.ndarray, promise: tuple) -> Ranges:
@@ -160,12 +167,16 @@ class SteadySlots:
         plan, table = step.plan, self.table
         B, ps = plan.batch_size, plan.spec.page_size
         pad = step.shape.padded_batch_size - B
-        self.ranges[s] = (table.changes, allowed(table, plan.rows, terms.ranges))
+        if plan.rows is None:  # a listed step (decode_lists): no table; the backend's ranges, over these B requests
+            every = Ranges(np.ones(B, np.int32), np.full(B, INT32_MAX, np.uint32))
+            self.ranges[s] = (-1, intersect((every, *terms.ranges)))
+        else:
+            self.ranges[s] = (table.changes, allowed(table, plan.rows, terms.ranges))
         self.records[s] = Steady(
-            spec=plan.spec, backend=plan.backend, rows=plan.rows.tobytes(), table_reshapes=table.reshapes,
-            max_kv_len=(self.capacity - pad) // B * ps, promise=terms.ranges,
-            shape=step.shape, scheduled=terms.scheduled, work_key=key, work=work, offsets=offsets, stream=stream,
-            stream_key=self.stream_key())
+            spec=plan.spec, backend=plan.backend, rows=None if plan.rows is None else plan.rows.tobytes(),
+            table_reshapes=-1 if plan.rows is None else table.reshapes, max_kv_len=(self.capacity - pad) // B * ps,
+            promise=terms.ranges, shape=step.shape, scheduled=terms.scheduled, work_key=key, work=work, offsets=offsets,
+            stream=stream, stream_key=self.stream_key(), max_pages=self.capacity - pad)
 
     def commit(self, plan: AttentionPlan, s: int) -> DeviceStep | None:
         """Slot s's steady commit of `plan` (GraphBufferPool.commit with defer=True, no stream, no slot), or
@@ -173,6 +184,8 @@ class SteadySlots:
         b, table = self.records[s], self.table
         if b is None or plan.__class__ is not AttentionPlan:
             return None
+        if b.rows is None:
+            return self._commit_lists(plan, s, b)
         kv = plan.kv_lens
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and plan.max_kv_len <= b.max_kv_len
                 and decode_rows(plan) and table.reshapes == b.table_reshapes and plan.rows.tobytes() == b.rows
@@ -197,6 +210,25 @@ class SteadySlots:
         if updates.shape[0] or not head.clean:  # (the device work applies the staged updates before it reads the table)
             stage_updates(h, offsets, updates, table)  # (all of them: their count was checked above)
             head.clean = not updates.shape[0]
+        self.host_ints[s][offsets.fence] = generation & FENCE_MASK
+        generations[s] = self.unstaged[s] = generation
+        step = DeviceStep.made(plan, b.shape, generation, self.slots, None, b.scheduled)
+        self.work.defer(s, generation, b.work_key, lambda: b.work(step), b.stream)
+        self.commits += 1
+        return step
+
+    def _commit_lists(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep | None:
+        """commit for a slot whose record is of a listed step: the next listed step (decode_lists) of the same
+        spec and backend, as many requests (its pages within the slot's index region), each length in the record's
+        ranges: its lengths and lists staged (stage_listed), the fence, the slot's device work deferred."""
+        kv = plan.kv_lens
+        if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and decode_lists(plan)
+                and plan.kv_indices.shape[0] <= b.max_pages and not any(self.work.pending)
+                and self.stream_key() == b.stream_key and self.ranges[s][1].holds(kv) and self.leases.take(s, b.stream)):
+            return None
+        generations, offsets, h = self.leases.generations, b.offsets, self.host_np[s]
+        generation = generations[s] + 1
+        stage_listed(h, plan, offsets, b.shape.padded_batch_size, 1, plan.spec.scratch_page)
         self.host_ints[s][offsets.fence] = generation & FENCE_MASK
         generations[s] = self.unstaged[s] = generation
         step = DeviceStep.made(plan, b.shape, generation, self.slots, None, b.scheduled)

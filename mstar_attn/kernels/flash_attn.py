@@ -80,8 +80,9 @@ class PoolState(PoolStateBase):
 
     def steady(self, step: DeviceStep) -> SteadyTerms | None:
         """A StepRows step's page tables are gathered on the device by its slot's work, for any lengths: its
-        schedule (the slot's table views) serves every later decode step of its shape (None for varlen)."""
-        return None if step.plan.backend == VARLEN else SteadyTerms(scheduled=step.scheduled)
+        schedule (the slot's table views) serves every later decode step of its shape (None for varlen, and for a
+        StepBatch step, whose tables schedule fills from its lists)."""
+        return None if step.plan.backend == VARLEN or step.plan.rows is None else SteadyTerms(scheduled=step.scheduled)
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """A draft round's steps list the same pages (each reads its own kv_lens): one set of tables for all."""
