@@ -247,6 +247,7 @@ def part_a(spec, ws) -> list[dict]:
             "batch_step_eager": (old, lambda step: (step.mark_stored(cache), fi.run(step, q, cache), torch.cuda.synchronize()))})
         # the share of the steps (the 40 warm-up calls too) the pool served as steady commits (capture/steady.py)
         steady = {k: (e.pool.steady.commits - before[e]) / (len(t[k]) + 40) for k, e in (("rows_step", lean), ("rows_step_append", eng))}
+        steady["batch_step"] = lists_pool.steady.commits / (len(t["batch_step"]) + 40)  # (its pool's only steps)
         t["flashinfer_plan_hot"] = []
         for _ in range(3):
             t["flashinfer_plan_hot"] += host_us(raw_plan)  # back to back, nothing between calls
@@ -266,7 +267,8 @@ def part_a(spec, ws) -> list[dict]:
                          rows_h2d_bytes=rows_bytes, batch_h2d_bytes=lists_pool.last_commit_bytes,
                          batch_eager_h2d_bytes=old_pool.last_commit_bytes,
                          fixed_schedule=bool(sched.fixed), split_kv_plans=len(sched.fast),
-                         steady_share=steady["rows_step"], steady_share_append=steady["rows_step_append"]))
+                         steady_share=steady["rows_step"], steady_share_append=steady["rows_step_append"],
+                         batch_steady_share=steady["batch_step"]))
         print(rows[-1], flush=True)
         del pool, old_pool, lean_pool, eager_pool, lists_pool, run
     return rows

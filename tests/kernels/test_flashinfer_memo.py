@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_attn import AttentionSpec, PoolLimits, build_plan
+from mstar_attn import AttentionSpec, PoolLimits, StepBatch, build_plan
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.batch import StepRows
 from tests.helpers import GPU_GROUPS, assert_close_per_request, attend_filled, disjoint, fresh_seed, marked, random_cache
@@ -36,9 +36,11 @@ def _table_graphs(spec, cache, max_batch: int):
     return pool, graphs
 
 
-def _walk(seed: int, steps: int, tensor_cores: bool, defer: bool = False, pools: list | None = None, stride: int = 40):
+def _walk(seed: int, steps: int, tensor_cores: bool, defer: bool = False, pools: list | None = None, stride: int = 40,
+          lists: bool = False):
     """Decode `steps` steps of 3 requests (bucket 4: split-KV) from random lengths, 1 .. stride - 1 tokens a step,
-    committed with `defer`. Yields (plan, the replayed output, the reference's); the pool is appended to `pools`."""
+    committed with `defer` (lists: as StepBatch steps listing the rows' pages). Yields (plan, the replayed output,
+    the reference's); the pool is appended to `pools`."""
     rng = np.random.default_rng(seed)
     heads = (32, 8) if tensor_cores else (8, 8)  # GQA 4: tensor cores; MHA: FlashInfer's CUDA-core decode
     spec = AttentionSpec(heads[0], heads[1], 128, 16, 600, groups=GPU_GROUPS[:2])
@@ -54,21 +56,24 @@ def _walk(seed: int, steps: int, tensor_cores: bool, defer: bool = False, pools:
     for _ in range(steps):
         kv += rng.integers(1, stride, 3).astype(np.int32)  # (several tokens a step: chunk boundaries come sooner)
         kv = np.minimum(kv, 127 * 16)
-        plan = build_plan(StepRows.decode(np.arange(3, dtype=np.int32), kv), spec)
+        plan = build_plan(StepBatch.from_pages(np.ones(3, np.int32), kv, [pool.table.pages(r)[: -(-int(k) // 16)]
+                                                                         for r, k in enumerate(kv)], 16) if lists
+                          else StepRows.decode(np.arange(3, dtype=np.int32), kv), spec)
         step = marked(pool.commit(plan, defer=defer), cache)  # (random K/V already at every slot)
         out = graphs(step, q=q)[:3].clone()
         yield plan, out, reference.run(step, q.float(), cache)
 
 
-@pytest.mark.parametrize("tensor_cores,defer", [(True, False), (False, False), (True, True), (False, True)])
-def test_a_split_plan_is_reused_while_the_chunk_counts_hold(tensor_cores, defer, monkeypatch):
+@pytest.mark.parametrize("tensor_cores,defer,lists", [(True, False, False), (False, False, False), (True, True, False),
+                                                      (False, True, False), (True, True, True), (False, True, True)])
+def test_a_split_plan_is_reused_while_the_chunk_counts_hold(tensor_cores, defer, lists, monkeypatch):
     seed = fresh_seed()
     planned, pools = [], []
     replan = _flashinfer_fast.FastDecodePlan.replan
     monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "replan", lambda self, *a: (planned.append(1), replan(self, *a)))
     n = 0
     # (deferred: a few tokens a step, so that a slot's chunk counts often hold from one of its commits to the next)
-    for plan, out, want in _walk(seed, 40, tensor_cores, defer, pools, 5 if defer else 40):
+    for plan, out, want in _walk(seed, 40, tensor_cores, defer, pools, 5 if defer else 40, lists):
         assert_close_per_request(out, want, plan, torch.bfloat16, f"seed {seed}, step {n}")
         n += 1
     assert 0 < len(planned) < n, (f"seed {seed}", len(planned), n)  # both paths ran
@@ -76,15 +81,17 @@ def test_a_split_plan_is_reused_while_the_chunk_counts_hold(tensor_cores, defer,
     assert (0 < steady < n) if defer else steady == 0, (f"seed {seed}", steady, len(planned), n)
 
 
-def test_a_steady_record_past_a_changed_chunk_count_is_caught(monkeypatch):
+@pytest.mark.parametrize("lists", [False, True], ids=["rows", "lists"])
+def test_a_steady_record_past_a_changed_chunk_count_is_caught(lists, monkeypatch):
     """The steady commit's negative control: with PoolState.steady promising its wrappers for any lengths
-    (its chunk ranges dropped), some steady step's output is wrong."""
+    (its chunk ranges dropped), some steady step's output is wrong (StepRows steps, or StepBatch steps listing
+    their pages)."""
     seed = fresh_seed()
     promise = fi.PoolState.steady
     monkeypatch.setattr(fi.PoolState, "steady", lambda self, step: None if (t := promise(self, step)) is None
                         else type(t)(scheduled=t.scheduled))
     wrong, pools = 0, []
-    for plan, out, want in _walk(seed, 40, True, True, pools):
+    for plan, out, want in _walk(seed, 40, True, True, pools, lists=lists):
         try:
             assert_close_per_request(out, want, plan, torch.bfloat16, f"seed {seed}")
         except AssertionError:

@@ -61,6 +61,17 @@ def test_steady_decode_steps_replayed(name):
     assert sum(steady.values()) >= 20 and steady[100] >= 20, (seed, steady)
 
 
+@pytest.mark.parametrize("name", params("table", lambda b: [()]))
+def test_steady_listed_decode_steps_replayed(name):
+    """The same walks given as StepBatch steps listing exactly their pages (derived on the device from the staged
+    lists: capture/derive.py), per request against the reference; FlashInfer's are steady commits where the lengths
+    stay in their slot's ranges (FA4's tables come from each step's lists: never steady)."""
+    module, seed = BACKENDS[name].load(), fresh_seed()
+    steady = steady_steps(module.run, module.write_kv, name, seed, lists=True)
+    if name == "flashinfer":
+        assert sum(steady.values()) >= 20 and steady[100] >= 20, (seed, steady)
+
+
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_own_page_lists_eager_and_replayed(name):
     """A hybrid model's window group on its own page list (passed pages given back and reused by

@@ -237,8 +237,9 @@ def table_steps(run, write_kv, backend: str, seed: int, steps: int = 30, heads=(
     return counts
 
 
-def steady_steps(run, write_kv, backend: str, seed: int, steps: int = 30) -> dict[int, int]:
-    """Decode walks over fixed rows, one token a step, committed with defer=True and replayed: B = 3 (bucket 8:
+def steady_steps(run, write_kv, backend: str, seed: int, steps: int = 30, lists: bool = False) -> dict[int, int]:
+    """Decode walks over fixed rows, one token a step, committed with defer=True and replayed (lists: each step
+    given as a StepBatch listing the rows' pages, ownership checked, instead of StepRows): B = 3 (bucket 8:
     FlashInfer's split-KV, chunk counts changing on the way; every page given up front) and B = 100 (bucket 128:
     its fixed schedule; each request given the pages of its first step, then one more (table.append) whenever its
     next token starts a page, as an engine's decode loop does), a full and a window group. Steps whose lengths
@@ -276,10 +277,10 @@ def steady_steps(run, write_kv, backend: str, seed: int, steps: int = 30) -> dic
             grow = rows[kv > pool.table.counts[rows] * ps]  # (their new token starts a page past the ones they hold)
             if grow.shape[0]:
                 pool.table.append(grow, [free.pop() for _ in grow])
-            plan = build_plan(StepRows.decode(rows, kv), spec)
+            listed = StepBatch.from_pages(ones, kv, [pool.table.pages(int(r))[: -(-int(k) // ps)] for r, k in zip(rows, kv)], ps)
+            plan = build_plan(listed, spec) if lists else build_plan(StepRows.decode(rows, kv), spec)
             step = pool.commit(plan, defer=True)
-            csr = build_plan(StepBatch.from_pages(ones, kv, [pool.table.pages(int(r))[: -(-int(k) // ps)] for r, k in zip(rows, kv)],
-                                                  ps), spec, check_ownership=False)
+            csr = build_plan(listed, spec, check_ownership=False)  # (the reference's: eager, every array derived)
             x = {n: torch.randn(B, h, 128, device="cuda", dtype=torch.bfloat16) for n, h in (("q", 32), ("k", 8), ("v", 8))}
             ref_cache = PagedKVCache(cache.k.clone(), cache.v.clone())
             reference.write_kv(csr, x["k"], x["v"], ref_cache)
