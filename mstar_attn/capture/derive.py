@@ -86,7 +86,7 @@ class Derivation:
         self.windows = tuple(g.window or 0 for g in groups)
         # (one cell per 16 bytes, as the fences: one compiled kernel for every slot)
         self.counters = torch.zeros(4 * (num_slots + 1) if kernel is not None else 0, dtype=torch.int32, device=table.device)
-        self._meta: dict[tuple[int, int], torch.Tensor] = {}
+        self._meta: dict[tuple[int, int, bool], torch.Tensor] = {}  # (rows, token rows, listed) -> meta
 
     def memory(self) -> dict[str, tuple[int, int]]:
         """Device bytes of the counters and the meta vectors made so far (host: none)."""
@@ -214,7 +214,8 @@ def rows_work(d: Derivation, dev: torch.Tensor, host: torch.Tensor, fence: torch
     backend's own arrays (PoolState.gather); with `fence` (a derived step on CUDA: the slot's pinned fence cell)
     the commit's generation is written there once the staging was read (capture/lease.py): by the derive kernel
     (derive_staged: the whole derived work, the copy and the updates included, in one or two launches), else by
-    a last copy. Returns the work: device ops of fixed
+    a last copy. A listed step (a StepBatch decode step, listed_step) reads its pages from its staged lists, and its
+    torch path copies group 0's whole index region too. Returns the work: device ops of fixed
     sizes (its copy moves the head up to offsets.draft, derived, or offsets.head_end int32 elements)."""
     U = offsets.update_capacity
     end = offsets.draft if derived else offsets.head_end  # (derived: the rows, lengths and updates only)

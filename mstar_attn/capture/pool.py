@@ -86,12 +86,13 @@ class GraphBufferPool(SizedBounds):
         # per slot, its last general decode commit's decisions, for the steady commits after it (steady.py)
         self.steady = SteadySlots(self.slots, self.host_np, self.unstaged, self.held, self.table,
                                   self.layout.index_capacity, self.current_stream)
+        kernel = derive.triton_kernel() if cuda and derive.USE_TRITON else None
         # bucketed decode StepBatch steps whose groups all read the shared list: derived too, from their staged lists
-        self.lists_derived = not spec.own_page_groups and not spec.has_cross
+        # (on CUDA by the Triton kernel only: the torch ops copy a group's whole index region every step)
+        self.lists_derived = not spec.own_page_groups and not spec.has_cross and (kernel is not None or not cuda)
         self.derivation = None if self.table is None and not self.lists_derived else derive.Derivation(  # (derive.py)
             self.table.dev if self.table is not None else torch.zeros(1, dtype=torch.int32, device=self.device),
-            0 if self.table is None else self.table.width, spec.groups, ps, self.layout.index_capacity,
-            derive.triton_kernel() if cuda and derive.USE_TRITON else None, slots)
+            0 if self.table is None else self.table.width, spec.groups, ps, self.layout.index_capacity, kernel, slots)
         self.view = PoolView(spec=spec, sizing=size, device=self.device, host=self.host, dev=self.dev, table=self.table,
                              cross_table=self.cross_table, float_workspace_bytes=self.float_workspace_bytes,
                              upload=self.upload, stage_host=self.stage_host)  # what backends and checks read
@@ -143,9 +144,9 @@ class GraphBufferPool(SizedBounds):
         `step.wait()` first (see DeviceStep.wait). Every check runs before any state changes: a commit that
         raises PlanError leaves the pool and its live steps as they were. The step of the slot this commit
         reuses (two commits ago with two slots) becomes stale. slot: commit into this slot instead of the
-        next one (graph capture does, once per slot). defer: a bucketed StepRows step on the current stream
-        whose backend plans nothing on the host leaves its device work (the staged copy, table updates,
-        derivations) for its first use: a DecodeGraphs replay runs it as the decode graph's first nodes (one
+        next one (graph capture does, once per slot). defer: a bucketed StepRows step (or StepBatch decode step
+        listing its pages, derive.listed_step) on the current stream whose backend plans nothing on the host leaves
+        its device work (table updates, derivations) for its first use: a DecodeGraphs replay runs it as the decode graph's first nodes (one
         launch per step), a first run / write_kv launches it (on the commit's stream), and so does the next
         commit. A graph of the caller's own never launches it: call step.prepare() before capturing one.
         """
@@ -166,8 +167,9 @@ class GraphBufferPool(SizedBounds):
             state.check(plan, bucket)
         here = self.current_stream() if self.cuda else None
         side = stream if stream is not None and self.cuda and stream != here else None
-        if bucket is not None and (plan.rows is not None or self.lists_derived and derive.listed_step(plan)):
-            return self._commit_derived(plan, bucket, state, slot, here, side, defer)  # the device derives its arrays
+        if bucket is not None and (plan.rows is not None or self.lists_derived and derive.listed_step(plan) and (
+                plan.kv_indices.shape[0] + bucket - plan.batch_size <= self.layout.index_capacity)):  # (its lists staged
+            return self._commit_derived(plan, bucket, state, slot, here, side, defer)  # whole: every group's read, or more)
         return self._commit_staged((plan,), bucket, state, slot, here, side, False)[0]
 
     def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:
@@ -390,9 +392,8 @@ class GraphBufferPool(SizedBounds):
     def memory_report(self) -> MemoryReport:
         """Device and pinned bytes this pool and its backend states hold, by component (what torch's
         allocators cache after freeing is theirs, not listed)."""
-        slot_bytes = self.layout.size * 4 * self.num_slots
+        slot_bytes = self.layout.size * 4 * self.num_slots  # (the tables' mirrors and owners, the steady records: pageable)
         parts = {"pool staging (pinned)": (0, slot_bytes if self.cuda else 0), "pool slot buffers": (slot_bytes, 0)}
-        # (the tables' host mirrors and page owners, and the steady records, are pageable: host_bytes())
         for part in (self.table, self.cross_table, self.derivation, self.leases, self.steady, *self.backend_states.values()):
             if part is not None:
                 parts.update(part.memory())

@@ -23,6 +23,8 @@ def plan_listed_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
     """_plan for a decode step (every q_len 1) whose requests list exactly the pages their lengths need on the
     shared list (the lists of groups that keep their own, cross groups' included, as _plan checks them; no block
     table, cascade off): the same checks and the same plan in fewer numpy calls (the per-step path of an engine that lists pages).
+    The batch's arrays: q_lens, kv_lens [B], page_indptr [B+1], page_indices [n] int32 host, read-only; the plan
+    shares them (kv_indices: page_indices[:page_indptr[B]]).
     None for any other step, and for one that fails a check of the batch: _plan then names what is wrong, so both
     paths raise the same errors (the backend's check, resolve_backend, raises its own PlanError here, as in _plan)."""
     q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices

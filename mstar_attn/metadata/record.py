@@ -178,7 +178,8 @@ class AttentionPlan:
             return got
         if name == "slot_mapping" and (self.rows is not None or self._groups is not None):
             return None  # (a StepRows plan: the pool derives its slots)
-        if self.mode is not Mode.DECODE or self._groups is not None or (self.rows is None and self.kv_indices is None):
+        if self.mode is not Mode.DECODE or self._groups is not None or (
+                self.rows is None and (self.kv_indices is None or self._kv_indptr is None)):
             raise PlanError(f"AttentionPlan.{name}: this plan holds none, and only a lazy decode plan derives its "
                             "arrays from its lengths: make plans with build_plan (a hand-made plan lists them all)")
         kv, c = self.kv_lens, self._cache
@@ -204,9 +205,11 @@ class AttentionPlan:
             return NotImplemented
         if not all(_same(getattr(self, n), getattr(other, n)) for n in _STORED):
             return False
-        # a lazy plan's arrays are a pure function of the stored fields: compared only against an eager plan's
+        # a lazy plan's derived arrays are a pure function of the stored fields: two lazy plans compare the arrays
+        # either was given (an evolved plan's), an eager plan every array
         both_lazy = self.lazy and other.lazy
-        return both_lazy or all(_same(getattr(self, n), getattr(other, n)) for n in _DERIVED)
+        return all(_same(getattr(self, n), getattr(other, n)) for n in _DERIVED
+                   if not both_lazy or getattr(self, "_" + n) is not None or getattr(other, "_" + n) is not None)
 
     def kv_lens_of(self, group: int) -> np.ndarray:
         """kv_lens [B] of layer group `group` (its own for window, cross and own-list groups), without

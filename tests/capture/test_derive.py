@@ -35,14 +35,16 @@ def _random_step(seed: int, ps: int, q_len: int):
     return spec, pool, plan, csr
 
 
-def _random_listed_step(seed: int, ps: int, table: bool = False):
-    """A CPU pool (with a page table, or without) and a bucketed StepBatch decode step of 1..16 requests over random
-    pages (sometimes a spare page past what a request reads), which the pool derives from its staged lists."""
+def random_listed_step(seed: int, ps: int, table: bool = False, sizes: tuple[int, int] = (1, 16)):
+    """A CPU pool (with a page table, or without; buckets up to 32) and a bucketed StepBatch decode step of B requests
+    (sizes[0] <= B <= sizes[1]) over random pages (sometimes a spare page past what a request reads), which the pool
+    derives from its staged lists."""
     rng = np.random.default_rng(seed)
     spec = spec_for(page_size=ps, num_pages=3000, groups=GROUPS)
-    pool = table_pool(spec, width=160) if table else pool_of(
-        spec, max_batch_size=32, max_num_tokens=600, max_num_pages=3000, device="cpu", buckets=(1, 2, 4, 8, 16))
-    B = int(rng.integers(1, 17))
+    buckets = (1, 2, 4, 8, 16, 32)
+    pool = table_pool(spec, width=160, buckets=buckets) if table else pool_of(
+        spec, max_batch_size=32, max_num_tokens=600, max_num_pages=3000, device="cpu", buckets=buckets)
+    B = int(rng.integers(sizes[0], sizes[1] + 1))
     kv = rng.integers(1, min(300, 140 * ps), B)
     return spec, pool, build_plan(random_batch(rng, np.ones(B, np.int32), kv, ps, 3000, extra=int(rng.integers(0, 2))), spec)
 
@@ -99,7 +101,7 @@ def test_listed_decode_steps_derive_what_the_host_stages(ps):
     padding requests included; pools with a page table and without."""
     for i in range(8):
         seed = fresh_seed()
-        spec, pool, plan = _random_listed_step(seed, ps, table=i % 2 == 1)
+        spec, pool, plan = random_listed_step(seed, ps, table=i % 2 == 1)
         step = pool.commit(plan)
         R, B = step.padded_batch_size, plan.batch_size
         assert step.bucket is not None, f"seed {seed}"
@@ -107,13 +109,37 @@ def test_listed_decode_steps_derive_what_the_host_stages(ps):
         assert_same_arrays(step_arrays(step), staged_arrays(pool, plan, R), f"seed {seed}")
 
 
+def test_a_window_only_spec_whose_lists_overflow_the_index_region_is_staged_and_right():
+    """Every group a window group: a step's whole lists may hold more pages than a slot's index region while each
+    group reads few enough. Such a step takes the staged path (its groups' trimmed lists copied); one whose lists fit
+    is derived from them (the byte count tells which); both equal the host staging, padding included."""
+    for _ in range(6):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        spec = spec_for(page_size=4, num_pages=3000, groups=(LayerGroup("window", window=int(rng.integers(1, 12))),))
+        pool = pool_of(spec, max_batch_size=8, max_num_tokens=64, max_num_pages=40, device="cpu", buckets=(1, 2, 4, 8))
+        cap = pool.layout.index_capacity
+        for long in (True, False):
+            B = int(rng.integers(1, 6))
+            kv = rng.integers(300, 600, B).astype(np.int32) if long else rng.integers(1, 4 * cap // 8, B).astype(np.int32)
+            need = -(-kv // 4)
+            pages = np.split(rng.permutation(3000)[: int(need.sum())].astype(np.int32), np.cumsum(need)[:-1])
+            plan = build_plan(StepBatch.from_pages(np.ones(B, np.int32), kv, pages, 4), spec)
+            step = pool.commit(plan)
+            R = step.padded_batch_size
+            derived = 4 * (pool.layout.at(R, R).draft + plan.kv_indices.shape[0] + R - B)
+            assert long == (plan.kv_indices.shape[0] + R - B > cap) and (pool.last_commit_bytes != derived) == long, \
+                (f"seed {seed}", long, pool.last_commit_bytes, derived)
+            assert_same_arrays(step_arrays(step), staged_arrays(pool, plan, R), (f"seed {seed}", long))
+
+
 def test_a_negative_control_a_listed_step_with_a_wrong_window_is_caught(monkeypatch):
     """The comparison above sees a derivation of a listed step that reads one window group as a full one."""
     seed = fresh_seed()
-    spec, pool, plan = _random_listed_step(seed, 4)
+    spec, pool, plan = random_listed_step(seed, 4)
     while plan.max_kv_len <= 48:
         seed = fresh_seed()
-        spec, pool, plan = _random_listed_step(seed, 4)
+        spec, pool, plan = random_listed_step(seed, 4)
     monkeypatch.setattr(pool.derivation, "windows", (0, 9, 0))
     step = pool.commit(plan)
     with pytest.raises(AssertionError):
@@ -229,9 +255,9 @@ def test_the_triton_kernel_equals_the_torch_ops_under_the_interpreter(copy_first
         spec, pool, plan, _ = _random_step(seed, ps, q_len)
         step = pool.commit(plan)  # the torch ops (CPU)
         check_again(pool, step, *derive_again(pool, step, module.derive, "cpu"), seed)
-    for ps in (1, 4, 16):  # StepBatch decode steps, from their staged lists
-        seed = fresh_seed()
-        spec, pool, plan = _random_listed_step(seed, ps, table=ps == 4)
+    for ps, sizes in ((1, (1, 16)), (4, (1, 16)), (16, (1, 16)), (4, (17, 32))):  # StepBatch decode steps, from their
+        seed = fresh_seed()                                                       # staged lists (past 16 requests too)
+        spec, pool, plan = random_listed_step(seed, ps, table=ps == 4, sizes=sizes)
         step = pool.commit(plan)  # the torch ops (CPU)
         check_again(pool, step, *derive_again(pool, step, module.derive, "cpu"), seed)
     for _ in range(3):

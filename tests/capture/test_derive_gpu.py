@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mstar_attn.capture import derive
-from tests.capture.test_derive import _random_listed_step, _random_step, check_again, check_fused_updates, copy_reads, derive_again
+from tests.capture.test_derive import random_listed_step, _random_step, check_again, check_fused_updates, copy_reads, derive_again
 from tests.helpers import fresh_seed
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +29,7 @@ def test_the_triton_kernel_equals_the_torch_ops_on_the_gpu(copy_first, monkeypat
         check_again(pool, step, buf, offsets, seed)
     for i, ps in enumerate((1, 4, 16, 1, 4, 16)):  # StepBatch decode steps, from the lists staged in pinned memory
         seed = fresh_seed()
-        spec, pool, plan = _random_listed_step(seed, ps, table=i % 2 == 1)
+        spec, pool, plan = random_listed_step(seed, ps, table=i % 2 == 1)
         step = pool.commit(plan)
         buf, offsets = derive_again(pool, step, kernel, "cuda")
         torch.cuda.synchronize()

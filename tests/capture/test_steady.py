@@ -23,6 +23,7 @@ from tests.capture.test_derive import GROUPS, _arrays
 from tests.capture.test_graph_cache import _same_arrays
 from tests.capture.test_table import admit, table_pool
 from tests.helpers import fresh_seed, spec_for
+from tests.support.staged import assert_same_state, pool_state
 
 PS = 4
 SPECS = {"windows": GROUPS, "plain": (LayerGroup(),)}
@@ -181,21 +182,6 @@ def test_every_change_but_an_append_takes_the_general_path_and_every_step_stays_
     assert steady_seen > 0 and after_change > 0, (seed, steady_seen, after_change)
 
 
-def _state(pool):
-    t = pool.table
-    return (list(pool.generations), pool.next_slot, pool.steady.commits, list(pool.steady.records),
-            [h.copy() for h in pool.host_np], t.flat.copy(), t.counts.copy(), t.owner.copy(), t.changes,
-            list(pool.device_work.pending), pool.bytes_to_device, t.pending)
-
-
-def _same_state(before, after, label):
-    for x, y in zip(before, after):
-        if isinstance(x, list):
-            assert len(x) == len(y) and all(a is b or np.array_equal(a, b) for a, b in zip(x, y)), label
-        else:
-            assert np.array_equal(x, y), label
-
-
 @pytest.mark.parametrize("append", [False, True])
 @pytest.mark.parametrize("pending", [False, True])
 @pytest.mark.parametrize("groups", SPECS.values(), ids=SPECS.keys())
@@ -236,10 +222,10 @@ def test_a_bad_step_raises_before_anything_changes_also_in_steady_state(groups, 
            "not made by build_plan": attrs.evolve(build_plan(StepRows.decode(rows, nxt), spec), kv_lens=nxt.copy()),
            "another AttentionSpec": build_plan(StepRows.decode(rows, nxt), other)}
     for name, plan in bad.items():
-        before = _state(pool)
+        before = pool_state(pool)
         with pytest.raises(PlanError, match=name):
             pool.commit(plan, defer=True)
-        _same_state(before, _state(pool), (f"seed {seed}", name))
+        assert_same_state(before, pool_state(pool), (f"seed {seed}", name))
     assert good(nxt) == (not pending), seed  # (nothing changed: steady again, unless work was pending)
     equal = _spec(groups)  # an equal spec, another object: the general path serves it, the steady one never
     assert equal == spec and equal is not spec

@@ -13,10 +13,9 @@ from mstar_attn import LayerGroup, PagedKVCache, PlanError, StepBatch, build_pla
 from mstar_attn.kernels import reference
 from mstar_attn.metadata.batch import StepRows
 from tests.capture.test_derive import GROUPS
-from tests.capture.test_steady import _same_state, _state
 from tests.capture.test_table import table_pool
 from tests.helpers import fresh_seed, pool_of, spec_for
-from tests.support.staged import assert_same_arrays, staged_arrays, step_arrays
+from tests.support.staged import assert_same_arrays, assert_same_state, pool_state, staged_arrays, step_arrays
 
 PS = 4
 SPECS = {"windows": GROUPS, "plain": (LayerGroup(),)}
@@ -153,10 +152,10 @@ def test_a_bad_listed_step_raises_before_anything_changes_also_in_steady_state(s
            "another AttentionSpec": eng.plan(spec_for(page_size=PS, num_pages=2999, groups=GROUPS), nxt),
            "more than the pool holds": big}
     for name, plan in bad.items():
-        before = _state(pool)
+        before = pool_state(pool)
         with pytest.raises(PlanError, match=name):
             pool.commit(plan, defer=True)
-        _same_state(before, _state(pool), (f"seed {seed}", name))
+        assert_same_state(before, pool_state(pool), (f"seed {seed}", name))
     n0 = pool.steady.commits
     eng.kv = nxt
     plan = eng.plan(spec)

@@ -5,7 +5,7 @@ import numpy as np
 
 from mstar_attn import LayerGroup, PlanError, build_plan
 from tests.helpers import fresh_seed, spec_for
-from tests.metadata.test_plan import _decode_batch
+from tests.support.decode_batches import decode_batch
 
 
 def test_the_listed_decode_path_is_the_general_plan():
@@ -25,12 +25,12 @@ def test_the_listed_decode_path_is_the_general_plan():
         ps = int(rng.choice([1, 4, 16]))
         window = int(rng.integers(1, 40))
         groups = [(LayerGroup(),), (LayerGroup(), LayerGroup("window", window=window)), (LayerGroup("noncausal"),),
-                  (LayerGroup(), LayerGroup("window", window=window, own_pages=True)),  # (an own list: _own_lists)
+                  (LayerGroup(), LayerGroup("window", window=window, own_pages=True)),  # (an own list: own_lists)
                   (LayerGroup(), LayerGroup("cross"))][int(rng.choice(5, p=[0.2, 0.15, 0.15, 0.25, 0.25]))]
         B = int(rng.choice([1, 2, 7, 32, 33, 64, 300]))
         spec = spec_for(page_size=ps, num_pages=B * 7 + 16, groups=groups)
         kind = kinds[int(rng.integers(len(kinds)))]
-        step = _decode_batch(rng, spec, B, kind)
+        step = decode_batch(rng, spec, B, kind)
         for check in (True, False):
             try:
                 general = P._plan(step, spec, check, spec.num_pages)

@@ -86,6 +86,31 @@ def test_evolving_a_read_plan_derives_again_and_a_hand_made_plan_without_arrays_
         attrs.evolve(lazy, rows=None).groups
 
 
+def test_lazy_plans_compare_the_arrays_either_was_given_and_a_listed_one_without_its_indptr_is_refused():
+    """Two lazy plans (a StepBatch decode step listing its pages) with the same stored fields are equal; one evolved
+    with another slot_mapping or kv_indptr is not (the given array is compared, the other derived); a hand-made
+    plan listing pages without their kv_indptr derives nothing: PlanError, not another exception."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    B, ps = int(rng.integers(2, 20)), 4
+    kv = rng.integers(1, 100, B).astype(np.int32)
+    need = -(-kv // ps)
+    spec = spec_for(page_size=ps, num_pages=int(need.sum()) + 3)
+    pages = np.split(rng.permutation(spec.num_pages)[: int(need.sum())], np.cumsum(need)[:-1])
+    batch = StepBatch.from_pages(np.ones(B, np.int32), kv, pages, ps)
+    a, b = build_plan(batch, spec), build_plan(batch, spec)
+    assert a.lazy and b.lazy and a == b, seed
+    assert attrs.evolve(a, slot_mapping=a.slot_mapping + 1) != b, seed
+    assert attrs.evolve(a, slot_mapping=b.slot_mapping.copy()) == b, seed  # (the same values, given)
+    indptr = a.kv_indptr.copy()
+    indptr[1:] += 1  # (not the lists' running sums)
+    assert attrs.evolve(a, kv_indptr=indptr) != b, seed
+    bare = AttentionPlan(spec=spec, mode=Mode.DECODE, batch_size=B, num_tokens=B, max_q_len=1, max_kv_len=a.max_kv_len,
+                         q_lens=a.q_lens, kv_lens=a.kv_lens, kv_indices=a.kv_indices)
+    with pytest.raises(PlanError, match="slot_mapping"):
+        bare.slot_mapping
+
+
 def test_rows_decode_makes_the_plan_init_makes_field_for_field():
     """AttentionPlan.rows_decode (build_plan's per-step constructor) against __init__ on the same arguments: every
     attrs field, the instance's attribute names and a fresh derived-array cache of its own."""

@@ -280,7 +280,7 @@ def steady_steps(run, write_kv, backend: str, seed: int, steps: int = 30, lists:
             listed = StepBatch.from_pages(ones, kv, [pool.table.pages(int(r))[: -(-int(k) // ps)] for r, k in zip(rows, kv)], ps)
             plan = build_plan(listed, spec) if lists else build_plan(StepRows.decode(rows, kv), spec)
             step = pool.commit(plan, defer=True)
-            csr = build_plan(listed, spec, check_ownership=False)  # (the reference's: eager, every array derived)
+            csr = build_plan(listed, spec, check_ownership=False)  # (the reference's: its arrays derived on the host)
             x = {n: torch.randn(B, h, 128, device="cuda", dtype=torch.bfloat16) for n, h in (("q", 32), ("k", 8), ("v", 8))}
             ref_cache = PagedKVCache(cache.k.clone(), cache.v.clone())
             reference.write_kv(csr, x["k"], x["v"], ref_cache)

@@ -43,3 +43,21 @@ def assert_same_arrays(got: dict, want: dict, context) -> None:
     for g, (a, b) in enumerate(zip(got["groups"], want["groups"], strict=True)):
         for name, x, y in zip(("kv_indptr", "last_page_len", "kv_lens", "indices"), a, b):
             assert np.array_equal(x, y), (context, f"group {g}", name, x, y)
+
+
+def pool_state(pool) -> tuple:
+    """What a commit may change of a pool with a page table: generations, next slot, steady records and commits, the
+    slots' staging, the table's mirror and pending updates, the deferred work, the bytes sent (copies)."""
+    t = pool.table
+    return (list(pool.generations), pool.next_slot, pool.steady.commits, list(pool.steady.records),
+            [h.copy() for h in pool.host_np], t.flat.copy(), t.counts.copy(), t.owner.copy(), t.changes,
+            list(pool.device_work.pending), pool.bytes_to_device, t.pending)
+
+
+def assert_same_state(before, after, label) -> None:
+    """Two pool_state snapshots equal field by field (a refused commit changed nothing)."""
+    for x, y in zip(before, after):
+        if isinstance(x, list):
+            assert len(x) == len(y) and all(a is b or np.array_equal(a, b) for a, b in zip(x, y)), label
+        else:
+            assert np.array_equal(x, y), label
