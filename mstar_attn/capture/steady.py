@@ -203,19 +203,13 @@ class SteadySlots:
             held = kept[1].holds(kv)
         if not (held and self.leases.take(s, b.stream)):
             return None
-        generations, offsets, h = self.leases.generations, b.offsets, self.host_np[s]
-        generation = generations[s] + 1
+        offsets, h = b.offsets, self.host_np[s]
         h[offsets.kv_lens : offsets.kv_lens + kv.shape[0]] = kv
         updates, head = table.take_updates(), self.heads[s]
         if updates.shape[0] or not head.clean:  # (the device work applies the staged updates before it reads the table)
             stage_updates(h, offsets, updates, table)  # (all of them: their count was checked above)
             head.clean = not updates.shape[0]
-        self.host_ints[s][offsets.fence] = generation & FENCE_MASK
-        generations[s] = self.unstaged[s] = generation
-        step = DeviceStep.made(plan, b.shape, generation, self.slots, None, b.scheduled)
-        self.work.defer(s, generation, b.work_key, lambda: b.work(step), b.stream)
-        self.commits += 1
-        return step
+        return self._deferred(plan, s, b)
 
     def _commit_lists(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep | None:
         """commit for a slot whose record is of a listed step: the next listed step (decode_lists) of the same
@@ -226,10 +220,15 @@ class SteadySlots:
                 and plan.kv_indices.shape[0] <= b.max_pages and not any(self.work.pending)
                 and self.stream_key() == b.stream_key and self.ranges[s][1].holds(kv) and self.leases.take(s, b.stream)):
             return None
-        generations, offsets, h = self.leases.generations, b.offsets, self.host_np[s]
+        stage_listed(self.host_np[s], plan, b.offsets, b.shape.padded_batch_size, 1, plan.spec.scratch_page)
+        return self._deferred(plan, s, b)
+
+    def _deferred(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep:
+        """The end of a steady commit into slot s, its arrays staged: the fence and the slot's next generation, the
+        step (b's shape and schedule) and its device work deferred on b's stream."""
+        generations = self.leases.generations
         generation = generations[s] + 1
-        stage_listed(h, plan, offsets, b.shape.padded_batch_size, 1, plan.spec.scratch_page)
-        self.host_ints[s][offsets.fence] = generation & FENCE_MASK
+        self.host_ints[s][b.offsets.fence] = generation & FENCE_MASK
         generations[s] = self.unstaged[s] = generation
         step = DeviceStep.made(plan, b.shape, generation, self.slots, None, b.scheduled)
         self.work.defer(s, generation, b.work_key, lambda: b.work(step), b.stream)

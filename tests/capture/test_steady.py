@@ -16,14 +16,13 @@ import torch
 
 from mstar_attn import LayerGroup, PagedKVCache, PlanError, StepBatch, build_plan
 from mstar_attn.capture.steady import intersect
-from mstar_attn.kernels import reference
 from mstar_attn.metadata._arrays import SHORT, Ranges
 from mstar_attn.metadata.batch import StepRows
 from tests.capture.test_derive import GROUPS, _arrays
 from tests.capture.test_graph_cache import _same_arrays
 from tests.capture.test_table import admit, table_pool
 from tests.helpers import fresh_seed, spec_for
-from tests.support.staged import assert_same_state, pool_state
+from tests.support.staged import assert_same_outputs, assert_same_state, pool_state
 
 PS = 4
 SPECS = {"windows": GROUPS, "plain": (LayerGroup(),)}
@@ -69,7 +68,6 @@ def test_the_steady_commit_is_taken_and_equals_the_general_one(slots, groups, ap
     for t in (cache.k, cache.v):
         t.copy_(torch.randn(t.shape, generator=gen))
     caches = (cache, PagedKVCache(cache.k.clone(), cache.v.clone()))
-    H, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     for i in range(steps):
         kv = kv + 1
         grow = rows[kv > a.table.counts[rows] * PS]  # (their new token starts a page past the ones they hold)
@@ -95,15 +93,7 @@ def test_the_steady_commit_is_taken_and_equals_the_general_one(slots, groups, ap
         _every_array_equal(sa, sb, label)
         assert np.array_equal(a.host_np[s], b.host_np[s]) and torch.equal(a.dev[s], b.dev[s]), label
         if i % 6 == 5 or i == steps - 1:  # per-request outputs, each pool over its own cache
-            k, v, q = (torch.randn(B, n, D, generator=gen) for n in (Hkv, Hkv, H))
-            outs = []
-            for step, c in zip((sa, sb), caches):
-                reference.write_kv(step, k, v, c, 0)
-                outs.append([reference.run(step, q, c, group=g) for g in range(len(groups))])
-            assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v), label
-            for g, (x, y) in enumerate(zip(*outs)):
-                for r in range(B):
-                    assert torch.equal(x[r], y[r]), (label, g, r)
+            assert_same_outputs((sa, sb), caches, gen, label)
     assert a.steady.commits >= steps - 4 and b.steady.commits == 0, (seed, a.steady.commits)
     assert steady_appends > 0 or not appends, (seed, "no steady commit took an append")
     for p in (a, b):

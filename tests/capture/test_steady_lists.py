@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from mstar_attn import LayerGroup, PagedKVCache, PlanError, StepBatch, build_plan
-from mstar_attn.kernels import reference
 from mstar_attn.metadata.batch import StepRows
 from tests.capture.test_derive import GROUPS
 from tests.capture.test_table import table_pool
 from tests.helpers import fresh_seed, pool_of, spec_for
-from tests.support.staged import assert_same_arrays, assert_same_state, pool_state, staged_arrays, step_arrays
+from tests.support.staged import assert_same_outputs, assert_same_arrays, assert_same_state, pool_state, staged_arrays, step_arrays
 
 PS = 4
 SPECS = {"windows": GROUPS, "plain": (LayerGroup(),)}
@@ -56,7 +55,6 @@ def test_the_steady_commit_of_listed_steps_is_taken_and_equals_the_general_one(g
     for t in (cache.k, cache.v):
         t.copy_(torch.randn(t.shape, generator=gen))
     caches = (cache, PagedKVCache(cache.k.clone(), cache.v.clone()))
-    H, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     for i in range(steps):
         eng.kv = eng.kv + 1
         plan = eng.plan(spec)
@@ -73,15 +71,7 @@ def test_the_steady_commit_of_listed_steps_is_taken_and_equals_the_general_one(g
         assert np.array_equal(a.host_np[s], b.host_np[s]) and torch.equal(a.dev[s], b.dev[s]), label
         assert_same_arrays(step_arrays(sa), staged_arrays(a, plan, sa.padded_batch_size), label)
         if i % 6 == 5:  # per-request outputs, each pool over its own cache
-            k, v, q = (torch.randn(B, n, D, generator=gen) for n in (Hkv, Hkv, H))
-            outs = []
-            for step, c in zip((sa, sb), caches):
-                reference.write_kv(step, k, v, c, 0)
-                outs.append([reference.run(step, q, c, group=g) for g in range(len(groups))])
-            assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v), label
-            for g, (x, y) in enumerate(zip(*outs)):
-                for r in range(B):
-                    assert torch.equal(x[r], y[r]), (label, g, r)
+            assert_same_outputs((sa, sb), caches, gen, label)
     assert a.steady.commits >= steps - 2 * slots and b.steady.commits == 0, (seed, a.steady.commits)
 
 

@@ -4,6 +4,7 @@ its pages) writes for a plan, read back as the arrays a committed step's device 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from mstar_attn.capture.stage import stage_pages
 
@@ -61,3 +62,22 @@ def assert_same_state(before, after, label) -> None:
             assert len(x) == len(y) and all(a is b or np.array_equal(a, b) for a, b in zip(x, y)), label
         else:
             assert np.array_equal(x, y), label
+
+
+def assert_same_outputs(steps: tuple, caches: tuple, gen, label) -> None:
+    """Two committed steps of the same plan (CPU pools, the reference backend), each over its own cache: the same
+    random K/V written and the same random queries attended in every group give the same caches and, request by
+    request, the same outputs. gen: the torch.Generator drawing k, v, q."""
+    from mstar_attn.kernels import reference
+
+    spec, B = steps[0].plan.spec, steps[0].plan.batch_size
+    H, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
+    k, v, q = (torch.randn(B, n, D, generator=gen) for n in (Hkv, Hkv, H))
+    outs = []
+    for step, c in zip(steps, caches):
+        reference.write_kv(step, k, v, c, 0)
+        outs.append([reference.run(step, q, c, group=g) for g in range(len(spec.groups))])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v), label
+    for g, (x, y) in enumerate(zip(*outs)):
+        for r in range(B):
+            assert torch.equal(x[r], y[r]), (label, g, r)
