@@ -121,7 +121,7 @@ def test_a_window_only_spec_whose_lists_overflow_the_index_region_is_staged_and_
         cap = pool.layout.index_capacity
         for long in (True, False):
             B = int(rng.integers(1, 6))
-            kv = rng.integers(300, 600, B).astype(np.int32) if long else rng.integers(1, 4 * cap // 8, B).astype(np.int32)
+            kv = (rng.integers(4 * cap + 4, 4 * cap + 300, B) if long else rng.integers(1, 4 * cap // 8, B)).astype(np.int32)
             need = -(-kv // 4)
             pages = np.split(rng.permutation(3000)[: int(need.sum())].astype(np.int32), np.cumsum(need)[:-1])
             plan = build_plan(StepBatch.from_pages(np.ones(B, np.int32), kv, pages, 4), spec)
