@@ -59,10 +59,11 @@ def test_device_buffers_hold_the_plan_and_padding_reads_the_scratch_page(q, kv):
 
 
 def test_a_one_request_decode_copies_its_own_arrays_only():
-    """Byte counter: a decode step's head (the bucket's rows, first pages, lengths, update region and fence) and 4
-    bytes per page its list holds (the window group's list is derived from it on the device); a verify step's
-    arrays staged on the host: qo_indptr [2], per group indptr [2], last_page_len [1], kv_lens [1], int64 slots,
-    then 4 bytes per page each group reads. Nothing of the rest of the pool's buffers."""
+    """The byte counter (what the commit's copies and device work read of the staging): a decode step's head (the
+    bucket's rows, first pages, lengths, update region and fence) and 4 bytes per page its list holds (the window
+    group's list is derived from it on the device); a verify step's arrays staged on the host: qo_indptr [2], per
+    group indptr [2], last_page_len [1], kv_lens [1], int64 slots, then 4 bytes per page each group reads. Nothing
+    of the rest of the pool's buffers (on CUDA; the CPU's torch ops copy a group's whole index region)."""
     spec = spec_for(page_size=16, num_pages=5000, groups=GROUPS)
     pool = pool_for(spec, max_batch_size=256, max_num_tokens=8192, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
     rng = np.random.default_rng(0)
