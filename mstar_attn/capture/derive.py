@@ -154,9 +154,10 @@ def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len:
                          BLOCK_Q=max(16, 1 << (q_len - 1).bit_length()))
 
 
-def _spans(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> tuple[torch.Tensor, torch.Tensor]:
+def _spans(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qo_indptr and each group's first_page, kv_indptr, last_page_len and kv_lens into `buf` from the kv_lens in
-    its head (torch ops); returns (kv [R] int32, the tokens' positions [R, q_len] int64)."""
+    its head (torch ops); returns (kv [R] int32, the pages each length needs [R] int32, the tokens' positions
+    [R, q_len] int64)."""
     R, ps = offsets.batch_size, d.page_size
     kv = buf[offsets.kv_lens : offsets.kv_lens + R]
     buf[offsets.qo : offsets.qo + R + 1].copy_(torch.arange(R + 1, device=buf.device) * q_len)
@@ -169,7 +170,7 @@ def _spans(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> tu
         torch.cumsum(need - first, 0, out=buf[o_ptr + 1 : o_ptr + R + 1])
         buf[o_lpl : o_lpl + R] = kv - (need - 1) * ps
         buf[o_len : o_len + R] = kv - first * ps
-    return kv, (kv[:, None] - q_len).long() + torch.arange(q_len, device=buf.device)
+    return kv, need, (kv[:, None] - q_len).long() + torch.arange(q_len, device=buf.device)
 
 
 def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> None:
@@ -178,7 +179,7 @@ def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) 
     table's updates applied (torch ops; the Triton kernel: derive_staged). Reads nothing back to the host."""
     R, ps = offsets.batch_size, d.page_size
     rows = buf[offsets.table_rows : offsets.table_rows + R]
-    kv, pos = _spans(buf, offsets, q_len, d)
+    _, _, pos = _spans(buf, offsets, q_len, d)
     page = d.table[rows.long()[:, None] * d.width + pos.div(ps, rounding_mode="floor")]
     buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64).copy_((page.long() * ps + pos % ps).view(-1))
     gather_csr(d.table, d.width, rows, buf, offsets.groups, d.capacity)
@@ -192,9 +193,8 @@ def derive_listed(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation
     R, ps, cap = offsets.batch_size, d.page_size, d.capacity
     i0 = offsets.groups[0].indices
     lists = buf[i0 : i0 + cap].clone()  # (group 0's own list is rewritten below: a window group's is trimmed)
-    kv, pos = _spans(buf, offsets, q_len, d)
-    need = (kv + (ps - 1)).div(ps, rounding_mode="floor").long()
-    start = torch.cumsum(need, 0) - need  # where each request's list starts in `lists`
+    _, need, pos = _spans(buf, offsets, q_len, d)
+    start = torch.cumsum(need.long(), 0) - need  # where each request's list starts in `lists`
     page = lists[(start[:, None] + pos.div(ps, rounding_mode="floor")).clamp_(max=cap - 1)]
     buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64).copy_((page.long() * ps + pos % ps).view(-1))
     j = torch.arange(cap, device=buf.device)

@@ -25,7 +25,8 @@ from mstar_attn.capture.layout import SlotViews, slot_views
 from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits, limits_of, sizing  # noqa: F401  (re-exported)
 from mstar_attn.capture.lease import CurrentStream, SlotLeases, check_slot, check_stream
 from mstar_attn.capture.graph_cache import CommitGraphs
-from mstar_attn.capture.stage import StagedHead, copy_ranges, stage_derived, stage_pages, stage_requests, stage_rows
+from mstar_attn.capture.stage import (StagedHead, copy_ranges, listed_entries, stage_derived, stage_pages, stage_requests,
+                                      stage_rows)
 from mstar_attn.capture.steady import SteadySlots, SteadyTerms, decode_lists, decode_rows
 from mstar_attn.capture.step import DeviceStep, MemoryReport, Slots, StepShape, shapes_of
 from mstar_attn.capture.table import PageTable
@@ -153,8 +154,7 @@ class GraphBufferPool(SizedBounds):
         if defer and stream is None and slot is None and (step := self.steady.commit(plan, self.next_slot)):
             self.next_slot = (step.slot + 1) % len(self.host)  # (a steady decode step: steady.py; its deferred copy)
             rec = self.steady.records[step.slot]  # (and a listed step's lists, padding included)
-            self.last_commit_bytes = (rec.offsets.draft + (0 if rec.rows is not None else plan.kv_indices.shape[0]
-                                                           + rec.shape.padded_batch_size - plan.batch_size)) * 4
+            self.last_commit_bytes = (rec.offsets.draft + (0 if rec.rows is not None else listed_entries(plan, step.padded_batch_size))) * 4
             self.bytes_to_device += self.last_commit_bytes
             return step
         bucket = checks.validate(self.view, plan)  # the plan's bucket (None: unpadded)
@@ -168,8 +168,8 @@ class GraphBufferPool(SizedBounds):
         here = self.current_stream() if self.cuda else None
         side = stream if stream is not None and self.cuda and stream != here else None
         if bucket is not None and (plan.rows is not None or self.lists_derived and derive.listed_step(plan) and (
-                plan.kv_indices.shape[0] + bucket - plan.batch_size <= self.layout.index_capacity)):  # (its lists staged
-            return self._commit_derived(plan, bucket, state, slot, here, side, defer)  # whole: every group's read, or more)
+                listed_entries(plan, bucket) <= self.layout.index_capacity)):  # (its lists staged whole: every group's read, or more)
+            return self._commit_derived(plan, bucket, state, slot, here, side, defer)  # the device derives its arrays
         return self._commit_staged((plan,), bucket, state, slot, here, side, False)[0]
 
     def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:

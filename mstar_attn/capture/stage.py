@@ -96,17 +96,22 @@ def stage_derived(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: in
     return left, 0
 
 
+def listed_entries(plan: AttentionPlan, rows: int) -> int:
+    """The page entries a listed step (derive.listed_step) of B requests fills padded to `rows`: its lists (n) and one
+    scratch page per padding request (decode: q_len 1), what stage_listed stages and a slot's index region must hold."""
+    return plan.kv_indices.shape[0] + rows - plan.batch_size
+
+
 def stage_listed(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, scratch_page: int) -> int:
     """Write a bucketed StepBatch decode step whose groups read the shared list (derive.listed_step) into a slot's
     staging h: its KV lengths (padding requests: q_len) in the head, and its exact page lists [n], request after
     request, at group 0's indices (padding requests: one scratch page each), all the device derives the step from
     (capture/derive.py). Returns the page entries staged."""
-    B, at, per = plan.batch_size, offsets.kv_lens, -(-q_len // plan.spec.page_size)
+    B, at = plan.batch_size, offsets.kv_lens
     h[at : at + B] = plan.kv_lens
     h[at + B : at + rows] = q_len
-    i0, n = offsets.groups[0].indices, plan.kv_indices.shape[0]
+    i0, n, end = offsets.groups[0].indices, plan.kv_indices.shape[0], listed_entries(plan, rows)
     h[i0 : i0 + n] = plan.kv_indices
-    end = n + (rows - B) * per
     h[i0 + n : i0 + end] = scratch_page
     return end
 

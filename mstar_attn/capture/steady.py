@@ -44,7 +44,7 @@ import attrs
 import numpy as np
 
 from mstar_attn.capture.lease import FENCE_MASK
-from mstar_attn.capture.stage import stage_listed, stage_updates
+from mstar_attn.capture.stage import listed_entries, stage_listed, stage_updates
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata._arrays import INT32_MAX, SHORT, Ranges
 from mstar_attn.metadata.plan import AttentionPlan
@@ -93,7 +93,6 @@ class Steady:
     offsets: Offsets
     stream: object = None
     stream_key: object = None
-    max_pages: int = 0  # a listed step's record (rows None): the most page entries its lists may hold
 
 
 def decode_rows(plan: AttentionPlan) -> bool:
@@ -176,7 +175,7 @@ class SteadySlots:
             spec=plan.spec, backend=plan.backend, rows=None if plan.rows is None else plan.rows.tobytes(),
             table_reshapes=-1 if plan.rows is None else table.reshapes, max_kv_len=(self.capacity - pad) // B * ps,
             promise=terms.ranges, shape=step.shape, scheduled=terms.scheduled, work_key=key, work=work, offsets=offsets,
-            stream=stream, stream_key=self.stream_key(), max_pages=self.capacity - pad)
+            stream=stream, stream_key=self.stream_key())
 
     def commit(self, plan: AttentionPlan, s: int) -> DeviceStep | None:
         """Slot s's steady commit of `plan` (GraphBufferPool.commit with defer=True, no stream, no slot), or
@@ -217,7 +216,7 @@ class SteadySlots:
         ranges: its lengths and lists staged (stage_listed), the fence, the slot's device work deferred."""
         kv = plan.kv_lens
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and decode_lists(plan)
-                and plan.kv_indices.shape[0] <= b.max_pages and not any(self.work.pending)
+                and listed_entries(plan, b.shape.padded_batch_size) <= self.capacity and not any(self.work.pending)
                 and self.stream_key() == b.stream_key and self.ranges[s][1].holds(kv) and self.leases.take(s, b.stream)):
             return None
         stage_listed(self.host_np[s], plan, b.offsets, b.shape.padded_batch_size, 1, plan.spec.scratch_page)

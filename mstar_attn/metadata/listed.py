@@ -12,7 +12,7 @@ from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import StepArrays, cross_plan, cross_rows_plan, own_plan
 from mstar_attn.metadata.pages import LISTED_SHORT, scan_ownership
-from mstar_attn.metadata.record import ARANGE, AttentionPlan, Mode, decode_arrays, groups_of
+from mstar_attn.metadata.record import ARANGE, AttentionPlan, Mode, decode_arrays, groups_of, listed_slots, written_pages
 from mstar_attn.metadata.select import resolve_backend
 from mstar_attn.metadata.spec import AttentionSpec
 
@@ -103,7 +103,7 @@ def _plan_lists_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
             return None
         if check_ownership:
             try:
-                scan_ownership(spec, indptr, listed, listed[indptr[1:] - 1])
+                scan_ownership(spec, indptr, listed, written_pages(listed, indptr))
             except PlanError:
                 return None
     plan = AttentionPlan.lists_decode(spec, batch.q_lens, kv, indptr, listed, hi,
@@ -122,13 +122,9 @@ def group_lists(batch: StepBatch, spec: AttentionSpec, step: StepArrays, page_li
 
 
 def decode_slots(kv_indices: np.ndarray, kv_indptr: np.ndarray, last_page_len: np.ndarray, ps: int):
-    """A decode step's written pages [B] (each request's last listed page) and slot_mapping [B] int64 (where its one
-    new token goes: that page's last_page_len - 1)."""
-    written = kv_indices[kv_indptr[1:] - 1]
-    slot_mapping = np.multiply(written, ps, dtype=np.int64)
-    slot_mapping += last_page_len
-    slot_mapping -= 1
-    return written, slot_mapping
+    """A decode step's written pages [B] (record.written_pages) and slot_mapping [B] int64 (record.listed_slots)."""
+    written = written_pages(kv_indices, kv_indptr)
+    return written, listed_slots(written, last_page_len, ps)
 
 
 def _own_lists(batch: StepBatch, spec: AttentionSpec) -> list[tuple[int, GroupPages]]:

@@ -194,8 +194,8 @@ class AttentionPlan:
             c.setdefault("qo_indptr", step.qo_indptr)
             if self.kv_indices is not None:  # (its lists: the pages of each length, from logical page 0)
                 step.kv_indptr, step.kv_indices = self._kv_indptr, self.kv_indices
-                step.slot_mapping = c["slot_mapping"] = listed_slots(self.kv_indices, step.kv_indptr, step.last_page_len,
-                                                                     self.spec.page_size)
+                step.slot_mapping = c["slot_mapping"] = listed_slots(written_pages(self.kv_indices, step.kv_indptr),
+                                                                     step.last_page_len, self.spec.page_size)
             c["kv_indptr"], c["kv_last_page_len"], c["groups"] = step.kv_indptr, step.last_page_len, groups_of(self.spec, step)
             got = c[name]
         return got
@@ -264,7 +264,7 @@ class AttentionPlan:
         return self.slot_mapping if own is None else own
 
 
-# the fields rows_decode / listed_decode do not take, as __init__ sets them for a decode plan (tests/metadata/test_record.py)
+# the fields rows_decode / listed_decode / lists_decode do not take, as __init__ sets them for a decode plan (tests/metadata/test_record.py)
 _DECODE_DEFAULTS = {**{a.name: a.default for a in attrs.fields(AttentionPlan) if a.default is not attrs.NOTHING
                        and not isinstance(a.default, attrs.Factory)},
                     "mode": Mode.DECODE, "max_q_len": 1, "kv_indices": None}
@@ -274,10 +274,15 @@ _STORED = ("spec", "mode", "batch_size", "num_tokens", "max_q_len", "max_kv_len"
 _DERIVED = ("qo_indptr", "kv_indptr", "kv_last_page_len", "positions", "slot_mapping", "groups")
 
 
-def listed_slots(kv_indices: np.ndarray, kv_indptr: np.ndarray, last_page_len: np.ndarray, ps: int) -> np.ndarray:
-    """A decode step's slot_mapping [B] int64 (read-only) from its exact page lists (kv_indptr [B+1], kv_indices,
-    int32): each request's one new token goes to its last listed page, at that page's last_page_len [B] - 1."""
-    out = np.multiply(kv_indices[kv_indptr[1:] - 1], ps, dtype=np.int64)
+def written_pages(kv_indices: np.ndarray, kv_indptr: np.ndarray) -> np.ndarray:
+    """A decode step's written pages [B] int32: each request's last listed page (kv_indptr [B+1], kv_indices int32)."""
+    return kv_indices[kv_indptr[1:] - 1]
+
+
+def listed_slots(written: np.ndarray, last_page_len: np.ndarray, ps: int) -> np.ndarray:
+    """A decode step's slot_mapping [B] int64 (read-only) from its written pages [B] (written_pages): each request's
+    one new token goes to its last listed page, at that page's last_page_len [B] - 1."""
+    out = np.multiply(written, ps, dtype=np.int64)
     out += last_page_len
     out -= 1
     out.flags.writeable = False
