@@ -8,6 +8,7 @@ import triton.language as tl
 
 
 BLOCK_P = tl.constexpr(128)  # page entries a program copies per iteration (a global a kernel reads must be a constexpr)
+BLOCK_Q = tl.constexpr(64)  # a request's tokens a program maps to slots: the most a step has (metadata/tree.MAX_TREE_NODES)
 BLOCK_HEAD = 1024  # int32 elements a program of copy_head moves
 
 
@@ -22,18 +23,19 @@ def copy_head(dst, src, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def derive(buf, src, table, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr):
     """Grid (R + 1, G). Program (i, g), i < R: request i's entries of layer group g; program (R, 0): every
     staged table update. src: the slot's staging (pinned host memory, read over the bus; past
     derive.COPY_FIRST requests its device copy, buf itself); buf: the slot's device buffer; counter: one
     int32 device cell, 0 between launches; fence: one int32 cell (pinned) the last program to finish
     reading src writes the staged fence value to. BLOCK_R: a power of two >= R (and so 2 * BLOCK_R >= U);
-    BLOCK_Q: a power of two >= q_len. meta (int32 [17 + G],
+    q_len <= BLOCK_Q. meta (int32 [20 + G],
     derive.Derivation.meta): R, q_len, page size, table width, the offsets of the rows, kv_lens,
     qo_indptr, group 0's kv_indptr (its last_page_len and kv_lens follow), the stride between groups'
     kv_indptr, group 0's first_page (groups R apart), group 0's indices, the stride between groups'
     indices, the table updates (positions [U], then values [U]), U, the fence cell, the slot_mapping
-    (int64, at an even offset), whether the step is listed (below), then each group's window (0: none).
+    (int64, at an even offset), whether the step is listed (below), a listed step's cross group (-1: none),
+    the offset of its encoder lengths (cross_lens), the cross table's width, then each group's window (0: none).
 
     A request's program applies the updates that fall in its own table row before reading the row (a
     barrier between: every thread of the program sees them); program (R, 0) applies them all, so rows
@@ -42,7 +44,9 @@ def derive(buf, src, table, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q
 
     A listed step is a StepBatch decode step (derive.listed_step; its meta's U is 0: no table updates): `table` is
     then the slot's pinned staging, where the host wrote each request's exact page list, request after request, at
-    group 0's indices offset; request i's list starts at the sum of the page counts before it (no rows read)."""
+    group 0's indices offset; request i's list starts at the sum of the page counts before it (no rows read). Its
+    cross group xg (never group 0), if any, reads request i's pages from row rows[i] of `xtable` (the cross table,
+    int32 [(rows + 1) * xwidth + 1] on the device) over its encoder length cross_lens[i], no window, no slots."""
     i, g = tl.program_id(0), tl.program_id(1)
     R, q_len, ps, width = tl.load(meta + 0), tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3)
     rows_at, kv_at, qo_at = tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6)
@@ -50,6 +54,9 @@ def derive(buf, src, table, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q
     idx_at, idx_stride = tl.load(meta + 10), tl.load(meta + 11)
     upd_at, U, fence_at = tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14)
     listed = tl.load(meta + 16) != 0
+    is_x = g == tl.load(meta + 17)  # (a listed step's cross group)
+    lens_at = tl.where(is_x, tl.load(meta + 18), kv_at)  # (its encoder lengths, for every read of kv below)
+    xwidth = tl.load(meta + 19)
     slots = (buf + tl.load(meta + 15)).to(tl.pointer_type(tl.int64))
     G = tl.num_programs(1)
     # every read of src first, independent of each other: one round trip over the bus
@@ -58,24 +65,28 @@ def derive(buf, src, table, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q
     pos = tl.load(src + upd_at + u, mask=mu, other=0)
     val = tl.load(src + upd_at + U + u, mask=mu, other=0)
     r = tl.arange(0, BLOCK_R)
-    kv = tl.load(src + kv_at + r, mask=r < R, other=0)
+    kv = tl.load(src + lens_at + r, mask=r < R, other=0)
     at = tl.minimum(i, R - 1)  # (program (R, 0) reads request R - 1's: unused)
-    row = tl.load(src + rows_at + at)  # (a listed step's: unused)
-    kv_i = tl.load(src + kv_at + at)
+    row = tl.load(src + rows_at + at)  # (a listed step's: its cross row, if any)
+    kv_i = tl.load(src + lens_at + at)
     fence_value = tl.load(src + fence_at)
     if i == R:
         if g == 0:
             tl.store(table + pos, val, mask=mu)
     else:
         need = (kv + ps - 1) // ps
-        if listed:  # request i's list: past every page listed before it
+        pages = table
+        if is_x:  # a listed step's cross group: row `row` of the cross table
+            lo = row.to(tl.int64) * xwidth
+            pages = xtable
+        elif listed:  # request i's list: past every page listed before it
             lo = idx_at.to(tl.int64) + tl.sum(tl.where(r < i, need, 0), 0).to(tl.int64)
         else:
             lo = row.to(tl.int64) * width
             p64 = pos.to(tl.int64)
             tl.store(table + pos, val, mask=mu & (p64 >= lo) & (p64 < lo + width))
             tl.debug_barrier()
-        w = tl.load(meta + 17 + g)
+        w = tl.load(meta + 20 + g)
         first = tl.where(w > 0, tl.maximum(kv - q_len - (w - 1), 0) // ps, 0)
         count = tl.where(r <= i, need - first, 0)  # requests 0..i: their pages end at this sum
         end = tl.sum(count, 0)
@@ -100,7 +111,7 @@ def derive(buf, src, table, meta, counter, fence, BLOCK_R: tl.constexpr, BLOCK_Q
             p = kv_i - q_len + t
             page = tl.load(table + lo + p // ps, mask=mt, other=0)
             tl.store(slots + i * q_len + t, page.to(tl.int64) * ps + p % ps, mask=mt)
-        src_row = table + lo + first_i
+        src_row = pages + lo + first_i
         dst = buf + idx_at + g * idx_stride + end - n
         for j0 in range(0, n, BLOCK_P):
             j = j0 + tl.arange(0, BLOCK_P)

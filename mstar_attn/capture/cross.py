@@ -113,6 +113,27 @@ def stage(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, rows: in
     return stage_table(h, offsets, plan.groups[g].table_rows, rows, updates, table)
 
 
+def derivable(plan: AttentionPlan, g: int, table: PageTable, state) -> bool:
+    """Whether the device may derive a bucketed StepBatch decode step's cross group g (capture/derive.py): it names
+    rows of the cross table (CrossRows) storing nothing, the table has no update pending, and the backend state's
+    schedule reads no device rows (state: a PoolState, or None)."""
+    gp = plan.groups[g]
+    return gp.table_rows is not None and not gp.stored and not table.pending and not (
+        state is not None and state.schedule_reads_rows)
+
+
+def stage_derived(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, rows: int, q_len: int,
+                  scratch_row: int) -> None:
+    """A derived StepBatch decode step's cross group g (its rows storing nothing): the requests' table rows at the
+    head's table_rows and their encoder lengths at cross_lens (padding requests: the scratch row, q_len tokens), what
+    the device derives the group's arrays from (capture/derive.py)."""
+    gp, B = plan.groups[g], plan.batch_size
+    h[offsets.table_rows : offsets.table_rows + B] = gp.table_rows
+    h[offsets.table_rows + B : offsets.table_rows + rows] = scratch_row
+    h[offsets.cross_lens : offsets.cross_lens + B] = gp.kv_lens
+    h[offsets.cross_lens + B : offsets.cross_lens + rows] = q_len
+
+
 def device_work(table: PageTable, dev: torch.Tensor, offsets: Offsets, g: int, table_rows: torch.Tensor,
                 capacity: int) -> None:
     """After the slot's copy (same stream): the staged table updates (masked lanes to the dump), then

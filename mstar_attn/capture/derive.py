@@ -32,11 +32,13 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Callable
 
+import attrs
 import torch
 
 from mstar_attn.capture.gather import gather_csr
 from mstar_attn.capture.layout import Offsets
 from mstar_attn.metadata.plan import AttentionPlan, Mode
+from mstar_attn.metadata.tree import MAX_TREE_NODES
 
 if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
@@ -66,6 +68,25 @@ def _copy_kernel():
     return _derive_triton.copy_head, _derive_triton.BLOCK_HEAD
 
 
+@attrs.frozen
+class CrossPages:
+    """The cross table a derived StepBatch decode step's cross group reads its pages from (capture/cross.py): its
+    entries (int32 [(max_requests + 1) * width + 1] on the device, the last a dump), its width, and the layer group."""
+
+    table: torch.Tensor
+    width: int
+    group: int
+
+
+def cross_pages(spec, cross_table) -> CrossPages | None:
+    """The CrossPages a pool's listed steps derive their cross group from: a spec whose only own-list group is one
+    cross group, not group 0, with a cross table (capture/table.PageTable); else None."""
+    own = spec.own_page_groups
+    if cross_table is None or len(own) != 1 or own[0] == 0:
+        return None
+    return CrossPages(table=cross_table.dev, width=cross_table.width, group=own[0])
+
+
 class Derivation:
     """What a pool's derivations share: the page table (int32 [(max_requests + 1) * width + 1] on the
     device, the last element a dump; a pool without one: one int32, width 0, for listed steps alone) and its
@@ -73,15 +94,18 @@ class Derivation:
     and as an int32 device tensor, the page size, each group's index capacity (P), and the Triton
     kernel (None: torch ops) with one int32 device counter per pool slot (num_slots; the kernel's
     count of programs done, 0 between launches) and one cell it writes the fence to when it has none.
-    Per slot shape it keeps the kernel's meta vectors (int32 [17 + G] on the device, one for StepRows steps and
-    one for listed steps, made at the shape's first, uncaptured, commit): bounded by the buckets. copy_first (default: COPY_FIRST when made): past
-    this many requests the kernel reads the head's device copy, which the copy kernel (with the kernel) makes
-    first; fixed for the Derivation's life, so a key's captured work never changes its reads."""
+    cross: the cross table a listed step's cross group reads (a spec whose only own-list group is one cross group,
+    not group 0), or None.
+    Per slot shape it keeps the kernel's meta vectors (int32 [20 + G] on the device, one for StepRows steps and
+    one for listed steps, made at the shape's first, uncaptured, commit): bounded by the buckets. copy_first
+    (COPY_FIRST when made): past this many requests the kernel reads the head's device copy, which the copy kernel
+    (with the kernel) makes first; fixed for the Derivation's life, so a key's captured work never changes its reads."""
 
     def __init__(self, table: torch.Tensor, width: int, groups, page_size: int, capacity: int, kernel=None,
-                 num_slots: int = 2, copy_first: int | None = None):
+                 num_slots: int = 2, cross: CrossPages | None = None):
         self.table, self.width, self.page_size, self.capacity, self.kernel = table, width, page_size, capacity, kernel
-        self.copy_first = COPY_FIRST if copy_first is None else copy_first
+        self.cross = cross
+        self.copy_first = COPY_FIRST
         self.copy_kernel, self.copy_block = _copy_kernel() if kernel is not None else (None, 0)
         self.windows = tuple(g.window or 0 for g in groups)
         # (one cell per 16 bytes, as the fences: one compiled kernel for every slot)
@@ -95,7 +119,7 @@ class Derivation:
 
     def meta(self, offsets: Offsets, q_len: int, listed: bool = False) -> torch.Tensor:
         """The derive kernel's meta vector for one slot shape, of StepRows steps or listed ones (see
-        _derive_triton.derive; a listed step's has no table updates)."""
+        _derive_triton.derive; a listed step's has no table updates, and names the cross group if the spec has one)."""
         key = (offsets.batch_size, offsets.num_tokens, listed)
         m = self._meta.get(key)
         if m is None:
@@ -104,16 +128,18 @@ class Derivation:
             m = self._meta[key] = torch.tensor(
                 [offsets.batch_size, q_len, self.page_size, self.width, offsets.table_rows, offsets.kv_lens, offsets.qo,
                  g[0].kv_indptr, stride[0], g[0].first_page, g[0].indices, stride[1], offsets.updates,
-                 0 if listed else offsets.update_capacity, offsets.fence, offsets.slots, int(listed), *self.windows],
+                 0 if listed else offsets.update_capacity, offsets.fence, offsets.slots, int(listed),
+                 -1 if self.cross is None or not listed else self.cross.group, offsets.cross_lens,
+                 0 if self.cross is None else self.cross.width, *self.windows],
                 dtype=torch.int32, device=self.table.device)
         return m
 
 
 def listed_step(plan: AttentionPlan) -> bool:
-    """Whether a bucketed step of a spec whose groups all read the shared list (no own_pages, no cross groups) is a
-    StepBatch decode step the device derives like a StepRows one, from its KV lengths and its exact page lists
-    (build_plan's kv_indptr and kv_indices: the pages each length needs, from logical page 0): a plain decode step,
-    no cascade, draft round or token tree."""
+    """Whether a bucketed step of a spec whose groups read the shared list (but one cross group: the pool decides, see
+    GraphBufferPool.commit) is a StepBatch decode step the device derives like a StepRows one, from its KV lengths and
+    its exact page lists (build_plan's kv_indptr and kv_indices: the pages each length needs, from logical page 0): a
+    plain decode step, no cascade, draft round or token tree."""
     return plan.rows is None and plan.mode is Mode.DECODE and plan.cascade is None and plan.draft_step is None \
         and plan.tree is None
 
@@ -141,17 +167,21 @@ def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len:
     pool slot (its counter). Up to d.copy_first requests one launch reads `src` in place; past it the copy kernel
     moves the head (up to offsets.draft) into `buf` first and the derive kernel reads that: two launches.
     listed: a StepBatch decode step (listed_step): each request's pages are read from its exact list, staged in
-    `src` at group 0's indices offset (always the staging itself), instead of from the page table; no updates."""
+    `src` at group 0's indices offset (always the staging itself), instead of from the page table; no updates; its
+    cross group (d.cross), if any, from the cross table's rows staged at the head's table_rows, its encoder lengths at
+    cross_lens."""
     R, G = offsets.batch_size, len(offsets.groups)
     if not 0 <= slot < d.counters.numel() // 4 - 1:
         raise ValueError(f"derive_staged: slot {slot}, but the Derivation counts {d.counters.numel() // 4 - 1} slots")
+    if q_len > MAX_TREE_NODES:  # (the kernel maps up to that many tokens per request: _derive_triton.BLOCK_Q)
+        raise ValueError(f"derive_staged: q_len {q_len}, more than the {MAX_TREE_NODES} tokens a request's step holds")
     pages = src if listed else d.table
     if R > d.copy_first:  # (the kernel then rewrites the head's rows and lengths in place with the values it read)
         d.copy_kernel[(-(-offsets.draft // d.copy_block),)](buf, src, offsets.draft, BLOCK=d.copy_block)
         src = buf
-    d.kernel[(R + 1, G)](buf, src, pages, d.meta(offsets, q_len, listed), d.counters[4 * slot : 4 * slot + 1],
-                         d.counters[-4:-3] if fence is None else fence, BLOCK_R=max(16, 1 << (R - 1).bit_length()),
-                         BLOCK_Q=max(16, 1 << (q_len - 1).bit_length()))
+    xtable = d.table if d.cross is None else d.cross.table  # (read only by a listed step's cross group)
+    d.kernel[(R + 1, G)](buf, src, pages, xtable, d.meta(offsets, q_len, listed), d.counters[4 * slot : 4 * slot + 1],
+                         d.counters[-4:-3] if fence is None else fence, BLOCK_R=max(16, 1 << (R - 1).bit_length()))
 
 
 def _spans(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,6 +203,19 @@ def _spans(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> tu
     return kv, need, (kv[:, None] - q_len).long() + torch.arange(q_len, device=buf.device)
 
 
+def _cross_spans(buf: torch.Tensor, offsets: Offsets, o, d: Derivation) -> None:
+    """A listed step's cross group's first_page (0), kv_indptr, last_page_len and kv_lens (o: its GroupOffsets) into
+    `buf` from the encoder lengths at the head's cross_lens (torch ops)."""
+    R, ps = offsets.batch_size, d.page_size
+    kv = buf[offsets.cross_lens : offsets.cross_lens + R]
+    need = (kv + (ps - 1)).div_(ps, rounding_mode="floor")
+    buf[o.first_page : o.first_page + R] = 0
+    buf[o.kv_indptr : o.kv_indptr + 1] = 0
+    torch.cumsum(need, 0, out=buf[o.kv_indptr + 1 : o.kv_indptr + R + 1])
+    buf[o.last_page_len : o.last_page_len + R] = kv - (need - 1) * ps
+    buf[o.kv_lens : o.kv_lens + R] = kv
+
+
 def derive_rows(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> None:
     """Fill a bucketed StepRows step's arrays in the slot buffer `buf` (int32, on the table's device)
     from its rows and kv_lens in buf's head (see the module docstring), q_len tokens per request, the
@@ -189,7 +232,8 @@ def derive_listed(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation
     """Fill a bucketed StepBatch decode step's arrays (listed_step) in the slot buffer `buf` (int32) from the
     kv_lens in its head and each request's exact page list, request after request, in group 0's index region
     (padding requests: q_len tokens, one scratch page each), as derive_rows does from the page table (torch ops:
-    every group's list gathered over the whole index region; the Triton kernel: derive_staged(listed=True))."""
+    every group's list gathered over the whole index region; the Triton kernel: derive_staged(listed=True)); a cross
+    group (d.cross) from its encoder lengths (the head's cross_lens) and the cross table's rows (table_rows)."""
     R, ps, cap = offsets.batch_size, d.page_size, d.capacity
     i0 = offsets.groups[0].indices
     lists = buf[i0 : i0 + cap].clone()  # (group 0's own list is rewritten below: a window group's is trimmed)
@@ -198,7 +242,12 @@ def derive_listed(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation
     page = lists[(start[:, None] + pos.div(ps, rounding_mode="floor")).clamp_(max=cap - 1)]
     buf[offsets.slots : offsets.slots + 2 * R * q_len].view(torch.int64).copy_((page.long() * ps + pos % ps).view(-1))
     j = torch.arange(cap, device=buf.device)
-    for o in offsets.groups:
+    x = d.cross
+    for g, o in enumerate(offsets.groups):
+        if x is not None and g == x.group:  # the cross group: its encoder lengths, its pages from the cross table's rows
+            _cross_spans(buf, offsets, o, d)
+            gather_csr(x.table, x.width, buf[offsets.table_rows : offsets.table_rows + R], buf, (o,), cap)
+            continue
         indptr, first = buf[o.kv_indptr : o.kv_indptr + R + 1].long(), buf[o.first_page : o.first_page + R].long()
         i = (torch.searchsorted(indptr[1:], j, right=True)).clamp_(max=R - 1)  # the request entry j belongs to
         src = (start[i] + first[i] + j - indptr[i]).clamp_(0, cap - 1)

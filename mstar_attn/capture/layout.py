@@ -4,14 +4,16 @@ For a step of R request rows and N token rows (a bucketed step: R = bucket, N = 
 other step: R = B, N = T) the arrays sit back to back, so a commit copies one contiguous range
 per layer group and nothing the step does not use:
 
-    rows [R] | first_page [G * R] | kv_lens [R] | table updates: positions [U], values [U] | fence [1] | (pad)
+    rows [R] | first_page [G * R] | kv_lens [R] | cross_lens [R] | table updates: positions [U], values [U] |
+    fence [1] | (pad)
     draft steps D-1 .. 1, each: slot_mapping int64 [R], per group last_page_len [R], kv_lens [R] |
     qo_indptr [R+1] | per group g: kv_indptr [R+1], last_page_len [R], kv_lens [R] | (pad)
     slot_mapping int64 [N] | one more slot_mapping int64 [N] per own_pages group (not cross) |
     group 0 indices [P + 1] | group 1 indices [P + 1] | ... | (pad) per cross group: its slots int64 [E]
 
 The first region serves StepRows plans and CrossRows groups (the table rows, the first table column
-each window group reads, the requests' KV lengths, the table entries assigned since the last commit,
+each window group reads, the requests' KV lengths, a derived StepBatch step's cross group's encoder lengths
+(capture/derive.py), the table entries assigned since the last commit,
 U = R // 2 + 16 per copy): such a commit copies from 0, and the device fills the index regions (a
 bucketed StepRows step copies only this region, up to `draft`, and the device derives the rest:
 capture/derive.py). A cross group's slots
@@ -53,6 +55,7 @@ class Offsets:
     num_tokens: int  # N: the token rows
     table_rows: int  # the request rows' page-table rows [R] (0)
     kv_lens: int  # the requests' KV lengths [R] (a bucketed StepRows step's one length array)
+    cross_lens: int  # a derived StepBatch decode step's cross group's encoder lengths [R] (its rows at table_rows)
     updates: int  # the table updates: positions [U] then values [U]
     update_capacity: int  # U
     fence: int  # one cell: the commit's generation, which a derived commit's graph writes back (capture/lease.py)
@@ -83,7 +86,7 @@ class Layout:
 
     def at(self, rows: int, num_rows: int) -> Offsets:
         G, cap = self.num_groups, rows // 2 + 16
-        updates = rows * (2 + G)
+        updates = rows * (3 + G)
         fence = updates + 2 * cap
         draft = fence + 1 + ((fence + 1) & 1)
         block = 2 * rows * (1 + G)  # one draft step: 2R (int64 slots, 8-byte aligned) + 2GR
@@ -107,7 +110,8 @@ class Layout:
         for g, n in enumerate(rows_of):  # cross groups: past the index regions
             if n > 0:
                 group_slots[g], tail = tail, tail + 2 * n
-        return Offsets(batch_size=rows, num_tokens=num_rows, table_rows=0, kv_lens=rows * (1 + G), updates=updates,
+        return Offsets(batch_size=rows, num_tokens=num_rows, table_rows=0, kv_lens=rows * (1 + G),
+                       cross_lens=rows * (2 + G), updates=updates,
                        update_capacity=cap, fence=fence, qo=qo, slots=slots,
                        groups=tuple(GroupOffsets(*g, indices=end + i * (self.index_capacity + 1))
                                     for i, g in enumerate(groups)), head_end=end,

@@ -1,14 +1,14 @@
 """GraphBufferPool: persistent, double-buffered device copies of plans, and the committed step.
 
-State lives here and nowhere else: per slot, one pinned int32 staging buffer and its device twin (laid out by
-`Layout`), and each backend's PoolState (FlashInfer wrappers, FA4 page tables) bound to them. `commit(plan)` checks
-everything first (a commit that raises changes nothing), stages the plan into the next slot, queues its copies and
-device work (bucketed decode steps: derived on the device, derive.py), runs the backend's host scheduling and returns
-a `DeviceStep`; a slot's next decode step that differs by its lengths only takes the steady commit (steady.py). Two
-slots let the host commit step N+1 while the GPU reads step N; a slot's staging is rewritten only once the copies
-out of it have run, which an event recorded at commit proves, or the fence a derived commit's graph writes back
-(lease.py). All the pool keeps is bounded by its constructor's arguments: views are cached only for bucketed shapes
-(slots x buckets x q_lens), backend states keep one state per slot, group, bucket and q_len (memory_report()).
+State lives here and nowhere else: per slot, one pinned int32 staging buffer and its device twin (laid out by `Layout`),
+and each backend's PoolState (FlashInfer wrappers, FA4 page tables) bound to them. `commit(plan)` checks everything
+first (a commit that raises changes nothing), stages the plan into the next slot, queues its copies and device work
+(bucketed decode steps: derived on the device, derive.py), runs the backend's host scheduling and returns a
+`DeviceStep`; a slot's next decode step that differs by its lengths only takes the steady commit (steady.py). Two slots
+let the host commit step N+1 while the GPU reads step N; a slot's staging is rewritten only once the copies out of it
+have run, which an event recorded at commit proves, or the fence a derived commit's graph writes back (lease.py). All
+the pool keeps is bounded by its constructor's arguments: views are cached only for bucketed shapes (slots x buckets
+x q_lens), backend states keep one state per slot, group, bucket and q_len (memory_report()).
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from mstar_attn.capture.layout import SlotViews, slot_views
 from mstar_attn.capture.limits import DEFAULT_MAX_PAGES_PER_REQUEST, PoolLimits, limits_of, sizing  # noqa: F401  (re-exported)
 from mstar_attn.capture.lease import CurrentStream, SlotLeases, check_slot, check_stream
 from mstar_attn.capture.graph_cache import CommitGraphs
-from mstar_attn.capture.stage import (StagedHead, copy_ranges, listed_entries, stage_derived, stage_pages, stage_requests,
-                                      stage_rows)
+from mstar_attn.capture.stage import StagedHead, copy_ranges, listed_entries, stage_derived, stage_pages, stage_requests, stage_rows
 from mstar_attn.capture.steady import SteadySlots, SteadyTerms, decode_lists, decode_rows
 from mstar_attn.capture.step import DeviceStep, MemoryReport, Slots, StepShape, shapes_of
 from mstar_attn.capture.table import PageTable
@@ -72,7 +71,7 @@ class GraphBufferPool(SizedBounds):
         self.generations = self.leases.generations  # commits per slot: a DeviceStep is live while its count is current
         self.unstaged = [-1] * slots  # the generation of a derived step whose pinned O(rows) arrays are not written yet
         self.held = [StagedHead() for _ in range(slots)]  # what each slot's head holds from its last derived commit
-        self._views: dict[tuple, tuple] = {}  # ([kind,] slot, rows, num_rows) views of bucketed steps; ("shape", slot, bucket, q_len): kept StepShapes
+        self._views: dict[tuple, tuple] = {}  # ([kind,] slot, rows, num_rows): views of bucketed steps; ("shape", ...): StepShapes
         self.scratch_slots = spec.scratch_page * ps + np.arange(self.layout.max_tokens, dtype=np.int64) % ps
         self.bytes_to_device = 0  # host-to-device bytes the pool and its backend states issued, all commits
         self.last_commit_bytes = self.next_slot = 0
@@ -88,12 +87,13 @@ class GraphBufferPool(SizedBounds):
         self.steady = SteadySlots(self.slots, self.host_np, self.unstaged, self.held, self.table,
                                   self.layout.index_capacity, self.current_stream)
         kernel = derive.triton_kernel() if cuda and derive.USE_TRITON else None
-        # bucketed decode StepBatch steps whose groups all read the shared list: derived too, from their staged lists
-        # (on CUDA by the Triton kernel only: the torch ops copy a group's whole index region every step)
-        self.lists_derived = not spec.own_page_groups and not spec.has_cross and (kernel is not None or not cuda)
+        # bucketed decode StepBatch steps (groups on the shared list, or on cross-table rows: derive.cross_pages) are
+        # derived too (on CUDA by the Triton kernel only: the torch ops copy a group's whole index region every step)
+        xp = derive.cross_pages(spec, self.cross_table)
+        self.lists_derived = (not spec.own_page_groups or xp is not None) and (kernel is not None or not cuda)
         self.derivation = None if self.table is None and not self.lists_derived else derive.Derivation(  # (derive.py)
             self.table.dev if self.table is not None else torch.zeros(1, dtype=torch.int32, device=self.device),
-            0 if self.table is None else self.table.width, spec.groups, ps, self.layout.index_capacity, kernel, slots)
+            0 if self.table is None else self.table.width, spec.groups, ps, self.layout.index_capacity, kernel, slots, xp)
         self.view = PoolView(spec=spec, sizing=size, device=self.device, host=self.host, dev=self.dev, table=self.table,
                              cross_table=self.cross_table, float_workspace_bytes=self.float_workspace_bytes,
                              upload=self.upload, stage_host=self.stage_host)  # what backends and checks read
@@ -145,11 +145,11 @@ class GraphBufferPool(SizedBounds):
         `step.wait()` first (see DeviceStep.wait). Every check runs before any state changes: a commit that
         raises PlanError leaves the pool and its live steps as they were. The step of the slot this commit
         reuses (two commits ago with two slots) becomes stale. slot: commit into this slot instead of the
-        next one (graph capture does, once per slot). defer: a bucketed StepRows step (or StepBatch decode step
-        listing its pages, derive.listed_step) on the current stream whose backend plans nothing on the host leaves
-        its device work (table updates, derivations) for its first use: a DecodeGraphs replay runs it as the decode graph's first nodes (one
-        launch per step), a first run / write_kv launches it (on the commit's stream), and so does the next
-        commit. A graph of the caller's own never launches it: call step.prepare() before capturing one.
+        next one (graph capture does, once per slot). defer: a bucketed StepRows step (or StepBatch decode step listing
+        its pages, derive.listed_step) on the current stream whose backend plans nothing on the host leaves its device
+        work (table updates, derivations) for its first use: a DecodeGraphs replay runs it as the decode graph's first
+        nodes, a first run / write_kv or the next commit launches it (on the commit's stream). A graph of the caller's
+        own never launches it: call step.prepare() before capturing one.
         """
         if defer and stream is None and slot is None and (step := self.steady.commit(plan, self.next_slot)):
             self.next_slot = (step.slot + 1) % len(self.host)  # (a steady decode step: steady.py; its deferred copy)
@@ -168,14 +168,14 @@ class GraphBufferPool(SizedBounds):
         here = self.current_stream() if self.cuda else None
         side = stream if stream is not None and self.cuda and stream != here else None
         if bucket is not None and (plan.rows is not None or self.lists_derived and derive.listed_step(plan) and (
-                listed_entries(plan, bucket) <= self.layout.index_capacity)):  # (its lists staged whole: every group's read, or more)
+                listed_entries(plan, bucket) <= self.layout.index_capacity) and (  # (its lists staged whole fit)
+                self.derivation.cross is None or cross.derivable(plan, self.derivation.cross.group, self.cross_table, state))):
             return self._commit_derived(plan, bucket, state, slot, here, side, defer)  # the device derives its arrays
         return self._commit_staged((plan,), bucket, state, slot, here, side, False)[0]
 
     def commit_round(self, draft, *, slot: int | None = None) -> tuple[DeviceStep, ...]:
-        """Commit all K steps of a DraftRound (build_round) into one slot, as one staged commit: one host-to-device
-        copy per layer group, each backend's scheduling for every step; the K steps stay live together until the
-        slot is committed again (capture/rounds.py). Every check first, as for commit."""
+        """Commit all K steps of a DraftRound (build_round) into one slot as one staged commit (one copy per layer group, the
+        backend's scheduling of every step): live together until the slot's next commit (rounds.py). Checks first."""
         bucket = rounds.check(self.view, draft)
         check_slot(self.num_slots, slot, "commit_round")
         if (state := self.backend_state(draft.backend)) is not None:
@@ -183,10 +183,9 @@ class GraphBufferPool(SizedBounds):
         return self._commit_staged(draft.steps, bucket, state, slot, self.current_stream() if self.cuda else None, None, True)
 
     def _commit_staged(self, plans: tuple, bucket: int | None, state, slot: int | None, here, side, round_: bool) -> tuple:
-        """The commit of steps whose arrays the host stages (after the checks): a StepBatch step (its page lists, a
-        cross group's rows), an unbucketed StepRows step, or the K steps of a draft round (plans: one plan, or the
-        round's K, which share the first's page arrays: rounds.py; round_: a round, of any K). Lease the slot, stage, one copy per range,
-        the device work (table updates, gathers), the backend's schedule, the event; returns the DeviceSteps."""
+        """The commit of steps whose arrays the host stages (after the checks): a StepBatch step (its page lists, a cross
+        group's rows), an unbucketed StepRows step, or a draft round's K steps (sharing the first's page arrays: rounds.py;
+        round_: a round). Lease the slot, stage, copy, device work, schedule, event; returns the DeviceSteps."""
         plan, K = plans[0], len(plans)
         slots = None if plan.rows is None else self.table.check_step(plan)  # the last check, O(B + T)
         xg = None if plan.rows is not None else cross.rows_group(plan)  # (CrossRows: StepBatch plans only)
@@ -255,14 +254,16 @@ class GraphBufferPool(SizedBounds):
 
     def _commit_derived(self, plan: AttentionPlan, bucket: int, state, slot: int | None, here, side,
                         defer: bool) -> DeviceStep:
-        """commit for a bucketed StepRows step or listed step (derive.listed_step), after validate and the backend
-        state's check: the table check, the rows, lengths and table updates (a listed step: lengths and page lists)
-        staged, and the device work deriving every other array (derive.rows_work): deferred with `defer` (see
-        commit), else one graph launch. A backend state that plans from host arrays (not lazy_host_arrays) gets
-        them staged, and runs after the device work."""
+        """commit for a bucketed StepRows step or listed step (derive.listed_step), after validate and the backend state's
+        check: the table check, the rows, lengths and table updates staged (a listed step: lengths, page lists, a cross
+        group's rows and lengths), the device work deriving every other array (derive.rows_work) deferred (`defer`) or
+        launched. A backend state planning from host arrays (not lazy_host_arrays) gets them staged, after the work."""
         table, lease, q_len, listed = self.table, self.leases, plan.max_q_len, plan.rows is None
+        xg = None if not listed or self.derivation.cross is None else self.derivation.cross.group
         if not listed:
             table.check_step(plan, slots=False)  # the last check, O(B)
+        elif xg is not None:  # (its cross rows hold what it reads; it stores nothing: cross.derivable)
+            cross.check(self.cross_table, plan, xg)
         s = self.free_slot(slot)
         shape = self._kept_shape(s, bucket, q_len)
         offsets = self._offsets[(bucket, q_len)]
@@ -270,6 +271,8 @@ class GraphBufferPool(SizedBounds):
         h, lazy = self.host_np[s], state is None or state.lazy_host_arrays  # (lazy: no planner reads the host arrays)
         try:
             left, paged = stage_derived(h, plan, offsets, bucket, q_len, updates, table, self.held[s])
+            if xg is not None:
+                cross.stage_derived(h, plan, xg, offsets, bucket, q_len, self.cross_table.scratch_row)
             h[offsets.fence] = lease.next_fence(s)
             if not lazy:  # the pinned O(rows) arrays, for a backend state that plans from them (else stage_host, if asked)
                 stage_requests(h, plan, offsets, bucket, q_len)
@@ -339,8 +342,7 @@ class GraphBufferPool(SizedBounds):
         return ("cross", s, rows, num_rows, g), lambda: cross.device_work(table, dev, views.offsets, g, views.table_rows, cap)
 
     def _kept_shape(self, s: int, bucket: int, q_len: int) -> StepShape:
-        """Slot s's StepShape for steps of `bucket` requests, q_len tokens each: every group over its whole index
-        region (made once: bounded by slots x buckets x q_lens)."""
+        """Slot s's StepShape for `bucket` requests of q_len tokens: each group's whole index region (made once)."""
         shape = self._views.get(("shape", s, bucket, q_len))
         if shape is None:
             views = self.views_of(s, bucket, bucket * q_len, True)
@@ -355,9 +357,8 @@ class GraphBufferPool(SizedBounds):
         return derive.rows_work(self.derivation, self.dev[s], self.host[s], fence, step, state, offsets, derived)
 
     def _rows_device_work(self, step: DeviceStep, state, offsets, derived: bool, paged: int = 0) -> None:
-        """A StepRows commit's device work (derive.rows_work), launched now: replayed as one graph for a bucketed CUDA
-        step (captured at the first commit of its key), so its host cost is one launch (deferred: _commit_derived).
-        paged: the page ids a derived StepBatch step staged (its work reads them)."""
+        """A StepRows commit's device work (derive.rows_work), launched now: one graph per bucketed key (deferred:
+        _commit_derived), one launch. paged: the page ids a derived StepBatch step staged (its work reads them)."""
         key = derive.work_key(step, derived)
         self.device_work.run(key, derived, self._work(step, state, offsets, derived))
         self.last_commit_bytes += ((offsets.draft + paged) if derived else offsets.head_end) * 4  # (what the work reads)
@@ -390,8 +391,7 @@ class GraphBufferPool(SizedBounds):
         return views if views is not None else make()
 
     def memory_report(self) -> MemoryReport:
-        """Device and pinned bytes this pool and its backend states hold, by component (what torch's
-        allocators cache after freeing is theirs, not listed)."""
+        """Device and pinned bytes this pool and its backend states hold, by component (torch's allocator caches: not listed)."""
         slot_bytes = self.layout.size * 4 * self.num_slots  # (the tables' mirrors and owners, the steady records: pageable)
         parts = {"pool staging (pinned)": (0, slot_bytes if self.cuda else 0), "pool slot buffers": (slot_bytes, 0)}
         for part in (self.table, self.cross_table, self.derivation, self.leases, self.steady, *self.backend_states.values()):

@@ -31,7 +31,9 @@ and its PoolState is a `PoolStateBase`: `GraphBufferPool.commit` calls
 `lazy_host_arrays` True promises that schedule reads a derived step's pinned O(rows) arrays, and
 copies anything to the device, only after `pool.stage_host(step)` (or `pool.upload`): the pool then
 leaves them unwritten, and proves the commit by its graph's fence instead of an event, whenever
-neither happened.
+neither happened. `schedule_reads_rows` True says schedule reads the step's device table_rows (a CrossRows
+group's, gathered there): the pool then never derives such a step's cross rows on the device, which would
+reach them only with the step's device work, after schedule.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class PoolState(Protocol):
     """What GraphBufferPool.commit calls on a backend's per-pool state (see the module doc)."""
 
     lazy_host_arrays: bool
+    schedule_reads_rows: bool
 
     def check(self, plan: AttentionPlan, bucket: int | None) -> None: ...
     def gather(self, step: DeviceStep) -> None: ...
@@ -64,6 +67,7 @@ class PoolStateBase:
     arrays staged eagerly. Subclasses override what their backend does."""
 
     lazy_host_arrays = False
+    schedule_reads_rows = False
 
     def check(self, plan: AttentionPlan, bucket: int | None) -> None:
         """PlanError for what this backend cannot serve (default: nothing beyond build_plan and the pool)."""

@@ -60,6 +60,7 @@ class PoolState(PoolStateBase):
     """Dense page tables for the pool's paged FlashAttention steps, filled at commit (kernels._tables.BlockTables)."""
 
     lazy_host_arrays = True  # reads no pinned host array of a derived StepRows step (its tables and lengths are on the device)
+    schedule_reads_rows = True  # a CrossRows group's table: the step's device table_rows, gathered at schedule
 
     def __init__(self, pool: PoolView):
         _varlen_func()  # fail at pool construction, not at the first step

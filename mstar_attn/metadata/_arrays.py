@@ -80,7 +80,11 @@ def optional_array_field(**kw):
     return attrs.field(default=None, eq=attrs.cmp_using(eq=_same_or_none), repr=False, **kw)
 
 
-SHORT = 64  # per-request checks over at most this many requests run on Python lists (numpy's fixed cost per call is higher)
+SHORT = 64  # per-request work over at most this many requests runs on Python lists (numpy's fixed cost per call is higher)
+# a per-request range check (min / max of the lengths, Ranges.holds) over at most this many requests runs on Python ints:
+# where a Python loop starts to cost more than numpy's fixed cost (CPU host, Python 3.11: about 32 for a range check
+# per request, 48 for three min / max)
+SHORT_CHECK = 40
 
 
 class Ranges:
@@ -92,7 +96,7 @@ class Ranges:
 
     def __init__(self, low: np.ndarray, span: np.ndarray):
         self.low, self.span = low, span
-        if low.shape[0] <= SHORT:  # the bounds as Python ints: low and low + span
+        if low.shape[0] <= SHORT_CHECK:  # the bounds as Python ints: low and low + span
             lows = low.tolist()
             self._lists = (lows, [lo + n for lo, n in zip(lows, span.tolist())])
         else:  # the numpy check's scratch
@@ -100,7 +104,7 @@ class Ranges:
 
     def holds(self, values: np.ndarray) -> bool:
         """Whether every values[i] ([B] int32 host) lies in its range: one subtraction and one unsigned comparison
-        each (or, for at most SHORT requests, a Python loop). False for another number of values."""
+        each (or, for at most SHORT_CHECK requests, a Python loop). False for another number of values."""
         lists = self._lists
         if values.shape[0] != self.low.shape[0]:
             return False

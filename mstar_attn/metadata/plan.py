@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, SHORT, fail_at, read_only
+from mstar_attn.metadata._arrays import INT32_MAX, SHORT_CHECK, fail_at, read_only
 import attrs
 
 from mstar_attn.metadata.backends import AUTO, AUTO_CASCADE, BACKENDS, CASCADE_BACKENDS, TREE_BACKENDS
@@ -261,7 +261,7 @@ def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     B = kv.shape[0]
     if spec.own_page_groups or rows.shape[0] != B or not 0 < B < ARANGE.shape[0]:
         return _plan_rows(batch, spec)  # (its general checks name what is wrong)
-    if B <= SHORT:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
+    if B <= SHORT_CHECK:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
         lengths, table_rows = kv.tolist(), rows.tolist()
         lo, hi, first_row = min(lengths), max(lengths), min(table_rows)
     else:  # (the ufuncs' own reduce: ndarray.min / max add a Python wrapper per call)

@@ -4,6 +4,7 @@ and the Triton kernels (under Triton's interpreter, where Triton is installed) e
 
 import os
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -170,7 +171,9 @@ def derive_again(pool, step, kernel, device: str):
     buf[offsets.qo : offsets.qo + R + 1] = -7
     buf[offsets.slots : offsets.slots + 2 * N] = -7
     d, listed = pool.derivation, step.plan.rows is None  # (listed: a StepBatch decode step, from its staged lists)
-    again = derive.Derivation(d.table.to(device), d.width, pool.spec.groups, pool.spec.page_size, d.capacity, kernel)
+    cross = None if d.cross is None else attrs.evolve(d.cross, table=d.cross.table.to(device))
+    again = derive.Derivation(d.table.to(device), d.width, pool.spec.groups, pool.spec.page_size, d.capacity, kernel,
+                              cross=cross)
     if kernel is None and listed:  # (the torch ops read the lists the work copied into group 0's index region)
         i0 = offsets.groups[0].indices
         buf[i0 : i0 + d.capacity] = pool.host[step.slot][i0 : i0 + d.capacity].to(device)
@@ -233,7 +236,7 @@ def check_fused_updates(kernel, device: str, seed: int) -> None:
         torch.cuda.synchronize()
     got, got_table = got.cpu(), got_table.cpu()
     assert torch.equal(got_table[:-1], ref_table[:-1]), f"seed {seed}: the table updates"
-    for a, b in ((0, offsets.updates), (offsets.qo, offsets.head_end)):
+    for a, b in ((0, offsets.cross_lens), (offsets.qo, offsets.head_end)):  # (the head the kernel writes, and the rest)
         assert torch.equal(got[a:b], ref[a:b]), f"seed {seed}: buf[{a}:{b}]"
     for dg, o in zip(step.groups, offsets.groups):
         n = int(ref[o.kv_indptr + R])

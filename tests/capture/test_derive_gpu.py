@@ -6,6 +6,7 @@ import torch
 
 from mstar_attn.capture import derive
 from tests.capture.test_derive import random_listed_step, _random_step, check_again, check_fused_updates, copy_reads, derive_again
+from tests.capture.test_derive_cross import random_cross_step
 from tests.helpers import fresh_seed
 
 pytestmark = pytest.mark.gpu
@@ -30,6 +31,13 @@ def test_the_triton_kernel_equals_the_torch_ops_on_the_gpu(copy_first, monkeypat
     for i, ps in enumerate((1, 4, 16, 1, 4, 16)):  # StepBatch decode steps, from the lists staged in pinned memory
         seed = fresh_seed()
         spec, pool, plan = random_listed_step(seed, ps, table=i % 2 == 1)
+        step = pool.commit(plan)
+        buf, offsets = derive_again(pool, step, kernel, "cuda")
+        torch.cuda.synchronize()
+        check_again(pool, step, buf, offsets, seed)
+    for ps, sizes in ((1, (1, 16)), (4, (1, 16)), (16, (1, 16)), (4, (17, 32))):  # encoder-decoder decode steps: the
+        seed = fresh_seed()                                                       # cross group from the cross table
+        spec, pool, plan = random_cross_step(seed, ps, sizes)
         step = pool.commit(plan)
         buf, offsets = derive_again(pool, step, kernel, "cuda")
         torch.cuda.synchronize()

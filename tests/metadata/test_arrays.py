@@ -1,13 +1,13 @@
-"""metadata/_arrays.py: the per-request range check both of its branches (Python lists up to SHORT requests,
+"""metadata/_arrays.py: the per-request range check both of its branches (Python lists up to SHORT_CHECK requests,
 numpy past) against its definition in int64, on seeded random ranges and values."""
 
 import numpy as np
 import pytest
 
-from mstar_attn.metadata._arrays import SHORT, Ranges
+from mstar_attn.metadata._arrays import SHORT_CHECK, Ranges
 
 
-@pytest.mark.parametrize("B", [1, 2, SHORT - 1, SHORT, SHORT + 1, 3 * SHORT])
+@pytest.mark.parametrize("B", [1, 2, SHORT_CHECK - 1, SHORT_CHECK, SHORT_CHECK + 1, 3 * SHORT_CHECK])
 def test_ranges_hold_exactly_when_every_value_is_in_its_range(B):
     seed = 1000 + B
     rng = np.random.default_rng(seed)

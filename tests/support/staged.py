@@ -12,11 +12,19 @@ from mstar_attn.capture.stage import stage_pages
 def staged_arrays(pool, plan, rows: int, q_len: int = 1) -> dict:
     """`plan` (a plan that lists its pages) padded to `rows` requests of q_len tokens each, as stage_pages writes it
     into a fresh host buffer of `pool`'s layout: qo [rows+1], slots [rows * q_len] int64, and per group (kv_indptr
-    [rows+1], last_page_len [rows], kv_lens [rows], the used indices) (numpy)."""
+    [rows+1], last_page_len [rows], kv_lens [rows], the used indices) (numpy). A cross group naming cross-table rows
+    (CrossRows): its indices are those rows' pages in the pool's cross table (its host mirror), as the device gathers."""
     N = rows * q_len
     offsets = pool.layout.at(rows, N)
     h = np.full(pool.layout.size, -7, np.int32)  # (never a value a step holds)
     stage_pages(h, plan, offsets, rows, q_len, N, pool.scratch_slots)
+    for gp, o in zip(plan.groups, offsets.groups):
+        if gp.table_rows is not None:  # CrossRows: the pages the device gathers from the rows of the pool's cross table
+            t, ps = pool.cross_table, plan.spec.page_size
+            named = [*gp.table_rows.tolist(), *[t.scratch_row] * (rows - plan.batch_size)]
+            lens = h[o.kv_lens : o.kv_lens + rows].tolist()
+            got = np.concatenate([t.flat[r * t.width : r * t.width + -(-k // ps)] for r, k in zip(named, lens)])
+            h[o.indices : o.indices + got.shape[0]] = got
     groups = []
     for o in offsets.groups:
         indptr = h[o.kv_indptr : o.kv_indptr + rows + 1]
