@@ -44,7 +44,7 @@ def check(table: PageTable | None, plan: AttentionPlan, g: int) -> np.ndarray:
     if table is None:
         raise PlanError(f"commit: {name} names cross-table rows (CrossRows), but this pool has no cross table "
                         "(GraphBufferPool(spec, PoolLimits(..., max_requests=...)) with a cross-attention group in the spec)")
-    gp, ps = plan.groups[g], plan.spec.page_size
+    gp, ps = plan.group_plan(g), plan.spec.page_size
     rows, kv, new = gp.table_rows, gp.kv_lens, gp.new_lens
     if not gp.stored and 0 < rows.shape[0] <= SHORT and _reads_stored(table, rows, kv, ps):
         return NO_SLOTS
@@ -117,7 +117,7 @@ def derivable(plan: AttentionPlan, g: int, table: PageTable, state) -> bool:
     """Whether the device may derive a bucketed StepBatch decode step's cross group g (capture/derive.py): it names
     rows of the cross table (CrossRows) storing nothing, the table has no update pending, and the backend state's
     schedule reads no device rows (state: a PoolState, or None)."""
-    gp = plan.groups[g]
+    gp = plan.group_plan(g)
     return gp.table_rows is not None and not gp.stored and not table.pending and not (
         state is not None and state.schedule_reads_rows)
 
@@ -127,7 +127,7 @@ def stage_derived(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, 
     """A derived StepBatch decode step's cross group g (its rows storing nothing): the requests' table rows at the
     head's table_rows and their encoder lengths at cross_lens (padding requests: the scratch row, q_len tokens), what
     the device derives the group's arrays from (capture/derive.py)."""
-    gp, B = plan.groups[g], plan.batch_size
+    gp, B = plan.group_plan(g), plan.batch_size
     h[offsets.table_rows : offsets.table_rows + B] = gp.table_rows
     h[offsets.table_rows + B : offsets.table_rows + rows] = scratch_row
     h[offsets.cross_lens : offsets.cross_lens + B] = gp.kv_lens

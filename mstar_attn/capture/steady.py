@@ -103,8 +103,9 @@ def decode_rows(plan: AttentionPlan) -> bool:
 
 def decode_lists(plan: AttentionPlan) -> bool:
     """Whether `plan` is a lazy decode plan of a StepBatch listing exactly its pages (build_plan's
-    AttentionPlan.lists_decode: every group on the shared list) and nothing else (no token tree)."""
-    return plan.lazy and plan.rows is None and plan.tree is None and plan.draft_step is None and plan.cascade is None
+    AttentionPlan.lists_decode) with every group on the shared list (no cross group) and nothing else (no token tree)."""
+    return plan.lazy and plan.rows is None and plan.tree is None and plan.draft_step is None and plan.cascade is None \
+        and plan.lazy_cross is None
 
 
 def allowed(table: PageTable, rows: np.ndarray, promise: tuple) -> Ranges:

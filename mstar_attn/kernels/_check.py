@@ -146,8 +146,8 @@ def new_kv(k, v, step, plan: AttentionPlan, cache, where: str, group: int = 0) -
         _tensor(t, name, spec.num_kv_heads, plan, cache.k.device, where, (spec.dtype,), dim)
         if not cross:
             row_count(t, name, step, plan, where)
-        elif t.shape[0] != plan.groups[group].stored or t.shape[0] == 0:
-            n = plan.groups[group].stored
+        elif t.shape[0] != plan.group_plan(group).stored or t.shape[0] == 0:
+            n = plan.group_plan(group).stored
             raise PlanError(f"{where}: {name} has {t.shape[0]} rows; layer group {group} is cross attention and this "
                             + (f"step stores {n} encoder tokens (the requests' whose GroupPages.new_lens is set)" if n else
                                "step stores no encoder K/V (new_lens is 0 for every request)"))

@@ -10,7 +10,7 @@ import numpy as np
 from mstar_attn.metadata._arrays import INT32_MAX, SHORT, read_only
 from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch
 from mstar_attn.metadata.errors import PlanError
-from mstar_attn.metadata.groups import StepArrays, cross_plan, cross_rows_plan, own_plan
+from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan
 from mstar_attn.metadata.pages import LISTED_SHORT, scan_ownership
 from mstar_attn.metadata.record import ARANGE, AttentionPlan, Mode, decode_arrays, groups_of, listed_slots, written_pages
 from mstar_attn.metadata.select import resolve_backend
@@ -41,6 +41,8 @@ def plan_listed_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
         return None                                                                    # an indptr matching it never wrapped)
     if not (batch.group_pages or spec.own_page_groups or spec.has_cross):  # every group reads the shared list
         return _plan_lists_decode(batch, spec, check_ownership, lengths, hi)
+    if (cross := _lazy_cross(batch, spec)) is not None:  # but one cross group of cross-table rows, storing nothing
+        return _plan_lists_decode(batch, spec, check_ownership, lengths, hi, cross)
     step = decode_arrays(spec, q, kv, hi, lengths)  # (its kv_indptr is the page_indptr of exact lists)
     end = int(indptr[-1])
     if end > n or step.kv_indptr.tobytes() != indptr.tobytes():
@@ -68,11 +70,12 @@ def plan_listed_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
 
 
 def _plan_lists_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, lengths: list[int] | None,
-                       hi: int) -> AttentionPlan | None:
-    """plan_listed_decode for a step whose groups all read the shared list, after its length checks (lengths: the
-    kv_lens as Python ints, for at most SHORT requests, else None; hi: the longest): the lists' checks, and a lazy
-    plan of the batch's own arrays (AttentionPlan.lists_decode: the rest derived on read; a pool derives them on the
-    device). Python ints where the step is short. None where a check fails (_plan names it)."""
+                       hi: int, cross: GroupPlan | None = None) -> AttentionPlan | None:
+    """plan_listed_decode for a step whose groups read the shared list (but the cross group `cross`, checked, if
+    any), after its length checks (lengths: the kv_lens as Python ints, for at most SHORT requests, else None; hi:
+    the longest): the lists' checks, and a lazy plan of the batch's own arrays (AttentionPlan.lists_decode: the rest
+    derived on read; a pool derives them on the device). Python ints where the step is short. None where a check
+    fails (_plan names it)."""
     kv, indptr, idx, ps = batch.kv_lens, batch.page_indptr, batch.page_indices, spec.page_size
     B = kv.shape[0]
     if lengths is not None:  # each list exactly its pages: indptr is the running sum of the pages each length needs
@@ -107,9 +110,26 @@ def _plan_lists_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
             except PlanError:
                 return None
     plan = AttentionPlan.lists_decode(spec, batch.q_lens, kv, indptr, listed, hi,
-                                      resolve_backend(spec, Mode.DECODE, B, B, 1, hi))
+                                      resolve_backend(spec, Mode.DECODE, B, B, 1, hi), cross)
     object.__setattr__(plan, "sealed", True)
     return plan
+
+
+def _lazy_cross(batch: StepBatch, spec: AttentionSpec) -> GroupPlan | None:
+    """The cross group's GroupPlan of a step whose only own list is its spec's only own-list group, a cross group
+    other than group 0, given as cross-table rows (CrossRows) storing nothing (a lazy plan's: the pool derives its
+    pages on the device); None for any other step, and where cross_rows_plan refuses (_plan then names it)."""
+    own = spec.own_page_groups
+    if len(own) != 1 or own[0] == 0 or len(batch.group_pages) != 1 or not spec.groups[own[0]].cross:
+        return None
+    g, pages = batch.group_pages[0]
+    if g != own[0] or not isinstance(pages, CrossRows):
+        return None
+    try:
+        gp = cross_rows_plan(g, pages, spec, batch.kv_lens.shape[0])
+    except PlanError:
+        return None
+    return None if gp.stored else gp
 
 
 def group_lists(batch: StepBatch, spec: AttentionSpec, step: StepArrays, page_limit: int, check_ownership: bool) -> dict:

@@ -102,6 +102,8 @@ class AttentionPlan:
     _positions: np.ndarray | None = _array_arg("positions")
     _slot_mapping: np.ndarray | None = _array_arg("slot_mapping")
     _groups: tuple[GroupPlan, ...] | None = _array_arg("groups")
+    # a lazy decode plan's cross group, given (lists_decode): the GroupPlan of its cross-table rows, storing nothing
+    _lazy_cross: GroupPlan | None = attrs.field(default=None, alias="lazy_cross", eq=False, repr=False)
     _cache: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)  # a lazy plan's derived arrays
     # True only for plans build_plan / scratch_plan made: attrs.evolve makes a new plan through
     # __init__, which leaves this False, so a hand-edited plan is never taken for a checked one
@@ -141,17 +143,29 @@ class AttentionPlan:
 
     @classmethod
     def lists_decode(cls, spec: AttentionSpec, q_lens: np.ndarray, kv_lens: np.ndarray, kv_indptr: np.ndarray,
-                     kv_indices: np.ndarray, max_kv_len: int, backend: str) -> AttentionPlan:
+                     kv_indices: np.ndarray, max_kv_len: int, backend: str, cross: GroupPlan | None = None) -> AttentionPlan:
         """The lazy plan of a decode step that lists exactly its pages (build_plan's per-step path for a StepBatch
-        whose groups all read the shared list): its lengths, kv_indptr [B+1] and kv_indices (the pages each length
-        needs, from logical page 0); every other array derived on first read (a pool derives them on the device
-        instead). Field for field what __init__ makes of these arguments, in one dict write (not sealed)."""
+        whose groups read the shared list, but a cross group of cross-table rows: `cross`, its GroupPlan, storing
+        nothing): its lengths, kv_indptr [B+1] and kv_indices (the pages each length needs, from logical page 0);
+        every other array derived on first read (a pool derives them on the device instead). Field for field what
+        __init__ makes of these arguments, in one dict write (not sealed)."""
         B = kv_lens.shape[0]
         plan = object.__new__(cls)
         plan.__dict__.update(_DECODE_DEFAULTS, spec=spec, batch_size=B, num_tokens=B, max_kv_len=max_kv_len,
                              q_lens=q_lens, kv_lens=kv_lens, kv_indices=kv_indices, backend=backend,
-                             _kv_indptr=kv_indptr, _cache={})
+                             _kv_indptr=kv_indptr, _lazy_cross=cross, _cache={})
         return plan
+
+    @property
+    def lazy_cross(self) -> GroupPlan | None:
+        """A lazy decode plan's cross group (spec.own_page_groups[0]), given at construction: the GroupPlan of its
+        cross-table rows, storing nothing; None for any other plan (an eager plan holds its cross groups in groups)."""
+        return self._lazy_cross
+
+    def group_plan(self, group: int) -> GroupPlan:
+        """groups[group], without deriving a lazy plan's other arrays where it is the plan's given cross group."""
+        c = self._lazy_cross
+        return c if c is not None and group == self.spec.own_page_groups[0] else self.groups[group]
 
     @property
     def lazy(self) -> bool:
@@ -196,7 +210,8 @@ class AttentionPlan:
                 step.kv_indptr, step.kv_indices = self._kv_indptr, self.kv_indices
                 step.slot_mapping = c["slot_mapping"] = listed_slots(written_pages(self.kv_indices, step.kv_indptr),
                                                                      step.last_page_len, self.spec.page_size)
-            c["kv_indptr"], c["kv_last_page_len"], c["groups"] = step.kv_indptr, step.last_page_len, groups_of(self.spec, step)
+            own = None if self._lazy_cross is None else {self.spec.own_page_groups[0]: self._lazy_cross}
+            c["kv_indptr"], c["kv_last_page_len"], c["groups"] = step.kv_indptr, step.last_page_len, groups_of(self.spec, step, own)
             got = c[name]
         return got
 
@@ -208,6 +223,8 @@ class AttentionPlan:
         # a lazy plan's derived arrays are a pure function of the stored fields: two lazy plans compare the arrays
         # either was given (an evolved plan's), an eager plan every array
         both_lazy = self.lazy and other.lazy
+        if both_lazy and not _same(self._lazy_cross, other._lazy_cross):
+            return False
         return all(_same(getattr(self, n), getattr(other, n)) for n in _DERIVED
                    if not both_lazy or getattr(self, "_" + n) is not None or getattr(other, "_" + n) is not None)
 
@@ -215,9 +232,9 @@ class AttentionPlan:
         """kv_lens [B] of layer group `group` (its own for window, cross and own-list groups), without
         deriving a lazy plan's other arrays (a window group's lengths: computed alone)."""
         g = self.spec.groups[group]
-        if self.arrays_derived:
-            return self.groups[group].kv_lens
-        if g.kind is not Kind.WINDOW:  # (a lazy plan: StepRows decode, no own or cross groups)
+        if self.arrays_derived or g.cross:  # (a lazy plan's cross group: given, group_plan)
+            return self.group_plan(group).kv_lens
+        if g.kind is not Kind.WINDOW:  # (a lazy plan: StepRows decode, no own groups)
             return self.kv_lens
         kv = self.kv_lens
         return kv - first_read_page(g, self.q_lens, kv, self.spec.page_size) * self.spec.page_size
@@ -256,7 +273,7 @@ class AttentionPlan:
         the encoder tokens it stores this step (0 at a step that stores none)."""
         if not self.spec.groups[group].cross:  # (no derived arrays read: a lazy decode plan stays lazy)
             return self.num_tokens
-        return self.groups[group].stored
+        return self.group_plan(group).stored
 
     def slots_of(self, group: int) -> np.ndarray | None:
         """slot_mapping [T] int64 of layer group `group`: its own (own_pages) or the plan's."""

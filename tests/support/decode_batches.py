@@ -42,7 +42,7 @@ def own_lists(rng, spec, kv: np.ndarray, kind: str) -> dict:
         if not group.cross:
             continue
         enc = rng.integers(1, 5 * ps, B).astype(np.int32)
-        write = rng.integers(0, 2, B).astype(bool)
+        write = rng.integers(0, 2, B).astype(bool) if rng.integers(2) else np.zeros(B, bool)  # (half: a step storing none)
         i = int(rng.integers(B))
         if kind == "cross_empty":
             enc[i] = 0
