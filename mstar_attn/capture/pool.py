@@ -85,7 +85,7 @@ class GraphBufferPool(SizedBounds):
         self.slots = Slots(leases=self.leases, work=self.device_work, device=self.device)  # (what a DeviceStep reads)
         # per slot, its last general decode commit's decisions, for the steady commits after it (steady.py)
         self.steady = SteadySlots(self.slots, self.host_np, self.unstaged, self.held, self.table,
-                                  self.layout.index_capacity, self.current_stream)
+                                  self.layout.index_capacity, self.current_stream, self.cross_table)
         kernel = derive.triton_kernel() if cuda and derive.USE_TRITON else None
         # bucketed decode StepBatch steps (groups on the shared list, or on cross-table rows: derive.cross_pages) are
         # derived too (on CUDA by the Triton kernel only: the torch ops copy a group's whole index region every step)

@@ -43,10 +43,12 @@ from typing import TYPE_CHECKING, Callable
 import attrs
 import numpy as np
 
+from mstar_attn.capture import cross
 from mstar_attn.capture.lease import FENCE_MASK
 from mstar_attn.capture.stage import listed_entries, stage_listed, stage_updates
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata._arrays import INT32_MAX, SHORT, Ranges
+from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan
 
 if TYPE_CHECKING:
@@ -77,7 +79,9 @@ class Steady:
     shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
     work's graph key and a function of the step making that work. offsets: where the step sits in the slot
     (layout.Offsets: its lengths, its fence, the head the work copies). stream: the stream it ran on (None: a
-    CPU pool) and stream_key, its id (torch's current-stream tuple).
+    CPU pool) and stream_key, its id (torch's current-stream tuple). cross_lens: a listed step's cross group's
+    encoder lengths (AttentionPlan.lazy_cross; the bytes of its [B] kv_lens), or None: a steady step has the same
+    ones, which the backend's schedule of that group was made for.
     """
 
     spec: object
@@ -93,6 +97,7 @@ class Steady:
     offsets: Offsets
     stream: object = None
     stream_key: object = None
+    cross_lens: bytes | None = None
 
 
 def decode_rows(plan: AttentionPlan) -> bool:
@@ -103,9 +108,9 @@ def decode_rows(plan: AttentionPlan) -> bool:
 
 def decode_lists(plan: AttentionPlan) -> bool:
     """Whether `plan` is a lazy decode plan of a StepBatch listing exactly its pages (build_plan's
-    AttentionPlan.lists_decode) with every group on the shared list (no cross group) and nothing else (no token tree)."""
-    return plan.lazy and plan.rows is None and plan.tree is None and plan.draft_step is None and plan.cascade is None \
-        and plan.lazy_cross is None
+    AttentionPlan.lists_decode: every group on the shared list, or a cross group of cross-table rows) and nothing else
+    (no token tree)."""
+    return plan.lazy and plan.rows is None and plan.tree is None and plan.draft_step is None and plan.cascade is None
 
 
 def allowed(table: PageTable, rows: np.ndarray, promise: tuple) -> Ranges:
@@ -128,17 +133,18 @@ class SteadySlots:
     construction): the slots' leases and deferred device work (slots: step.Slots), each slot's pinned staging
     (host_np: int32 numpy views), unstaged mark and StagedHead (heads: whether its update region is all dump
     lanes), the page table. capacity: a slot's index region (Layout.index_capacity); current: the pool's
-    CurrentStream (None: a CPU pool). commits: steady commits so far. Holds one record per slot (pageable
-    host: the record and its [B] range arrays)."""
+    CurrentStream (None: a CPU pool); cross_table: the pool's (or None). commits: steady commits so far. Holds one
+    record per slot (pageable host: the record and its [B] range arrays)."""
 
     def __init__(self, slots: Slots, host_np: list, unstaged: list, heads: list, table: PageTable | None, capacity: int,
-                 current):
+                 current, cross_table: PageTable | None = None):
         self.records: list[Steady | None] = [None] * len(host_np)
         # per slot with a record: (PageTable.changes then, the kv_lens the table and the record's promise then
         # accept), made by the record and again after appends for a batch of at most SHORT requests
         self.ranges: list[tuple[int, Ranges] | None] = [None] * len(host_np)
         self.leases, self.work, self.slots, self.table = slots.leases, slots.work, slots, table
         self.host_np, self.unstaged, self.heads, self.capacity = host_np, unstaged, heads, capacity
+        self.cross_table = cross_table
         self.host_ints = [memoryview(h) for h in host_np]  # each slot's staging, its cells written as Python ints
         # the current stream's id: torch's (id, device, type) tuple where it has one, else the Stream
         self.stream_key = (lambda: None) if current is None else (current if current.ident is None else
@@ -176,7 +182,8 @@ class SteadySlots:
             spec=plan.spec, backend=plan.backend, rows=None if plan.rows is None else plan.rows.tobytes(),
             table_reshapes=-1 if plan.rows is None else table.reshapes, max_kv_len=(self.capacity - pad) // B * ps,
             promise=terms.ranges, shape=step.shape, scheduled=terms.scheduled, work_key=key, work=work, offsets=offsets,
-            stream=stream, stream_key=self.stream_key())
+            stream=stream, stream_key=self.stream_key(),
+            cross_lens=None if plan.lazy_cross is None else plan.lazy_cross.kv_lens.tobytes())
 
     def commit(self, plan: AttentionPlan, s: int) -> DeviceStep | None:
         """Slot s's steady commit of `plan` (GraphBufferPool.commit with defer=True, no stream, no slot), or
@@ -214,14 +221,30 @@ class SteadySlots:
     def _commit_lists(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep | None:
         """commit for a slot whose record is of a listed step: the next listed step (decode_lists) of the same
         spec and backend, as many requests (its pages within the slot's index region), each length in the record's
-        ranges: its lengths and lists staged (stage_listed), the fence, the slot's device work deferred."""
-        kv = plan.kv_lens
+        ranges, a cross group's encoder lengths the record's (its rows holding them: cross.check; no cross-table update
+        pending): its lengths and lists staged (stage_listed; cross.stage_derived), the fence, the work deferred."""
+        kv, x, R = plan.kv_lens, plan.lazy_cross, b.shape.padded_batch_size
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and decode_lists(plan)
-                and listed_entries(plan, b.shape.padded_batch_size) <= self.capacity and not any(self.work.pending)
-                and self.stream_key() == b.stream_key and self.ranges[s][1].holds(kv) and self.leases.take(s, b.stream)):
+                and listed_entries(plan, R) <= self.capacity and not any(self.work.pending)
+                and self.stream_key() == b.stream_key and self.ranges[s][1].holds(kv)
+                and (b.cross_lens is None if x is None else x.kv_lens.tobytes() == b.cross_lens and self._cross_ok(plan))
+                and self.leases.take(s, b.stream)):
             return None
-        stage_listed(self.host_np[s], plan, b.offsets, b.shape.padded_batch_size, 1, plan.spec.scratch_page)
+        stage_listed(self.host_np[s], plan, b.offsets, R, 1, plan.spec.scratch_page)
+        if x is not None:
+            cross.stage_derived(self.host_np[s], plan, plan.spec.own_page_groups[0], b.offsets, R, 1, self.cross_table.scratch_row)
         return self._deferred(plan, s, b)
+
+    def _cross_ok(self, plan: AttentionPlan) -> bool:
+        """Whether a listed step's cross rows hold what it reads (cross.check) and the cross table has no update
+        pending (the device's table is the host's): else the general commit decides, and names what is wrong."""
+        if self.cross_table is None or self.cross_table.pending:
+            return False
+        try:
+            cross.check(self.cross_table, plan, plan.spec.own_page_groups[0])
+        except PlanError:
+            return False
+        return True
 
     def _deferred(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep:
         """The end of a steady commit into slot s, its arrays staged: the fence and the slot's next generation, the

@@ -21,10 +21,11 @@ and its PoolState is a `PoolStateBase`: `GraphBufferPool.commit` calls
     schedule(step)          host-side scheduling; returns one run object per layer group, which
                             run() reads as step.scheduled[group]
     schedule_round(steps)   the same for the K steps of a draft round (default: schedule each)
-    steady(step)            after schedule, for a deferred plain StepRows decode step (steady.decode_rows):
-                            a SteadyTerms (capture/steady.py)
+    steady(step)            after schedule, for a deferred plain StepRows decode step (steady.decode_rows) or
+                            listed one (steady.decode_lists): a SteadyTerms (capture/steady.py)
                             promising that its schedule serves the slot's next decode steps of the same
-                            rows whose lengths lie in given ranges, so the pool may skip check and
+                            rows whose lengths lie in given ranges (a cross group's: the same encoder
+                            lengths, which the pool keeps), so the pool may skip check and
                             schedule for them; or None, no promise (the default)
     memory()                {name: (device bytes, pinned bytes)} of what it holds
 

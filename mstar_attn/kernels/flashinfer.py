@@ -208,7 +208,9 @@ class PoolState(PoolStateBase):
         """After schedule: the shape's kept wrappers (each plans into an int workspace of its own: no other plan
         overwrites theirs), while each split-KV group's chunk counts hold: its ChunkRanges, over the plan's kv_lens, or for a
         window group over its own lengths, mapped back to the plan's (groups.window_decode_ranges). None for a step
-        whose schedule is not kept (XQA, a shape not yet kept) or whose split-KV group keeps its own page list.
+        whose schedule is not kept (XQA, a shape not yet kept) or whose split-KV group keeps its own page list, but
+        a listed step's cross group of cross-table rows (AttentionPlan.lazy_cross), whose chunk counts hold for its
+        encoder lengths, which the pool's steady commit keeps (steady.Steady.cross_lens).
         (The pool asks for plain decode steps only: steady.decode_rows.)"""
         plan, sh = step.plan, step.shape
         kept = None if self._on_xqa(plan) else self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
@@ -217,6 +219,8 @@ class PoolState(PoolStateBase):
         spec, ranges = self.pool.spec, []
         for sg in kept.split:
             r, group = sg.plan.chunks.ranges, spec.groups[sg.group]
+            if group.cross and plan.lazy_cross is not None:  # (its chunks: over the encoder lengths, a steady step's the same)
+                continue
             if r is None or not (sg.plain or group.kind is Kind.WINDOW and sg.group not in spec.own_page_groups):
                 return None
             ranges.append(r if sg.plain else window_decode_ranges(group, plan.kv_lens, r, spec.page_size))
