@@ -115,11 +115,12 @@ def stage(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, rows: in
 
 def derivable(plan: AttentionPlan, g: int, table: PageTable, state) -> bool:
     """Whether the device may derive a bucketed StepBatch decode step's cross group g (capture/derive.py): it names
-    rows of the cross table (CrossRows) storing nothing, the table has no update pending, and the backend state's
-    schedule reads no device rows (state: a PoolState, or None)."""
+    rows of the cross table (CrossRows) storing nothing, none with an update pending (the derived commit sends none:
+    a later staged commit does, before any step reads those rows), and the backend state's schedule reads no device
+    rows (state: a PoolState, or None)."""
     gp = plan.group_plan(g)
-    return gp.table_rows is not None and not gp.stored and not table.pending and not (
-        state is not None and state.schedule_reads_rows)
+    return gp.table_rows is not None and not gp.stored and not (state is not None and state.schedule_reads_rows) \
+        and not table.pending_in(gp.table_rows)
 
 
 def stage_derived(h: np.ndarray, plan: AttentionPlan, g: int, offsets: Offsets, rows: int, q_len: int,

@@ -221,8 +221,8 @@ class SteadySlots:
     def _commit_lists(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep | None:
         """commit for a slot whose record is of a listed step: the next listed step (decode_lists) of the same
         spec and backend, as many requests (its pages within the slot's index region), each length in the record's
-        ranges, a cross group's encoder lengths the record's (its rows holding them: cross.check; no cross-table update
-        pending): its lengths and lists staged (stage_listed; cross.stage_derived), the fence, the work deferred."""
+        ranges, a cross group's encoder lengths the record's (its rows holding them: cross.check; no update pending in
+        them): its lengths and lists staged (stage_listed; cross.stage_derived), the fence, the work deferred."""
         kv, x, R = plan.kv_lens, plan.lazy_cross, b.shape.padded_batch_size
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and decode_lists(plan)
                 and listed_entries(plan, R) <= self.capacity and not any(self.work.pending)
@@ -236,9 +236,10 @@ class SteadySlots:
         return self._deferred(plan, s, b)
 
     def _cross_ok(self, plan: AttentionPlan) -> bool:
-        """Whether a listed step's cross rows hold what it reads (cross.check) and the cross table has no update
-        pending (the device's table is the host's): else the general commit decides, and names what is wrong."""
-        if self.cross_table is None or self.cross_table.pending:
+        """Whether a listed step's cross rows hold what it reads (cross.check) and have no update pending (the device's
+        rows are the host's): else the general commit decides, and names what is wrong."""
+        x = plan.lazy_cross
+        if self.cross_table is None or self.cross_table.pending_in(x.table_rows):
             return False
         try:
             cross.check(self.cross_table, plan, plan.spec.own_page_groups[0])

@@ -92,6 +92,14 @@ class PageTable:
         """Entries changed on the host and not yet sent to the device (upper bound; repeats counted)."""
         return sum(p.shape[0] for p in self._pending)
 
+    def pending_in(self, rows: np.ndarray) -> bool:
+        """Whether an entry changed on the host and not yet sent to the device lies in one of `rows` ([B] int32 host,
+        table rows): a step reading only other rows reads the device's table as the host has it."""
+        if not self._pending:
+            return False
+        touched = (self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)) // self.width
+        return bool(np.isin(touched, rows).any())
+
     def _row(self, row, where: str) -> int:
         if isinstance(row, (bool, np.bool_)) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.max_requests:
             raise PlanError(f"{where}: row {row!r} is not a table row (0..{self.max_requests - 1})")

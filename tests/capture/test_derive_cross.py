@@ -72,25 +72,30 @@ def test_cross_decode_steps_derive_what_the_host_stages(ps):
 
 
 def test_steps_the_derivation_does_not_serve_are_staged_and_right():
-    """A step storing encoder K/V, one after a cross-table row was assigned (an update pending), and a backend state
-    whose schedule reads the step's device rows (FA4's dense tables) take the staged commit; the first two give the
-    host staging's arrays."""
+    """A step storing encoder K/V, one reading a cross-table row with an update pending (a page appended to it), and
+    a backend state whose schedule reads the step's device rows (FA4's dense tables) take the staged commit, which
+    sends the update; an update pending in a row the step does not read (a row assigned) leaves it derived, the
+    update still pending. Every step gives the host staging's arrays."""
     for _ in range(4):
         seed = fresh_seed()
         spec, pool, plan = random_cross_step(seed, 4)
-        R = pool.bucket_for(plan)
-        gp = plan.groups[1]
+        R, gp, table = pool.bucket_for(plan), plan.group_plan(1), pool.cross_table
         storing = build_plan(StepBatch.from_pages(plan.q_lens, plan.kv_lens, np.split(plan.kv_indices, plan.kv_indptr[1:-1]),
                                                   4, group_pages={1: CrossRows.of(gp.table_rows, gp.kv_lens,
                                                                                   [True] * plan.batch_size)}), spec)
-        assert not cross.derivable(storing, 1, pool.cross_table, None), f"seed {seed}"
-        free = next(r for r in range(64) if pool.cross_table.counts[r] == 0)
-        pool.cross_table.assign(free, [int(np.flatnonzero(pool.cross_table.owner[:3000] == FREE)[0])])
+        assert not cross.derivable(storing, 1, table, None), f"seed {seed}"
+        assert not cross.derivable(plan, 1, table, types.SimpleNamespace(schedule_reads_rows=True)), f"seed {seed}"
+        free = list(np.flatnonzero(table.owner[:3000] == FREE))
+        table.assign(next(r for r in range(64) if table.counts[r] == 0), [int(free.pop())])  # (a row the step does not read)
         step = pool.commit(plan)
-        assert pool.last_commit_bytes != derived_bytes(pool, plan, R), f"seed {seed}: the pending update was staged"
+        assert pool.last_commit_bytes == derived_bytes(pool, plan, R) and table.pending, f"seed {seed}: derived, pending"
         assert_same_arrays(step_arrays(step), staged_arrays(pool, plan, R), f"seed {seed}")
-        assert cross.derivable(plan, 1, pool.cross_table, None), f"seed {seed}: nothing pending now"
-        assert not cross.derivable(plan, 1, pool.cross_table, types.SimpleNamespace(schedule_reads_rows=True)), f"seed {seed}"
+        table.append(np.array([gp.table_rows[0]], np.int32), [int(free.pop())])  # (a row the step reads)
+        assert not cross.derivable(plan, 1, table, None), f"seed {seed}"
+        step = pool.commit(plan)
+        assert pool.last_commit_bytes != derived_bytes(pool, plan, R) and not table.pending, f"seed {seed}: staged, sent"
+        assert_same_arrays(step_arrays(step), staged_arrays(pool, plan, R), f"seed {seed}")
+        assert cross.derivable(plan, 1, table, None), f"seed {seed}: nothing pending now"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel runs for real: tests/capture/test_derive_gpu.py")

@@ -1,7 +1,7 @@
 """capture/steady.py for encoder-decoder decode steps (a self group on the shared list beside a cross group of
 cross-table rows storing nothing: AttentionPlan.lazy_cross), on the CPU: the steady commit held to the general
 derived commit it stands in for (the same slot, generation, staging, device arrays, bytes and outputs per request)
-step after step, and left for the general path by a cross-table update pending or another batch."""
+step after step, and left for the general path by a cross-table update pending in its rows or another batch."""
 
 import numpy as np
 import pytest
@@ -84,10 +84,10 @@ def test_the_steady_commit_of_cross_steps_is_taken_and_equals_the_general_one(sl
 
 @pytest.mark.parametrize("slots", [1, 2])
 def test_a_pending_cross_update_or_another_batch_takes_the_general_path_and_every_step_stays_right(slots):
-    """A cross-table row assigned (an update pending: the step is staged, which sends it), a request leaving the
-    batch (other encoder lengths): the commit after each is no steady one, then steady again; the same encoder
-    lengths in other rows (stored by a step between): steady commits read the new rows; every step's arrays are the
-    host staging's."""
+    """A page appended to one of the step's cross-table rows (an update pending there: the step is staged, which
+    sends it), a request leaving the batch (other encoder lengths): the commit after each is no steady one, then
+    steady again; a row assigned that the steps do not read leaves them steady; the same encoder lengths in other
+    rows (stored by a step between): steady commits read the new rows; every step's arrays are the host staging's."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     spec = AttentionSpec(4, 2, 16, PS, 3000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
@@ -107,14 +107,16 @@ def test_a_pending_cross_update_or_another_batch_takes_the_general_path_and_ever
         assert sum(step("settle") for _ in range(2 * slots + 1)) >= 1, seed
 
     settle()
-    free_row = next(r for r in range(64) if pool.cross_table.counts[r] == 0)
-    pool.cross_table.assign(free_row, [int(np.flatnonzero(pool.cross_table.owner[:3000] == FREE)[0])])
-    assert step("a cross update pending") == 0 and not pool.cross_table.pending, seed
+    table, free = pool.cross_table, list(np.flatnonzero(pool.cross_table.owner[:3000] == FREE))
+    table.append(eng.rows[:1], [int(free.pop())])
+    assert step("a cross update pending in a row read") == 0 and not table.pending, seed
+    settle()
+    table.assign(next(r for r in range(64) if table.counts[r] == 0), [int(free.pop())])
+    assert step("a cross update pending in another row") == 1 and table.pending, seed
     settle()
     eng.rows, eng.enc, eng.kv, eng.pages = eng.rows[1:], eng.enc[1:], eng.kv[1:], eng.pages[1:]
     assert step("a request left") == 0, seed
     settle()
-    table, free = pool.cross_table, list(np.flatnonzero(pool.cross_table.owner[:3000] == FREE))
     rows = [r for r in range(64) if table.counts[r] == 0][: eng.rows.shape[0]]
     for r, n in zip(rows, eng.enc.tolist()):
         table.assign(r, [int(free.pop()) for _ in range(-(-n // PS))])
