@@ -11,7 +11,7 @@ from mstar_attn import AttentionSpec, CrossRows, PagedKVCache, StepBatch, build_
 from mstar_attn.capture.table import FREE
 from tests.helpers import fresh_seed, pool_of
 from tests.support.cross_pages import GROUPS
-from tests.support.staged import assert_same_arrays, assert_same_outputs, staged_arrays, step_arrays
+from tests.support.staged import assert_same_arrays, assert_same_outputs, staged_arrays, steady_step, step_arrays
 
 PS = 4
 
@@ -97,11 +97,7 @@ def test_a_pending_cross_update_or_another_batch_takes_the_general_path_and_ever
 
     def step(label):
         eng.kv = eng.kv + 1
-        n0, plan = pool.steady.commits, eng.plan(spec)
-        st = pool.commit(plan, defer=True)
-        st.prepare()
-        assert_same_arrays(step_arrays(st), staged_arrays(pool, plan, st.padded_batch_size), (f"seed {seed}", label))
-        return pool.steady.commits - n0
+        return steady_step(pool, eng.plan(spec), (f"seed {seed}", label))
 
     def settle():
         assert sum(step("settle") for _ in range(2 * slots + 1)) >= 1, seed

@@ -14,7 +14,8 @@ from mstar_attn.metadata.batch import StepRows
 from tests.capture.test_derive import GROUPS
 from tests.capture.test_table import table_pool
 from tests.helpers import fresh_seed, pool_of, spec_for
-from tests.support.staged import assert_same_outputs, assert_same_arrays, assert_same_state, pool_state, staged_arrays, step_arrays
+from tests.support.staged import (assert_same_outputs, assert_same_arrays, assert_same_state, pool_state, staged_arrays, steady_step,
+                                  step_arrays)
 
 PS = 4
 SPECS = {"windows": GROUPS, "plain": (LayerGroup(),)}
@@ -91,12 +92,7 @@ def test_every_other_change_takes_the_general_path_and_every_step_stays_right(sl
 
     def step(label, spec=spec, defer=True, prepare=True, kv=None):
         eng.kv = eng.kv + 1 if kv is None else kv
-        n0, plan = pool.steady.commits, eng.plan(spec)
-        st = pool.commit(plan, defer=defer)
-        if prepare:
-            st.prepare()
-            assert_same_arrays(step_arrays(st), staged_arrays(pool, plan, st.padded_batch_size), (f"seed {seed}", label))
-        return pool.steady.commits - n0
+        return steady_step(pool, eng.plan(spec), (f"seed {seed}", label), defer, prepare)
 
     def settle():
         assert sum(step("settle") for _ in range(2 * slots + 1)) >= 1, seed

@@ -89,3 +89,14 @@ def assert_same_outputs(steps: tuple, caches: tuple, gen, label) -> None:
     for g, (x, y) in enumerate(zip(*outs)):
         for r in range(B):
             assert torch.equal(x[r], y[r]), (label, g, r)
+
+
+def steady_step(pool, plan, label, defer: bool = True, prepare: bool = True) -> int:
+    """Commit `plan` into a CPU pool (defer: with defer=True), run its device work (prepare) and hold its arrays to the
+    host staging of the same plan; returns the steady commits it took (0 or 1)."""
+    n0 = pool.steady.commits
+    st = pool.commit(plan, defer=defer)
+    if prepare:
+        st.prepare()
+        assert_same_arrays(step_arrays(st), staged_arrays(pool, plan, st.padded_batch_size), label)
+    return pool.steady.commits - n0
