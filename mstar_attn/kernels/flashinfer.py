@@ -211,7 +211,7 @@ class PoolState(PoolStateBase):
         whose schedule is not kept (XQA, a shape not yet kept) or whose split-KV group keeps its own page list, but
         a listed step's cross group of cross-table rows (AttentionPlan.lazy_cross), whose chunk counts hold for its
         encoder lengths, which the pool's steady commit keeps (steady.Steady.cross_lens).
-        (The pool asks for plain decode steps only: steady.decode_rows.)"""
+        (The pool asks for plain decode steps only: steady.decode_rows and decode_lists.)"""
         plan, sh = step.plan, step.shape
         kept = None if self._on_xqa(plan) else self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
         if kept is None or any(a is not b for a, b in zip(step.scheduled, kept.wrappers)):

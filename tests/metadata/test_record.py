@@ -196,3 +196,28 @@ def test_short_decode_arrays_equal_the_numpy_paths(monkeypatch):
             assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), (seed, name)
             assert not a.flags.writeable, (seed, name)
         assert (short.num_tokens, short.q_max, short.max_kv, short.mode) == (long.num_tokens, long.q_max, long.max_kv, long.mode)
+
+
+def test_lazy_cross_plans_compare_by_their_cross_rows():
+    """Two lazy encoder-decoder decode plans (AttentionPlan.lazy_cross) of the same decoder step compare equal only
+    when their cross groups (rows and encoder lengths) do."""
+    import torch
+
+    from mstar_attn import AttentionSpec, CrossRows, StepBatch, build_plan
+    from tests.support.cross_pages import GROUPS
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(4, 2, 16, 4, 3000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
+    B = int(rng.integers(2, 9))
+    kv = rng.integers(1, 40, B).astype(np.int32)
+    lists = np.split(rng.permutation(3000)[: int((-(-kv // 4)).sum())].astype(np.int32), np.cumsum(-(-kv // 4))[:-1])
+    rows, enc = rng.permutation(64)[:B].astype(np.int32), rng.integers(1, 50, B).astype(np.int32)
+
+    def plan(r, e):
+        return build_plan(StepBatch.from_pages(np.ones(B, np.int32), kv, lists, 4, group_pages={1: CrossRows.of(r, e)}), spec)
+
+    a, b = plan(rows, enc), plan(rows.copy(), enc.copy())
+    assert a.lazy_cross is not None and a == b, f"seed {seed}"
+    assert a != plan(rows[::-1].copy(), enc), f"seed {seed}: other rows"
+    assert a != plan(rows, enc + 1), f"seed {seed}: other encoder lengths"
