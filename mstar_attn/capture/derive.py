@@ -186,13 +186,16 @@ def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len:
 
 def _spans(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qo_indptr and each group's first_page, kv_indptr, last_page_len and kv_lens into `buf` from the kv_lens in
-    its head (torch ops); returns (kv [R] int32, the pages each length needs [R] int32, the tokens' positions
-    [R, q_len] int64)."""
+    its head (a listed step's cross group, d.cross: from its encoder lengths, _cross_spans) (torch ops); returns (kv
+    [R] int32, the pages each length needs [R] int32, the tokens' positions [R, q_len] int64)."""
     R, ps = offsets.batch_size, d.page_size
     kv = buf[offsets.kv_lens : offsets.kv_lens + R]
     buf[offsets.qo : offsets.qo + R + 1].copy_(torch.arange(R + 1, device=buf.device) * q_len)
     need = (kv + (ps - 1)).div_(ps, rounding_mode="floor")
-    for o, w in zip(offsets.groups, d.windows):
+    for g, (o, w) in enumerate(zip(offsets.groups, d.windows)):
+        if d.cross is not None and g == d.cross.group:
+            _cross_spans(buf, offsets, o, d)
+            continue
         o_ptr, o_lpl, o_len, o_first = o.kv_indptr, o.last_page_len, o.kv_lens, o.first_page
         first = (kv - (q_len + w - 1)).clamp_(min=0).div_(ps, rounding_mode="floor") if w else torch.zeros_like(kv)
         buf[o_first : o_first + R] = first
@@ -244,8 +247,7 @@ def derive_listed(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation
     j = torch.arange(cap, device=buf.device)
     x = d.cross
     for g, o in enumerate(offsets.groups):
-        if x is not None and g == x.group:  # the cross group: its encoder lengths, its pages from the cross table's rows
-            _cross_spans(buf, offsets, o, d)
+        if x is not None and g == x.group:  # the cross group (its spans: _spans): its pages from the cross table's rows
             gather_csr(x.table, x.width, buf[offsets.table_rows : offsets.table_rows + R], buf, (o,), cap)
             continue
         indptr, first = buf[o.kv_indptr : o.kv_indptr + R + 1].long(), buf[o.first_page : o.first_page + R].long()

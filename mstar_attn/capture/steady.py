@@ -236,13 +236,14 @@ class SteadySlots:
         return self._deferred(plan, s, b)
 
     def _cross_ok(self, plan: AttentionPlan) -> bool:
-        """Whether a listed step's cross rows hold what it reads (cross.check) and have no update pending (the device's
-        rows are the host's): else the general commit decides, and names what is wrong."""
-        x = plan.lazy_cross
-        if self.cross_table is None or self.cross_table.pending_in(x.table_rows):
+        """Whether a listed step's cross group is one the general commit derives (cross.derivable: no update pending in
+        its rows, nothing stored) and its rows hold what it reads (cross.check): else the general commit decides, and
+        names what is wrong."""
+        g = plan.spec.own_page_groups[0]
+        if self.cross_table is None or not cross.derivable(plan, g, self.cross_table, None):
             return False
         try:
-            cross.check(self.cross_table, plan, plan.spec.own_page_groups[0])
+            cross.check(self.cross_table, plan, g)
         except PlanError:
             return False
         return True

@@ -223,7 +223,7 @@ class AttentionPlan:
         # a lazy plan's derived arrays are a pure function of the stored fields: two lazy plans compare the arrays
         # either was given (an evolved plan's), an eager plan every array
         both_lazy = self.lazy and other.lazy
-        if both_lazy and not _same(self._lazy_cross, other._lazy_cross):
+        if both_lazy and not _same(self.lazy_cross, other.lazy_cross):
             return False
         return all(_same(getattr(self, n), getattr(other, n)) for n in _DERIVED
                    if not both_lazy or getattr(self, "_" + n) is not None or getattr(other, "_" + n) is not None)
