@@ -156,8 +156,10 @@ class SteadySlots:
         return {"steady records (pageable host)": (0, 0)}
 
     def host_bytes(self) -> int:
-        """The records' range arrays: per slot two [B] arrays of its ranges and two per backend promise."""
-        return sum(sum(x.low.nbytes + x.span.nbytes for x in r.promise) for r in self.records if r is not None) \
+        """The records' range arrays: per slot two [B] arrays of its ranges and two per backend promise, and a listed
+        step's encoder lengths ([B] int32 as bytes)."""
+        return sum(sum(x.low.nbytes + x.span.nbytes for x in r.promise) + len(r.cross_lens or b"")
+                   for r in self.records if r is not None) \
             + sum(k[1].low.nbytes + k[1].span.nbytes for k in self.ranges if k is not None)
 
     def drop(self, s: int) -> None:
