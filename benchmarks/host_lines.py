@@ -41,8 +41,9 @@ def list_functions() -> list:
     """The functions a StepBatch decode step runs (bucketed pool, exact page lists)."""
     from mstar_attn.metadata import pages
     P, F = pool.GraphBufferPool, fi.PoolState
+    S = steady.SteadySlots
     return [P.commit, P._commit_staged, P._commit_derived, P.free_slot, P.views_of, checks.validate, stage.stage_derived,
-            stage.stage_listed, lease.SlotLeases.free, lease.SlotLeases.record, graph_cache.CommitGraphs.defer, F.schedule,
+            stage.stage_listed, S.commit, S._commit_lists, S._deferred, lease.SlotLeases.free, lease.SlotLeases.record, graph_cache.CommitGraphs.defer, F.schedule,
             F._kept, _flashinfer_fast.FastDecodePlan.holds, batch.StepBatch.from_csr, plan.build_plan,
             listed.plan_listed_decode, listed._plan_lists_decode, record.AttentionPlan.lists_decode, pages.scan_ownership,
             pages.written_hits]

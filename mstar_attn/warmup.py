@@ -11,6 +11,7 @@ and cache of its own, a few pages large (the compiled kernels do not depend on t
 the engine's own pool then finds them built): the first time (cold, compiling) and again (warm).
 Scratch plans only (metadata.plan.scratch_plan): warm-up never touches a request's KV.
 
+It also builds (once per machine) and loads the planner's compiled step builder (metadata/native.py).
 Not covered: a page-table pool's Triton derive kernels (compiled at a pool's first StepRows commit
 of each bucket, about a second each), draft rounds (their tensor-core decode kernels are the verify
 kind's where the spec has a verify kind), latent attention (MLA) specs, and what a backend's
@@ -30,6 +31,7 @@ from mstar_attn.capture.pool import GraphBufferPool
 from mstar_attn.capture.limits import PoolLimits
 from mstar_attn.dense import DenseAttention, DenseHeads, DensePlan, build_dense_plan
 from mstar_attn.kernels import run
+from mstar_attn.metadata import native
 from mstar_attn.metadata.backends import BACKENDS
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import MAX_VERIFY_Q_LEN, Mode, scratch_plan, serves_trees
@@ -126,6 +128,7 @@ def warmup(spec: AttentionSpec, *, backends: tuple[str, ...] | None = None, devi
     todo = kinds(spec, backends, trees)
     if spec.mla:
         raise PlanError("warmup: latent attention (mla) specs are not warmed up yet; their kernels compile at first use")
+    native.load()  # (the planner's compiled step builder: built once per machine, loaded once per process)
     small = attrs.evolve(spec, num_pages=WARMUP_PAGES)
     reads = max(WIDE_BATCH, BATCH * -(-LONG_Q_LEN // spec.page_size)) + 2 * BATCH  # (page entries a step lists)
     pool = GraphBufferPool(small, PoolLimits(max_batch_size=WIDE_BATCH,

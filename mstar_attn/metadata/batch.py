@@ -176,12 +176,13 @@ class StepBatch:
     page_size: int = attrs.field(converter=lambda x: positive_int("page_size", x))
     block_table: np.ndarray | None = optional_array_field(converter=_table)
     group_pages: tuple[tuple[int, GroupPages], ...] = attrs.field(default=(), converter=_group_pages)
+    _packed: np.ndarray | None = attrs.field(default=None, init=False, eq=False, repr=False)  # (packed_arrays)
 
     @classmethod
     def from_csr(cls, q_lens, kv_lens, page_indptr, page_indices, page_size: int, group_pages=None) -> StepBatch:
-        if group_pages is None and type(page_size) is int and 0 < page_size <= INT32_MAX \
+        if type(page_size) is int and 0 < page_size <= INT32_MAX \
                 and is_int32(q_lens, 1) and is_int32(kv_lens, 1) and is_int32(page_indptr, 1) and is_int32(page_indices, 1):
-            return _packed(cls, (q_lens, kv_lens, page_indptr, page_indices), page_size)
+            return _packed(cls, (q_lens, kv_lens, page_indptr, page_indices), page_size, group_pages)
         return cls(q_lens, kv_lens, page_indptr, page_indices, page_size, None, group_pages)
 
     @classmethod
@@ -202,7 +203,11 @@ class StepBatch:
     @classmethod
     def from_pages(cls, q_lens, kv_lens, pages: Sequence, page_size: int, group_pages=None) -> StepBatch:
         """From one list of page ids per request (tests and small engines)."""
-        return cls(q_lens, kv_lens, *_page_lists("pages", pages), page_size, None, group_pages)
+        indptr, indices = _page_lists("pages", pages)
+        if indptr[-1] > INT32_MAX:  # (the constructor names it)
+            return cls(q_lens, kv_lens, indptr, indices, page_size, None, group_pages)
+        return cls.from_csr(int_array("q_lens", q_lens, 1), int_array("kv_lens", kv_lens, 1), indptr.astype(np.int32),
+                            indices, page_size, group_pages)
 
     @property
     def batch_size(self) -> int:
@@ -213,7 +218,7 @@ class StepBatch:
         return next((p for g, p in self.group_pages if g == group), None)
 
 
-def _packed(cls, arrays: tuple, page_size: int) -> StepBatch:
+def _packed(cls, arrays: tuple, page_size: int, group_pages) -> StepBatch:
     """A StepBatch of four int32 vectors (q_lens, kv_lens, page_indptr, page_indices), field for field what the
     constructor makes of them, in one copy: read-only views of one read-only array (the per-step path of an engine
     that lists its pages: numpy's fixed cost per call is most of what small arrays cost)."""
@@ -225,8 +230,16 @@ def _packed(cls, arrays: tuple, page_size: int) -> StepBatch:
         at += a.shape[0]
     object.__setattr__(batch, "page_size", page_size)
     object.__setattr__(batch, "block_table", None)
-    object.__setattr__(batch, "group_pages", ())
+    object.__setattr__(batch, "group_pages", _group_pages(group_pages))
+    object.__setattr__(batch, "_packed", packed)
     return batch
+
+
+def packed_arrays(batch: StepBatch) -> np.ndarray | None:
+    """The one read-only int32 array (host) whose views a from_csr (or from_pages) batch's q_lens, kv_lens,
+    page_indptr and page_indices are, back to back in that order ([3B + 1 + n] where their shapes are [B], [B],
+    [B + 1], [n]: what native.exact_lists reads); None for a batch made otherwise (its arrays are copies of their own)."""
+    return batch._packed
 
 
 @attrs.frozen(slots=False)  # (an instance dict: decode writes it at once)

@@ -1,5 +1,6 @@
 """build_plan's per-step path for a StepBatch decode step that lists exactly its pages (`plan_listed_decode`), and
-the checks of a batch's own page lists (`group_lists`) that it shares with the general path. Pure numpy, host only."""
+the checks of a batch's own page lists (`group_lists`) that it shares with the general path. Pure numpy (and the
+compiled builder, native.py, with its Python twin here), host only."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from itertools import accumulate
 import numpy as np
 
 from mstar_attn.metadata._arrays import INT32_MAX, SHORT, read_only
-from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch
+from mstar_attn.metadata import native
+from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, packed_arrays
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan
 from mstar_attn.metadata.pages import LISTED_SHORT, scan_ownership
@@ -28,24 +30,27 @@ def plan_listed_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
     None for any other step, and for one that fails a check of the batch: _plan then names what is wrong, so both
     paths raise the same errors (the backend's check, resolve_backend, raises its own PlanError here, as in _plan)."""
     q, kv, indptr, idx = batch.q_lens, batch.kv_lens, batch.page_indptr, batch.page_indices
-    ps, B, n = spec.page_size, kv.shape[0], idx.shape[0]
+    ps, B = spec.page_size, kv.shape[0]
     if batch.block_table is not None or spec.cascade_groups or batch.page_size != ps \
             or q.shape[0] != B or indptr.shape[0] != B + 1 or not 0 < B < ARANGE.shape[0]:
         return None
-    if B <= SHORT:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
-        new, lengths = q.tolist(), kv.tolist()
-        one, lo, hi = min(new) == max(new) == 1, min(lengths), max(lengths)
-    else:
-        lengths, (one, lo, hi) = None, (_MIN(q) == _MAX(q) == 1, int(_MIN(kv)), int(_MAX(kv)))
-    if not one or lo < 1 or hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:  # (every sum of need fits int32:
-        return None                                                                    # an indptr matching it never wrapped)
-    if not (batch.group_pages or spec.own_page_groups or spec.has_cross):  # every group reads the shared list
-        return _plan_lists_decode(batch, spec, check_ownership, lengths, hi)
-    if (cross := _lazy_cross(batch, spec)) is not None:  # but one cross group of cross-table rows, storing nothing
-        return _plan_lists_decode(batch, spec, check_ownership, lengths, hi, cross)
+    shared = not (batch.group_pages or spec.own_page_groups or spec.has_cross)  # every group reads the shared list
+    cross = None if shared else _lazy_cross(batch, spec)  # (or all but one cross group of cross-table rows)
+    if shared or cross is not None:  # a lazy plan of the batch's own arrays (the rest derived on read, or on the device)
+        hi = exact_lists(batch, spec, check_ownership)
+        if not hi:
+            return None
+        plan = AttentionPlan.lists_decode(spec, q, kv, indptr, idx[: indptr[B]], hi,
+                                          resolve_backend(spec, Mode.DECODE, B, B, 1, hi), cross)
+        object.__setattr__(plan, "sealed", True)
+        return plan
+    checked = _lengths(q, kv, ps)
+    if checked is None:
+        return None
+    lengths, hi = checked
     step = decode_arrays(spec, q, kv, hi, lengths)  # (its kv_indptr is the page_indptr of exact lists)
     end = int(indptr[-1])
-    if end > n or step.kv_indptr.tobytes() != indptr.tobytes():
+    if end > idx.shape[0] or step.kv_indptr.tobytes() != indptr.tobytes():
         return None
     listed = idx[:end]
     if _MIN(listed) < 0 or _MAX(listed) >= spec.num_pages:
@@ -69,50 +74,76 @@ def plan_listed_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
     return plan
 
 
-def _plan_lists_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: bool, lengths: list[int] | None,
-                       hi: int, cross: GroupPlan | None = None) -> AttentionPlan | None:
-    """plan_listed_decode for a step whose groups read the shared list (but the cross group `cross`, checked, if
-    any), after its length checks (lengths: the kv_lens as Python ints, for at most SHORT requests, else None; hi:
-    the longest): the lists' checks, and a lazy plan of the batch's own arrays (AttentionPlan.lists_decode: the rest
-    derived on read; a pool derives them on the device). Python ints where the step is short. None where a check
-    fails (_plan names it)."""
+def exact_lists(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) -> int:
+    """The checks of a decode step listing exactly its pages on the shared list (after plan_listed_decode's shape
+    checks): the longest kv_len when they pass, else 0. The compiled builder's answer (native.exact_lists) for a
+    from_csr batch where it is in use, else the Python twin's (twin_exact_lists): the same."""
+    packed = packed_arrays(batch)
+    if packed is not None:
+        hi = native.exact_lists(packed, batch.kv_lens.shape[0], batch.page_indices.shape[0], spec.page_size,
+                                spec.num_pages, check_ownership)
+        if hi is not None:
+            return hi
+    return twin_exact_lists(batch, spec, check_ownership)
+
+
+def twin_exact_lists(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) -> int:
+    """exact_lists in Python (the twin of exact_lists.c): every q_len 1 and kv_len >= 1 (the longest within int32
+    with every page count sum), page_indptr the running sum of the pages each length needs from 0, within
+    page_indices, every listed page id in 0..num_pages - 1, and (check_ownership) each written page (a request's
+    last) listed once in all, by its writer. The longest kv_len, or 0. Python ints where the step is short."""
     kv, indptr, idx, ps = batch.kv_lens, batch.page_indptr, batch.page_indices, spec.page_size
+    checked = _lengths(batch.q_lens, kv, ps)
+    if checked is None:
+        return 0
+    lengths, hi = checked
     B = kv.shape[0]
     if lengths is not None:  # each list exactly its pages: indptr is the running sum of the pages each length needs
         ends = list(accumulate([(k + ps - 1) // ps for k in lengths]))
         if indptr.tolist() != [0, *ends]:
-            return None
+            return 0
         end = ends[-1]
     else:
         need = kv + (ps - 1)
         need //= ps
-        ends = np.cumsum(need, dtype=np.int32)  # (int32: every sum of need fits, checked above)
+        ends = np.cumsum(need, dtype=np.int32)  # (int32: every sum of need fits, checked by _lengths)
         if indptr[0] != 0 or ends.tobytes() != indptr[1:].tobytes():
-            return None
+            return 0
         end = int(ends[-1])
     if end > idx.shape[0]:
-        return None
-    listed = idx[:end]  # (a view of the batch's read-only array: read-only)
+        return 0
+    listed = idx[:end]
     if end <= LISTED_SHORT:  # (Python's min, max and a set over a short list: cheaper than numpy's fixed cost)
         pages = listed.tolist()
         if min(pages) < 0 or max(pages) >= spec.num_pages:
-            return None
+            return 0
         if check_ownership:  # each written page (a request's last) listed once in all, by its writer
             writers = set(pages[e - 1] for e in (ends if lengths is not None else ends.tolist()))
             if len(writers) != B or sum(map(writers.__contains__, pages)) != B:
-                return None
+                return 0
     else:
         if _MIN(listed) < 0 or _MAX(listed) >= spec.num_pages:
-            return None
+            return 0
         if check_ownership:
             try:
                 scan_ownership(spec, indptr, listed, written_pages(listed, indptr))
             except PlanError:
-                return None
-    plan = AttentionPlan.lists_decode(spec, batch.q_lens, kv, indptr, listed, hi,
-                                      resolve_backend(spec, Mode.DECODE, B, B, 1, hi), cross)
-    object.__setattr__(plan, "sealed", True)
-    return plan
+                return 0
+    return hi
+
+
+def _lengths(q: np.ndarray, kv: np.ndarray, ps: int) -> tuple[list[int] | None, int] | None:
+    """(the kv_lens as Python ints for at most SHORT requests, else None; the longest) of a decode step: every q_len
+    1, every kv_len >= 1, the longest within int32 with every sum of page counts (B * (longest / ps + 1)); else None."""
+    B = kv.shape[0]
+    if B <= SHORT:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
+        new, lengths = q.tolist(), kv.tolist()
+        one, lo, hi = min(new) == max(new) == 1, min(lengths), max(lengths)
+    else:
+        lengths, (one, lo, hi) = None, (_MIN(q) == _MAX(q) == 1, int(_MIN(kv)), int(_MAX(kv)))
+    if not one or lo < 1 or hi > INT32_MAX - ps or B * (hi // ps + 1) > INT32_MAX:  # (every sum of need fits int32:
+        return None                                                                    # an indptr matching it never wrapped)
+    return lengths, hi
 
 
 def _lazy_cross(batch: StepBatch, spec: AttentionSpec) -> GroupPlan | None:

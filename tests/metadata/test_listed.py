@@ -1,17 +1,28 @@
 """metadata/listed.py: build_plan's per-step path of a StepBatch decode step listing exactly its pages, held to the
 general path (metadata/plan.py's _plan) on random batches, valid and broken."""
 
+import contextlib
+
 import numpy as np
+import pytest
 
 from mstar_attn import CrossRows, LayerGroup, PlanError, build_plan
+from mstar_attn.metadata import native
 from tests.helpers import fresh_seed, spec_for
 from tests.support.decode_batches import decode_batch
 
 
-def test_the_listed_decode_path_is_the_general_plan():
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "twin"])
+def test_the_listed_decode_path_is_the_general_plan(compiled):
     """build_plan's per-step path for a StepBatch decode step (listed.plan_listed_decode) against the general one
     (plan._plan) on random batches of 1..300 requests, valid and broken: the same plan field for field (array
-    dtypes included), or the same PlanError; and the per-step path serves every valid decode step it is for."""
+    dtypes included), or the same PlanError; and the per-step path serves every valid decode step it is for. With
+    the compiled builder where it is built (native.py), and with its Python twin (native.disabled())."""
+    with contextlib.nullcontext() if compiled else native.disabled():
+        _listed_path_is_the_general_plan()
+
+
+def _listed_path_is_the_general_plan():
     from mstar_attn.metadata import plan as P
     from mstar_attn.metadata.listed import plan_listed_decode
 

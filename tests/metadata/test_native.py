@@ -1,0 +1,179 @@
+"""metadata/native.py and exact_lists.c, the compiled step builder: built here with the machine's C compiler, and held
+to its Python twin (listed.twin_exact_lists) on random decode steps listing exactly their pages, valid and broken in
+every way the checks cover, on pools small enough for its bit table and past it (where it leaves the twin to decide)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mstar_attn import StepBatch, build_plan
+from mstar_attn.metadata import native
+from mstar_attn.metadata.batch import packed_arrays
+from mstar_attn.metadata.errors import PlanError
+from mstar_attn.metadata.listed import twin_exact_lists
+from tests.helpers import fresh_seed, spec_for
+
+KINDS = ("valid", "valid", "spare_after_end", "q2", "q0", "kv0", "kv_negative", "outside_negative", "outside_high",
+         "outside_int32", "short", "long", "shared_written", "written_twice", "written_in_own_list", "indptr_start", "indptr_first",
+         "past_end", "past_int32", "sum_past_int32")
+HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None and os.environ.get(native.ENV_SWITCH, "1") != "0"
+
+
+def broken_step(rng, B: int, ps: int, num_pages: int, kind: str) -> StepBatch:
+    """A decode step of B requests on pages of ps tokens that lists exactly its pages (distinct random ids below
+    num_pages), then broken (or not) by `kind`; made with from_csr, so its arrays are packed."""
+    kv = rng.integers(1, 5 * ps + 2, B).astype(np.int64)
+    q = np.ones(B, np.int64)
+    need = -(-kv // ps)
+    count = int(need.sum())
+    stride = num_pages // count  # (distinct ids: one in each stride of the pool, in random order)
+    pages = rng.permutation(count).astype(np.int64) * stride + rng.integers(0, stride, count)
+    indptr = np.concatenate([[0], np.cumsum(need)])
+    i, j = int(rng.integers(B)), int(rng.integers(B))
+    last = lambda r: int(indptr[r + 1]) - 1  # noqa: E731  (request r's written page, in pages)
+    extra = np.zeros(0, np.int64)
+    if kind == "spare_after_end":  # ids past page_indptr[B]: never read, so never checked (valid)
+        extra = np.array([-1, num_pages, int(pages[last(i)])])
+    elif kind == "q2":
+        q[i] = 2
+    elif kind == "q0":
+        q[i] = 0
+    elif kind in ("kv0", "kv_negative"):
+        kv[i] = 0 if kind == "kv0" else -ps
+    elif kind.startswith("outside"):
+        pages[int(rng.integers(pages.shape[0]))] = {"outside_negative": -1, "outside_high": num_pages,
+                                                    "outside_int32": 2**31 - 1}[kind]
+    elif kind == "short":  # a length one page past its list: the indptr no longer matches
+        kv[i] += ps
+    elif kind == "long":  # one page listed past what the length needs
+        pages = np.insert(pages, int(indptr[i + 1]), num_pages - 1)
+        indptr[i + 1 :] += 1
+    elif kind == "shared_written" and B > 1 and i != j:  # another request lists i's written page
+        at = int(rng.integers(indptr[j], indptr[j + 1]))
+        pages[at] = pages[last(i)]
+    elif kind == "written_twice" and B > 1 and i != j:  # two requests write one page
+        pages[last(j)] = pages[last(i)]
+    elif kind == "written_in_own_list" and need[i] > 1:  # its writer lists it twice
+        pages[int(indptr[i])] = pages[last(i)]
+    elif kind == "indptr_start":
+        indptr = indptr + 1
+    elif kind == "indptr_first":  # the rest of the running sum as it should be
+        indptr[0] = int(rng.integers(1, 3))
+    elif kind == "past_end":  # page_indices stops short of page_indptr[B]
+        pages = pages[:-1]
+    elif kind == "past_int32":
+        kv[i] = 2**31 - 1 - int(rng.integers(ps))
+        indptr = np.concatenate([[0], np.cumsum(-(-kv // ps))])
+    elif kind == "sum_past_int32":  # each length fits, their page counts' sum does not
+        kv[:] = (2**31 - 1) // B
+    fit = lambda a: np.clip(a, -(2**31), 2**31 - 1).astype(np.int32)  # noqa: E731
+    return StepBatch.from_csr(fit(q), fit(kv), fit(indptr), fit(np.concatenate([pages, extra])), ps)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here (or MSTAR_ATTN_NATIVE=0): the Python twin serves")
+def test_the_compiled_builder_builds_and_loads_here():
+    assert native.load() and native.in_use()
+    assert native.library_path().exists()
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here (or MSTAR_ATTN_NATIVE=0)")
+def test_the_compiled_builder_is_its_python_twin():
+    """exact_lists.c against twin_exact_lists on 1,500 random steps (1..300 requests, page sizes 1..64, pools of 8 to
+    16M pages), each valid or broken one way, with and without the ownership check: the same longest length, or both
+    0; the compiled builder leaves pools past its table (over 8M pages) to the twin. Both outcomes occur for every
+    kind of break that can pass unchecked, and the kinds that must fail fail."""
+    outcomes = {kind: set() for kind in KINDS}
+    undecided = 0
+    for _ in range(1500):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        ps = int(rng.choice([1, 3, 16, 64]))
+        B = int(rng.choice([1, 2, 7, 40, 41, 64, 65, 300]))
+        large = rng.random() < 0.05
+        num_pages = int(rng.choice([9 << 20, 16 << 20])) if large else int(rng.integers(B * 6 + 8, B * 6 + 4000))
+        kind = KINDS[int(rng.integers(len(KINDS)))]
+        step = broken_step(rng, B, ps, num_pages, kind)
+        spec = spec_for(page_size=ps, num_pages=num_pages)
+        packed = packed_arrays(step)
+        assert packed is not None and packed.shape[0] == 3 * B + 1 + step.page_indices.shape[0]
+        for own in (True, False):
+            compiled = native.exact_lists(packed, B, step.page_indices.shape[0], ps, num_pages, own)
+            twin = twin_exact_lists(step, spec, own)
+            where = f"seed {seed}, kind {kind}, B {B}, page size {ps}, pool {num_pages}, ownership {own}"
+            if compiled is None:
+                assert num_pages > 8 << 20 and own, where  # (only the ownership table's size leaves it to the twin)
+                undecided += 1
+                continue
+            assert compiled == twin, f"{where}: compiled {compiled}, twin {twin}"
+            outcomes[kind].add((own, compiled > 0))
+    must_fail = ("q2", "q0", "kv0", "kv_negative", "outside_negative", "outside_high", "outside_int32", "short",
+                 "long", "indptr_start", "indptr_first", "past_end", "sum_past_int32")
+    for kind in must_fail:
+        assert outcomes[kind] <= {(True, False), (False, False)} and outcomes[kind], (kind, outcomes[kind])
+    for kind in ("shared_written", "written_twice", "written_in_own_list"):  # fail the ownership check only
+        assert (True, False) in outcomes[kind] and (False, True) in outcomes[kind], (kind, outcomes[kind])
+    assert (True, True) in outcomes["valid"] and (True, True) in outcomes["spare_after_end"], outcomes
+    assert undecided > 0
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here (or MSTAR_ATTN_NATIVE=0)")
+def test_build_plan_is_the_same_with_and_without_the_compiled_builder():
+    """build_plan of random steps, valid and broken, with the compiled builder and with the twin (native.disabled()):
+    equal plans, or the same PlanError."""
+    for _ in range(300):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        ps, B = int(rng.choice([1, 16])), int(rng.choice([1, 8, 65]))
+        kind = KINDS[int(rng.integers(len(KINDS)))]
+        spec = spec_for(page_size=ps, num_pages=B * 6 + 64)
+        step = broken_step(rng, B, ps, spec.num_pages, kind)
+        results = []
+        for off in (False, True):
+            with native.disabled() if off else _nothing():
+                assert native.in_use() != off
+                try:
+                    results.append(build_plan(step, spec))
+                except PlanError as e:
+                    results.append(str(e))
+        assert results[0] == results[1], f"seed {seed}, kind {kind}: {results}"
+
+
+def test_disabled_leaves_the_twin_to_decide():
+    step = StepBatch.from_csr(np.ones(1, np.int32), np.array([20], np.int32), np.array([0, 2], np.int32),
+                              np.array([5, 7], np.int32), 16)
+    with native.disabled():
+        with native.disabled():
+            assert native.exact_lists(packed_arrays(step), 1, 2, 16, 8, True) is None
+        assert not native.in_use()
+    assert native.exact_lists(packed_arrays(step), 1, 2, 16, 8, True) == (20 if native.in_use() else None)
+
+
+def test_no_compiler_or_the_switch_leaves_the_twin_serving(tmp_path):
+    """A process whose compiler fails (CC=false) warns once and plans with the twin; one with MSTAR_ATTN_NATIVE=0
+    builds nothing. Both plan the same step (each in a fresh process, with an empty cache directory)."""
+    code = ("import warnings, numpy as np; warnings.simplefilter('always')\n"
+            "from mstar_attn import StepBatch, build_plan; from mstar_attn.metadata import native\n"
+            "from tests.helpers import spec_for\n"
+            "s = StepBatch.from_csr(np.ones(1, np.int32), np.array([20], np.int32), np.array([0, 2], np.int32), "
+            "np.array([5, 7], np.int32), 16)\n"
+            "print(native.load(), build_plan(s, spec_for(page_size=16, num_pages=8)).max_kv_len)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for extra, warned in (({"CC": "false"}, True), ({native.ENV_SWITCH: "0"}, False)):
+        env = {**os.environ, native.ENV_CACHE: str(tmp_path / next(iter(extra))), "PYTHONPATH": root, **extra}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["False", "20"], (extra, done.stdout, done.stderr)
+        assert ("building exact_lists.c failed" in done.stderr) == warned, (extra, done.stderr)
+        assert not any((tmp_path / next(iter(extra))).glob("*.so")), extra
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
