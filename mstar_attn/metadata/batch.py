@@ -235,10 +235,11 @@ def _packed(cls, arrays: tuple, page_size: int, group_pages) -> StepBatch:
     return batch
 
 
-def packed_arrays(batch: StepBatch) -> np.ndarray | None:
-    """The one read-only int32 array (host) whose views a from_csr (or from_pages) batch's q_lens, kv_lens,
-    page_indptr and page_indices are, back to back in that order ([3B + 1 + n] where their shapes are [B], [B],
-    [B + 1], [n]: what native.exact_lists reads); None for a batch made otherwise (its arrays are copies of their own)."""
+def packed_arrays(batch: StepBatch | StepRows) -> np.ndarray | None:
+    """The one read-only int32 array (host) whose views a batch's vectors are, back to back: a from_csr (or from_pages)
+    StepBatch's q_lens, kv_lens, page_indptr and page_indices ([3B + 1 + n] where their shapes are [B], [B], [B + 1],
+    [n]: what native.exact_lists reads); a StepRows.decode step's rows and kv_lens ([2B]: native.rows_decode). None
+    for a batch made otherwise (its arrays are copies of their own)."""
     return batch._packed
 
 
@@ -261,15 +262,22 @@ class StepRows:
     # True only for steps `decode` made (q_lens all 1 by construction, so build_plan need not scan them);
     # attrs.evolve and the constructor leave it False
     decode_step: bool = attrs.field(init=False, default=False, eq=False, repr=False)
+    _packed: np.ndarray | None = attrs.field(init=False, default=None, eq=False, repr=False)  # (packed_arrays)
 
     @classmethod
     def decode(cls, rows, kv_lens) -> StepRows:
         """A decode step: one new token per request."""
         # read-only copies, as the fields' converters make, in their order (rows first: the same error when both are
-        # wrong); set without converting again
-        rows, kv = int_array("rows", rows, 1), int_array("kv_lens", kv_lens, 1)
+        # wrong); set without converting again; int32 input: views of one copy (packed_arrays)
+        packed = None
+        if is_int32(rows, 1) and is_int32(kv_lens, 1):
+            packed = np.concatenate((rows, kv_lens))
+            packed.flags.writeable = False
+            rows, kv = packed[: rows.shape[0]], packed[rows.shape[0] :]
+        else:
+            rows, kv = int_array("rows", rows, 1), int_array("kv_lens", kv_lens, 1)
         step = object.__new__(cls)
-        step.__dict__.update(rows=rows, q_lens=_ones(kv.shape[0]), kv_lens=kv, decode_step=True)
+        step.__dict__.update(rows=rows, q_lens=_ones(kv.shape[0]), kv_lens=kv, decode_step=True, _packed=packed)
         return step
 
     @property

@@ -88,7 +88,7 @@ def exact_lists(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) ->
 
 
 def twin_exact_lists(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) -> int:
-    """exact_lists in Python (the twin of exact_lists.c): every q_len 1 and kv_len >= 1 (the longest within int32
+    """exact_lists in Python (the twin of step_checks.c's): every q_len 1 and kv_len >= 1 (the longest within int32
     with every page count sum), page_indptr the running sum of the pages each length needs from 0, within
     page_indices, every listed page id in 0..num_pages - 1, and (check_ownership) each written page (a request's
     last) listed once in all, by its writer. The longest kv_len, or 0. Python ints where the step is short."""

@@ -1,15 +1,18 @@
-"""The compiled step builder: exact_lists.c, the checks of a StepBatch decode step that lists exactly its pages
-(listed.py) in one C call instead of a dozen numpy calls, each of which costs a fixed 1-3 µs on a server's host.
+"""The compiled step builder: step_checks.c, per-step checks in one C call each where numpy would make several, each
+of which costs a fixed 1-3 µs on a server's host: a StepBatch decode step that lists exactly its pages (`exact_lists`,
+twin: listed.twin_exact_lists), a StepRows decode step's lengths and rows (`rows_decode`, twin: plan._plan_rows_decode's
+reductions). A call costs about as much as a few numpy calls (most of it numpy's array address), so only work
+that would take several numpy calls is compiled.
 
 Built with the machine's C compiler (`$CC`, else `cc`) the first time a process needs it (`load()`; warm-up calls
 it), into a cache directory (`$MSTAR_ATTN_CACHE`, else `~/.cache/mstar_attn`), then loaded through ctypes: plain C,
 no Python headers, so one build serves every Python on the machine and nothing is built at install. The file name
 carries a hash of the source, the flags, the compiler's path and the machine's architecture.
 
-Where no compiler works, or with `MSTAR_ATTN_NATIVE=0` in the environment, nothing is built: `exact_lists` returns
-None and the planner runs the Python twin (`listed.twin_exact_lists`), with the same results
-(tests/metadata/test_native.py holds the two equal on random steps, valid and broken, on the CPU). `disabled()`
-switches the compiled builder off for a block (tests, benchmarks).
+Where no compiler works, or with `MSTAR_ATTN_NATIVE=0` in the environment, nothing is built: each function returns
+None and its caller runs the Python twin, with the same results (tests/metadata/test_native.py holds each pair equal
+on random inputs, valid and broken, on the CPU). `disabled()` switches the compiled builder off for a block (tests,
+benchmarks).
 
 State: the loaded library, once per process (this module's one mutable value, behind a lock).
 """
@@ -30,30 +33,37 @@ from pathlib import Path
 
 import numpy as np
 
-SOURCE = Path(__file__).with_name("exact_lists.c")
+SOURCE = Path(__file__).with_name("step_checks.c")
 FLAGS = ("-O3", "-funroll-loops", "-std=c99", "-shared", "-fPIC")
 ENV_SWITCH = "MSTAR_ATTN_NATIVE"  # "0": never build nor load (the Python twin serves)
 ENV_CACHE = "MSTAR_ATTN_CACHE"
 
 _lock = threading.Lock()
-_loaded: dict = {"fn": None, "tried": False, "off": 0}  # fn: the C function once loaded; off: disabled() depth
+_loaded: dict = {"lib": None, "tried": False, "off": 0}  # lib: the loaded library (_Library); off: disabled() depth
 
 
 def load() -> bool:
     """Build (once per machine) and load the compiled builder now; whether it is in use. Never raises: a failed
     build warns once and leaves the Python twin serving."""
     if _loaded["tried"]:
-        return _loaded["fn"] is not None
+        return _loaded["lib"] is not None
     with _lock:
         if not _loaded["tried"]:
-            _loaded["fn"] = None if os.environ.get(ENV_SWITCH, "1") == "0" else _build_and_load()
+            _loaded["lib"] = None if os.environ.get(ENV_SWITCH, "1") == "0" else _build_and_load()
             _loaded["tried"] = True
-    return _loaded["fn"] is not None
+    return _loaded["lib"] is not None
 
 
 def in_use() -> bool:
-    """Whether exact_lists answers (loaded and not switched off by disabled())."""
+    """Whether the compiled functions answer (loaded, and not switched off by disabled())."""
     return load() and not _loaded["off"]
+
+
+def _lib():
+    """The loaded library when in use, else None (loading it the first time)."""
+    if not _loaded["tried"]:
+        load()
+    return None if _loaded["off"] else _loaded["lib"]
 
 
 @contextlib.contextmanager
@@ -69,16 +79,22 @@ def disabled():
 
 
 def exact_lists(packed: np.ndarray, B: int, n: int, page_size: int, num_pages: int, ownership: bool) -> int | None:
-    """exact_lists.c's checks of a decode step's packed arrays (packed: int32 [3B + 1 + n] host, C-contiguous:
+    """step_checks.c's checks of a decode step's packed arrays (packed: int32 [3B + 1 + n] host, C-contiguous:
     q_lens, kv_lens, page_indptr, page_indices back to back; batch.packed_arrays): the longest kv_len (>= 1) when
     they pass, 0 when one fails, None when the compiled builder is not in use or cannot tell (the twin decides)."""
-    if not _loaded["tried"]:
-        load()
-    fn = _loaded["fn"]
-    if fn is None or _loaded["off"]:
+    lib = _lib()
+    if lib is None:
         return None
-    hi = fn(packed.__array_interface__["data"][0], B, n, page_size, num_pages, 1 if ownership else 0)
+    hi = lib.exact_lists(packed.__array_interface__["data"][0], B, n, page_size, num_pages, 1 if ownership else 0)
     return None if hi < 0 else hi
+
+
+def rows_decode(packed: np.ndarray, B: int, page_size: int) -> int | None:
+    """A StepRows decode step's checks (packed: int32 [2B] host, C-contiguous: rows, kv_lens; batch.packed_arrays):
+    the longest kv_len when every kv_len >= 1, every row >= 0 and every page count sum fits int32, else 0; None
+    when the compiled builder is not in use."""
+    lib = _lib()
+    return None if lib is None else lib.rows_decode(packed.__array_interface__["data"][0], B, page_size)
 
 
 def library_path() -> Path | None:
@@ -88,7 +104,7 @@ def library_path() -> Path | None:
         return None
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), cc.encode(),
                                      platform.machine().encode(), platform.system().encode()])).hexdigest()[:16]
-    return _cache_dir() / f"exact_lists-{key}.so"
+    return _cache_dir() / f"step_checks-{key}.so"
 
 
 def _cache_dir() -> Path:
@@ -104,7 +120,26 @@ def _cache_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="mstar_attn-"))
 
 
-def _build_and_load():
+class _Library:
+    """step_checks.c's functions, typed."""
+
+    def __init__(self, path: Path):
+        lib, i64, ptr = ctypes.CDLL(str(path)), ctypes.c_int64, ctypes.c_void_p
+        self.exact_lists, self.rows_decode = lib.mstar_exact_lists, lib.mstar_rows_decode
+        self.exact_lists.restype = self.rows_decode.restype = i64
+        self.exact_lists.argtypes = (ptr, i64, i64, i64, i64, ctypes.c_int32)
+        self.rows_decode.argtypes = (ptr, i64, i64)
+
+    def answers_known_steps(self) -> bool:
+        """A smoke test of each function on a step whose answers are known."""
+        lists = np.array([1, 20, 0, 2, 5, 7], np.int32)  # (one request of 20 tokens on pages 5, 7)
+        rows = np.array([3, 20], np.int32)  # (row 3, 20 tokens)
+        at = lambda a: a.ctypes.data  # noqa: E731
+        return (self.exact_lists(at(lists), 1, 2, 16, 8, 1) == 20 and self.exact_lists(at(lists), 1, 2, 16, 6, 1) == 0
+                and self.rows_decode(at(rows), 1, 16) == 20 and self.rows_decode(at(-rows), 1, 16) == 0)
+
+
+def _build_and_load() -> _Library | None:
     path = library_path()
     if path is None:
         return None
@@ -115,19 +150,16 @@ def _build_and_load():
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 warnings.warn(f"mstar_attn: building {SOURCE.name} failed ({done.stderr.strip()[:300]}); "
-                              "the planner's Python twin serves", RuntimeWarning, stacklevel=3)
+                              "the planner's Python twins serve", RuntimeWarning, stacklevel=3)
                 return None
             os.replace(tmp, path)  # (atomic: processes building at once each rename a whole file)
-        fn = ctypes.CDLL(str(path)).mstar_exact_lists
+        lib = _Library(path)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        warnings.warn(f"mstar_attn: loading {SOURCE.name} failed ({e}); the planner's Python twin serves",
+        warnings.warn(f"mstar_attn: loading {SOURCE.name} failed ({e}); the planner's Python twins serve",
                       RuntimeWarning, stacklevel=3)
         return None
-    fn.restype = ctypes.c_int64
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32)
-    probe = np.array([1, 20, 0, 2, 5, 7], np.int32)  # (one request of 20 tokens on pages 5, 7: a smoke test)
-    if fn(probe.ctypes.data, 1, 2, 16, 8, 1) != 20 or fn(probe.ctypes.data, 1, 2, 16, 6, 1) != 0:
-        warnings.warn(f"mstar_attn: {path} answers a known step wrongly; the planner's Python twin serves",
+    if not lib.answers_known_steps():
+        warnings.warn(f"mstar_attn: {path} answers known steps wrongly; the planner's Python twins serve",
                       RuntimeWarning, stacklevel=3)
         return None
-    return fn
+    return lib

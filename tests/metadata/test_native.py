@@ -1,4 +1,4 @@
-"""metadata/native.py and exact_lists.c, the compiled step builder: built here with the machine's C compiler, and held
+"""metadata/native.py and step_checks.c, the compiled step builder: built here with the machine's C compiler, and held
 to its Python twin (listed.twin_exact_lists) on random decode steps listing exactly their pages, valid and broken in
 every way the checks cover, on pools small enough for its bit table and past it (where it leaves the twin to decide)."""
 
@@ -82,7 +82,7 @@ def test_the_compiled_builder_builds_and_loads_here():
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler here (or MSTAR_ATTN_NATIVE=0)")
 def test_the_compiled_builder_is_its_python_twin():
-    """exact_lists.c against twin_exact_lists on 1,500 random steps (1..300 requests, page sizes 1..64, pools of 8 to
+    """step_checks.c's exact_lists against twin_exact_lists on 1,500 random steps (1..300 requests, page sizes 1..64, pools of 8 to
     16M pages), each valid or broken one way, with and without the ownership check: the same longest length, or both
     0; the compiled builder leaves pools past its table (over 8M pages) to the twin. Both outcomes occur for every
     kind of break that can pass unchecked, and the kinds that must fail fail."""
@@ -167,7 +167,7 @@ def test_no_compiler_or_the_switch_leaves_the_twin_serving(tmp_path):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == ["False", "20"], (extra, done.stdout, done.stderr)
-        assert ("building exact_lists.c failed" in done.stderr) == warned, (extra, done.stderr)
+        assert ("building step_checks.c failed" in done.stderr) == warned, (extra, done.stderr)
         assert not any((tmp_path / next(iter(extra))).glob("*.so")), extra
 
 
@@ -177,3 +177,50 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here (or MSTAR_ATTN_NATIVE=0)")
+def test_rows_decode_is_its_twin():
+    """step_checks.c's rows_decode against _plan_rows_decode's reductions (through build_plan with the compiled builder
+    and with native.disabled(): equal plans or the same PlanError) and against the rule itself, on 800 random
+    StepRows.decode steps of 41 to 600 requests (past SHORT_CHECK, where the planner calls it), valid or broken."""
+    from mstar_attn import StepRows
+
+    kinds = ("valid", "valid", "kv0", "kv_negative", "row_negative", "past_int32", "sum_past_int32", "int32_min")
+    seen = set()
+    for _ in range(800):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        ps, B = int(rng.choice([1, 16, 64])), int(rng.choice([41, 64, 65, 600]))
+        kind = kinds[int(rng.integers(len(kinds)))]
+        rows = rng.permutation(4 * B)[:B].astype(np.int64)
+        kv = rng.integers(1, 5000, B).astype(np.int64)
+        i = int(rng.integers(B))
+        if kind in ("kv0", "kv_negative"):
+            kv[i] = 0 if kind == "kv0" else -1
+        elif kind == "row_negative":
+            rows[i] = -int(rng.integers(1, 3))
+        elif kind == "past_int32":
+            kv[i] = 2**31 - 1 - int(rng.integers(ps))
+        elif kind == "sum_past_int32":
+            kv[:] = (2**31 - 1) // B
+        elif kind == "int32_min":
+            kv[i] = -(2**31)
+        step = StepRows.decode(rows.astype(np.int32), kv.astype(np.int32))
+        hi = int(kv.max())
+        rule = hi if kv.min() >= 1 and rows.min() >= 0 and hi <= 2**31 - 1 - ps and B * (hi // ps + 1) <= 2**31 - 1 else 0
+        compiled = native.rows_decode(packed_arrays(step), B, ps)
+        where = f"seed {seed}, kind {kind}, B {B}, page size {ps}"
+        assert compiled == rule, f"{where}: compiled {compiled}, rule {rule}"
+        spec = spec_for(page_size=ps, num_pages=64)
+        results = []
+        for off in (False, True):
+            with native.disabled() if off else _nothing():
+                try:
+                    results.append(build_plan(step, spec))
+                except PlanError as e:
+                    results.append(str(e))
+        assert results[0] == results[1], f"{where}: {results}"
+        seen.add((kind, rule > 0))
+    assert ("valid", True) in seen and all((k, False) in seen for k in kinds[2:]), seen
+

@@ -1,7 +1,9 @@
-/* The compiled twin of metadata/listed.py's `twin_exact_lists` (native.py builds and loads it; plain C, no Python
- * headers, called through ctypes). Tested equal to the Python function in tests/metadata/test_native.py.
+/* The compiled step builder: per-step checks of the planner and the pool in one C call each, the twins of Python
+ * functions that stay (native.py builds and loads this file; plain C, no Python headers, called through ctypes).
+ * Each is tested equal to its Python twin in tests/metadata/test_native.py.
  *
- * mstar_exact_lists: the checks of a StepBatch decode step that lists exactly its pages, in one pass per array.
+ * mstar_exact_lists (twin: metadata/listed.py's twin_exact_lists): the checks of a StepBatch decode step that lists
+ * exactly its pages, in one pass per array.
  *   packed     int32 [3B + 1 + n]: q_lens [B], kv_lens [B], page_indptr [B + 1], page_indices [n], back to back
  *              (a from_csr batch's one read-only array: batch.packed_arrays)
  *   ps         tokens per page (>= 1); num_pages: page ids allowed are 0 .. num_pages - 1 (>= 1)
@@ -68,4 +70,24 @@ int64_t mstar_exact_lists(const int32_t *packed, int64_t B, int64_t n, int64_t p
     }
     free(written);
     return hits == B ? result : 0; /* (more: another request lists a written page, or its writer twice) */
+}
+
+/* mstar_rows_decode (twin: metadata/plan.py's _plan_rows_decode checks): a StepRows decode step's lengths and rows.
+ *   packed  int32 [2B]: rows [B], kv_lens [B], back to back (batch.packed_arrays of a StepRows.decode step)
+ * Returns the longest kv_len when every kv_len >= 1, every row >= 0, the longest at most INT32_MAX - ps and
+ * B * (longest / ps + 1) within int32; else 0 (the Python planner names what is wrong). */
+int64_t mstar_rows_decode(const int32_t *packed, int64_t B, int64_t ps) {
+    const int32_t *rows = packed, *kv = packed + B;
+    int64_t hi = 0, b;
+    int32_t lo = 1, row = 0;
+    if (B < 1 || ps < 1)
+        return 0;
+    for (b = 0; b < B; b++) {
+        lo = kv[b] < lo ? kv[b] : lo;
+        row = rows[b] < row ? rows[b] : row;
+        hi = kv[b] > hi ? kv[b] : hi;
+    }
+    if (lo < 1 || row < 0 || hi > INT32_MAX_ - ps || B * (hi / ps + 1) > INT32_MAX_)
+        return 0;
+    return hi;
 }
