@@ -24,7 +24,7 @@ from benchmarks.host_step import PS, Engine, list_pool, one_layer, table_pool
 from mstar_attn import AttentionSpec, PagedKVCache
 from mstar_attn.capture import checks, graph_cache, lease, pool, stage, steady, table
 from mstar_attn.kernels import _flashinfer_fast, flashinfer as fi
-from mstar_attn.metadata import _arrays, batch, listed, plan, record
+from mstar_attn.metadata import _arrays, batch, listed, native, plan, record
 
 
 def functions() -> list:
@@ -45,7 +45,7 @@ def list_functions() -> list:
     return [P.commit, P._commit_staged, P._commit_derived, P.free_slot, P.views_of, checks.validate, stage.stage_derived,
             stage.stage_listed, S.commit, S._commit_lists, S._deferred, lease.SlotLeases.free, lease.SlotLeases.record, graph_cache.CommitGraphs.defer, F.schedule,
             F._kept, _flashinfer_fast.FastDecodePlan.holds, batch.StepBatch.from_csr, plan.build_plan,
-            listed.plan_listed_decode, listed._plan_lists_decode, record.AttentionPlan.lists_decode, pages.scan_ownership,
+            listed.plan_listed_decode, listed.exact_lists, native.exact_lists, record.AttentionPlan.lists_decode, pages.scan_ownership,
             pages.written_hits]
 
 

@@ -39,6 +39,7 @@ from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, StepBatch, build
 from mstar_attn.capture.graphs import DecodeGraphs
 from mstar_attn.capture.pool import FLOAT_WORKSPACE_BYTES, GraphBufferPool
 from mstar_attn.kernels import flashinfer as fi
+from mstar_attn.metadata import native
 from mstar_attn.metadata.batch import StepRows, bucket_of
 from mstar_attn.tuning import event_median_us
 
@@ -433,7 +434,7 @@ def main(out_dir: str) -> None:
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__, "torch": torch.__version__,
                "sms": torch.cuda.get_device_properties(0).multi_processor_count, "fixed_ctas_per_sm": fi.FIXED_CTAS_PER_SM,
-               "equal_lengths": True}
+               "equal_lengths": True, "compiled_step_builder": native.load()}  # (metadata/native.py: built and in use)
     ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     spec = AttentionSpec(32, 8, 128, PS, cases.NUM_PAGES)
     parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["a", "b", "c"]

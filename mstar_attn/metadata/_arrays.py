@@ -12,6 +12,7 @@ from itertools import accumulate
 import attrs
 import numpy as np
 
+from mstar_attn.metadata import native
 from mstar_attn.metadata.errors import PlanError
 
 INT32_MAX = 2**31 - 1
@@ -95,16 +96,17 @@ class Ranges:
     __slots__ = ("low", "span", "_diff", "_ok", "_lists")
 
     def __init__(self, low: np.ndarray, span: np.ndarray):
-        self.low, self.span = low, span
+        self.low, self.span = np.ascontiguousarray(low, np.int32), np.ascontiguousarray(span, np.uint32)
         if low.shape[0] <= SHORT_CHECK:  # the bounds as Python ints: low and low + span
-            lows = low.tolist()
-            self._lists = (lows, [lo + n for lo, n in zip(lows, span.tolist())])
+            lows = self.low.tolist()
+            self._lists = (lows, [lo + n for lo, n in zip(lows, self.span.tolist())])
         else:  # the numpy check's scratch
             self._lists, self._diff, self._ok = None, np.empty(low.shape[0], np.int32), np.empty(low.shape[0], np.bool_)
 
     def holds(self, values: np.ndarray) -> bool:
         """Whether every values[i] ([B] int32 host) lies in its range: one subtraction and one unsigned comparison
-        each (or, for at most SHORT_CHECK requests, a Python loop). False for another number of values."""
+        each (for at most SHORT_CHECK requests, a Python loop; past it, the compiled builder's loop where it is in
+        use: native.within, else numpy's). False for another number of values."""
         lists = self._lists
         if values.shape[0] != self.low.shape[0]:
             return False
@@ -113,7 +115,8 @@ class Ranges:
                 if not lo <= v < hi:
                     return False
             return True
-        return within(values, self.low, self.span, self._diff, self._ok)
+        held = native.within(values, self.low, self.span)
+        return within(values, self.low, self.span, self._diff, self._ok) if held is None else held
 
 
 def within(values: np.ndarray, low: np.ndarray, span: np.ndarray, diff: np.ndarray | None = None,

@@ -1,8 +1,8 @@
 """The compiled step builder: step_checks.c, per-step checks in one C call each where numpy would make several, each
 of which costs a fixed 1-3 µs on a server's host: a StepBatch decode step that lists exactly its pages (`exact_lists`,
 twin: listed.twin_exact_lists), a StepRows decode step's lengths and rows (`rows_decode`, twin: plan._plan_rows_decode's
-reductions). A call costs about as much as a few numpy calls (most of it numpy's array address), so only work
-that would take several numpy calls is compiled.
+reductions), per-request ranges (`within`, twin: _arrays.within, for Ranges.holds past SHORT_CHECK values). A call costs about as much as one or two numpy calls (arrays go by object, the C side reads
+their data pointer: see step_checks.c), so only work that would take several numpy calls is compiled.
 
 Built with the machine's C compiler (`$CC`, else `cc`) the first time a process needs it (`load()`; warm-up calls
 it), into a cache directory (`$MSTAR_ATTN_CACHE`, else `~/.cache/mstar_attn`), then loaded through ctypes: plain C,
@@ -37,6 +37,7 @@ SOURCE = Path(__file__).with_name("step_checks.c")
 FLAGS = ("-O3", "-funroll-loops", "-std=c99", "-shared", "-fPIC")
 ENV_SWITCH = "MSTAR_ATTN_NATIVE"  # "0": never build nor load (the Python twin serves)
 ENV_CACHE = "MSTAR_ATTN_CACHE"
+_INT32, _UINT32 = np.dtype(np.int32), np.dtype(np.uint32)
 
 _lock = threading.Lock()
 _loaded: dict = {"lib": None, "tried": False, "off": 0}  # lib: the loaded library (_Library); off: disabled() depth
@@ -79,22 +80,39 @@ def disabled():
 
 
 def exact_lists(packed: np.ndarray, B: int, n: int, page_size: int, num_pages: int, ownership: bool) -> int | None:
-    """step_checks.c's checks of a decode step's packed arrays (packed: int32 [3B + 1 + n] host, C-contiguous:
+    """step_checks.c's checks of a decode step's packed arrays (packed: numpy int32 [3B + 1 + n] host, C-contiguous:
     q_lens, kv_lens, page_indptr, page_indices back to back; batch.packed_arrays): the longest kv_len (>= 1) when
     they pass, 0 when one fails, None when the compiled builder is not in use or cannot tell (the twin decides)."""
     lib = _lib()
-    if lib is None:
+    if lib is None or not _readable(packed, 3 * B + 1 + n):
         return None
-    hi = lib.exact_lists(packed.__array_interface__["data"][0], B, n, page_size, num_pages, 1 if ownership else 0)
+    hi = lib.exact_lists(packed, B, n, page_size, num_pages, 1 if ownership else 0)
     return None if hi < 0 else hi
 
 
 def rows_decode(packed: np.ndarray, B: int, page_size: int) -> int | None:
-    """A StepRows decode step's checks (packed: int32 [2B] host, C-contiguous: rows, kv_lens; batch.packed_arrays):
+    """A StepRows decode step's checks (packed: numpy int32 [2B] host, C-contiguous: rows, kv_lens; packed_arrays):
     the longest kv_len when every kv_len >= 1, every row >= 0 and every page count sum fits int32, else 0; None
     when the compiled builder is not in use."""
     lib = _lib()
-    return None if lib is None else lib.rows_decode(packed.__array_interface__["data"][0], B, page_size)
+    return None if lib is None or not _readable(packed, 2 * B) else lib.rows_decode(packed, B, page_size)
+
+
+def within(values: np.ndarray, low: np.ndarray, span: np.ndarray) -> bool | None:
+    """Whether low[i] <= values[i] < low[i] + span[i] for every i (values, low: numpy int32 [B], span: numpy uint32
+    [B], host, C-contiguous), as _arrays.within computes it; None when the compiled builder is not in use."""
+    lib = _lib()
+    B = low.shape[0]
+    if lib is None or not (_readable(values, B) and _readable(low, B) and _readable(span, B, _UINT32)):
+        return None
+    return lib.within(values, low, span, B) != 0
+
+
+def _readable(array, size: int, dtype: np.dtype = None) -> bool:
+    """Whether the C side may read `size` elements from array's data pointer: a C-contiguous numpy array of them, of
+    int32 (or `dtype`)."""
+    return array.__class__ is np.ndarray and array.dtype is (dtype or _INT32) and array.shape == (size,) \
+        and array.flags.c_contiguous
 
 
 def library_path() -> Path | None:
@@ -124,19 +142,31 @@ class _Library:
     """step_checks.c's functions, typed."""
 
     def __init__(self, path: Path):
-        lib, i64, ptr = ctypes.CDLL(str(path)), ctypes.c_int64, ctypes.c_void_p
-        self.exact_lists, self.rows_decode = lib.mstar_exact_lists, lib.mstar_rows_decode
+        lib, i64, obj = ctypes.PyDLL(str(path)), ctypes.c_int64, ctypes.py_object  # (PyDLL: calls keep the GIL)
+        self.exact_lists, self.rows_decode, self.data_of = lib.mstar_exact_lists, lib.mstar_rows_decode, lib.mstar_data_of
+        self.within = lib.mstar_within
         self.exact_lists.restype = self.rows_decode.restype = i64
-        self.exact_lists.argtypes = (ptr, i64, i64, i64, i64, ctypes.c_int32)
-        self.rows_decode.argtypes = (ptr, i64, i64)
+        self.data_of.restype, self.within.restype = ctypes.c_void_p, ctypes.c_int32
+        self.exact_lists.argtypes = (obj, i64, i64, i64, i64, ctypes.c_int32)
+        self.rows_decode.argtypes = (obj, i64, i64)
+        self.data_of.argtypes = (obj,)
+        self.within.argtypes = (obj, obj, obj, i64)
 
     def answers_known_steps(self) -> bool:
-        """A smoke test of each function on a step whose answers are known."""
+        """Whether the C side finds numpy arrays' data where numpy does (arrays, views, read-only ones), and a smoke
+        test of each function on a step whose answers are known."""
+        base = np.arange(40, dtype=np.int32)
+        for a in (base, base[7:], base[13:29], np.concatenate((base[:3], base[5:9])), np.zeros(0, np.int32)):
+            a.flags.writeable = False
+            if self.data_of(a) != a.ctypes.data:
+                return False
         lists = np.array([1, 20, 0, 2, 5, 7], np.int32)  # (one request of 20 tokens on pages 5, 7)
         rows = np.array([3, 20], np.int32)  # (row 3, 20 tokens)
-        at = lambda a: a.ctypes.data  # noqa: E731
-        return (self.exact_lists(at(lists), 1, 2, 16, 8, 1) == 20 and self.exact_lists(at(lists), 1, 2, 16, 6, 1) == 0
-                and self.rows_decode(at(rows), 1, 16) == 20 and self.rows_decode(at(-rows), 1, 16) == 0)
+        low, span = np.array([10], np.int32), np.array([5], np.uint32)
+        return (self.exact_lists(lists, 1, 2, 16, 8, 1) == 20 and self.exact_lists(lists, 1, 2, 16, 6, 1) == 0
+                and self.rows_decode(rows, 1, 16) == 20 and self.rows_decode(-rows, 1, 16) == 0
+                and self.within(np.array([14], np.int32), low, span, 1) == 1
+                and self.within(np.array([15], np.int32), low, span, 1) == 0)
 
 
 def _build_and_load() -> _Library | None:
@@ -159,7 +189,8 @@ def _build_and_load() -> _Library | None:
                       RuntimeWarning, stacklevel=3)
         return None
     if not lib.answers_known_steps():
-        warnings.warn(f"mstar_attn: {path} answers known steps wrongly; the planner's Python twins serve",
+        warnings.warn(f"mstar_attn: {path} reads numpy arrays or answers known steps wrongly; the planner's Python "
+                      "twins serve",
                       RuntimeWarning, stacklevel=3)
         return None
     return lib

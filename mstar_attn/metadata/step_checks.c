@@ -4,8 +4,8 @@
  *
  * mstar_exact_lists (twin: metadata/listed.py's twin_exact_lists): the checks of a StepBatch decode step that lists
  * exactly its pages, in one pass per array.
- *   packed     int32 [3B + 1 + n]: q_lens [B], kv_lens [B], page_indptr [B + 1], page_indices [n], back to back
- *              (a from_csr batch's one read-only array: batch.packed_arrays)
+ *   array      a C-contiguous numpy int32 [3B + 1 + n]: q_lens [B], kv_lens [B], page_indptr [B + 1], page_indices [n],
+ *              back to back (a from_csr batch's one read-only array: batch.packed_arrays)
  *   ps         tokens per page (>= 1); num_pages: page ids allowed are 0 .. num_pages - 1 (>= 1)
  *   ownership  nonzero: also every written page (each request's last listed page) distinct and listed once in all
  * Returns the longest kv_len (>= 1) when every check passes: each q_len 1, each kv_len >= 1, the longest at most
@@ -18,14 +18,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* The planner passes each array as its numpy object (ctypes.py_object: no address to compute in Python, which costs
+ * more than the call): its data pointer is the first field after the object header (numpy's PyArray_DATA, a
+ * PyArrayObject's `data`). native.py checks this against numpy's own address for several arrays at load and uses
+ * none of these functions where it does not hold. */
+#define DATA_OF(array) (*(const int32_t *const *)((const char *)(array) + 2 * sizeof(void *)))
+
+const void *mstar_data_of(const void *array) { return DATA_OF(array); }
+
 #define INT32_MAX_ 2147483647LL
 #define MAX_TABLE_BYTES (1 << 20) /* a bit per page id: pools of up to 8M pages */
 
 static const uint8_t BIT[8] = {1, 2, 4, 8, 16, 32, 64, 128};
 
-int64_t mstar_exact_lists(const int32_t *packed, int64_t B, int64_t n, int64_t ps, int64_t num_pages,
-                          int32_t ownership) {
-    const int32_t *q = packed, *kv = packed + B, *indptr = packed + 2 * B, *idx = packed + 3 * B + 1;
+int64_t mstar_exact_lists(const void *array, int64_t B, int64_t n, int64_t ps, int64_t num_pages, int32_t ownership) {
+    const int32_t *packed = DATA_OF(array), *q = packed, *kv = packed + B, *indptr = packed + 2 * B, *idx = packed + 3 * B + 1;
     int64_t hi = 0, end = 0, hits = 0, b, j;
     if (B < 1 || ps < 1 || num_pages < 1 || num_pages > INT32_MAX_)
         return -1; /* (not a step the planner sends here) */
@@ -73,11 +80,12 @@ int64_t mstar_exact_lists(const int32_t *packed, int64_t B, int64_t n, int64_t p
 }
 
 /* mstar_rows_decode (twin: metadata/plan.py's _plan_rows_decode checks): a StepRows decode step's lengths and rows.
- *   packed  int32 [2B]: rows [B], kv_lens [B], back to back (batch.packed_arrays of a StepRows.decode step)
+ *   array   a C-contiguous numpy int32 [2B]: rows [B], kv_lens [B], back to back (batch.packed_arrays of a
+ *           StepRows.decode step)
  * Returns the longest kv_len when every kv_len >= 1, every row >= 0, the longest at most INT32_MAX - ps and
  * B * (longest / ps + 1) within int32; else 0 (the Python planner names what is wrong). */
-int64_t mstar_rows_decode(const int32_t *packed, int64_t B, int64_t ps) {
-    const int32_t *rows = packed, *kv = packed + B;
+int64_t mstar_rows_decode(const void *array, int64_t B, int64_t ps) {
+    const int32_t *rows = DATA_OF(array), *kv = rows + B;
     int64_t hi = 0, b;
     int32_t lo = 1, row = 0;
     if (B < 1 || ps < 1)
@@ -90,4 +98,16 @@ int64_t mstar_rows_decode(const int32_t *packed, int64_t B, int64_t ps) {
     if (lo < 1 || row < 0 || hi > INT32_MAX_ - ps || B * (hi / ps + 1) > INT32_MAX_)
         return 0;
     return hi;
+}
+
+/* mstar_within (twin: metadata/_arrays.py's within, for Ranges.holds): whether low[i] <= values[i] < low[i] + span[i]
+ * for every i < B, as one wrapping int32 subtraction and one unsigned comparison each. values, low: C-contiguous numpy
+ * int32 [B]; span: C-contiguous numpy uint32 [B]. */
+int32_t mstar_within(const void *values, const void *low, const void *span, int64_t B) {
+    const uint32_t *v = (const uint32_t *)DATA_OF(values), *lo = (const uint32_t *)DATA_OF(low);
+    const uint32_t *n = (const uint32_t *)DATA_OF(span);
+    uint32_t out = 0;
+    for (int64_t b = 0; b < B; b++)
+        out |= (v[b] - lo[b]) >= n[b];
+    return !out;
 }

@@ -224,3 +224,47 @@ def test_rows_decode_is_its_twin():
         seen.add((kind, rule > 0))
     assert ("valid", True) in seen and all((k, False) in seen for k in kinds[2:]), seen
 
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here (or MSTAR_ATTN_NATIVE=0)")
+def test_the_compiled_builder_reads_only_arrays_it_may():
+    """The C side reads an array's data pointer for as many int32 as the call names: anything but a C-contiguous numpy
+    int32 array of exactly that size is left to the twin (None), never read."""
+    good = np.array([1, 20, 0, 2, 5, 7], np.int32)
+    assert native.exact_lists(good, 1, 2, 16, 8, True) == 20
+    for bad in (good.astype(np.int64), np.repeat(good, 2)[::2], good[:5], np.concatenate([good, good]), good.tolist()):
+        assert native.exact_lists(bad, 1, 2, 16, 8, True) is None, bad
+    rows = np.array([3, 20], np.int32)
+    assert native.rows_decode(rows, 1, 16) == 20
+    for bad in (rows.astype(np.uint32), np.repeat(rows, 2)[::2], rows[:1], rows.tolist()):
+        assert native.rows_decode(bad, 1, 16) is None, bad
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here (or MSTAR_ATTN_NATIVE=0)")
+def test_within_is_its_twin():
+    """step_checks.c's within against _arrays.within on 2,000 random ranges and values near their edges and at int32's
+    (wrapping subtraction, empty spans, values as views); Ranges.holds the same with and without the compiled
+    builder."""
+    from mstar_attn.metadata._arrays import Ranges, within
+
+    both = set()
+    for _ in range(2000):
+        seed = fresh_seed()
+        rng = np.random.default_rng(seed)
+        B = int(rng.choice([1, 41, 64, 300]))
+        low = rng.choice([-(2**31), -5, 0, 1, 100, 2**31 - 10], B).astype(np.int64) + rng.integers(0, 3, B)
+        low = np.clip(low, -(2**31), 2**31 - 1).astype(np.int32)
+        span = rng.choice([0, 1, 2, 7, 2**31, 2**32 - 1], B).astype(np.uint32)
+        values = (low.astype(np.int64) + rng.choice([-1, 0, 1, 6, 7, 2**31], B)).astype(np.int64)
+        values = ((values + 2**31) % 2**32 - 2**31).astype(np.int32)  # (int32, wrapped)
+        if rng.random() < 0.5:  # (every one inside)
+            span, values = np.full(B, 2**32 - 1, np.uint32), low.copy()
+        values = np.concatenate([rng.integers(0, 9, 3).astype(np.int32), values])[3:]  # (a view past an array's start)
+        twin = within(values, low, span)
+        assert native.within(values, low, span) == twin, f"seed {seed}, B {B}"
+        r = Ranges(low, span)
+        with native.disabled():
+            off = r.holds(values)
+        assert r.holds(values) == off, f"seed {seed}, B {B}"  # (up to SHORT_CHECK values: Python ints either way)
+        both.add(twin)
+    assert both == {True, False}
