@@ -1,7 +1,8 @@
 """The compiled step builder: step_checks.c, per-step checks in one C call each where numpy would make several, each
 of which costs a fixed 1-3 µs on a server's host: a StepBatch decode step that lists exactly its pages (`exact_lists`,
-twin: listed.twin_exact_lists), a StepRows decode step's lengths and rows (`rows_decode`, twin: plan._plan_rows_decode's
-reductions), per-request ranges (`within`, twin: _arrays.within, for Ranges.holds past SHORT_CHECK values). A call costs about as much as one or two numpy calls (arrays go by object, the C side reads
+twin: listed.twin_exact_lists), a StepRows decode step's lengths and rows (`rows_decode`, twin:
+plan._plan_rows_decode's reductions), per-request ranges (`within`, twin: _arrays.within, for Ranges.holds past
+SHORT_CHECK values). A call costs about as much as one or two numpy calls (arrays go by object, the C side reads
 their data pointer: see step_checks.c), so only work that would take several numpy calls is compiled.
 
 Built with the machine's C compiler (`$CC`, else `cc`) the first time a process needs it (`load()`; warm-up calls
@@ -69,7 +70,8 @@ def _lib():
 
 @contextlib.contextmanager
 def disabled():
-    """Within the block, exact_lists returns None (the Python twin serves): for tests and benchmarks."""
+    """Within the block every function here returns None, in every thread (the Python twins serve): for tests and
+    benchmarks."""
     with _lock:
         _loaded["off"] += 1
     try:
