@@ -8,8 +8,8 @@ from itertools import accumulate
 
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, SHORT, read_only
 from mstar_attn.metadata import native
+from mstar_attn.metadata._arrays import INT32_MAX, SHORT, read_only
 from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, packed_arrays
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan

@@ -6,9 +6,10 @@ SHORT_CHECK values). A call costs about as much as one or two numpy calls (array
 their data pointer: see step_checks.c), so only work that would take several numpy calls is compiled.
 
 Built with the machine's C compiler (`$CC`, else `cc`) the first time a process needs it (`load()`; warm-up calls
-it), into a cache directory (`$MSTAR_ATTN_CACHE`, else `~/.cache/mstar_attn`), then loaded through ctypes: plain C,
-no Python headers, so one build serves every Python on the machine and nothing is built at install. The file name
-carries a hash of the source, the flags, the compiler's path and the machine's architecture.
+it), into a cache directory (`$MSTAR_ATTN_CACHE`, else `$XDG_CACHE_HOME/mstar_attn` or `~/.cache/mstar_attn`; used
+only if it is the user's own and no one else may write it), then loaded through ctypes: plain C, no Python headers,
+so one build serves every Python on the machine and nothing is built at install. The file name carries a hash of the
+source, the flags, the compiler's command and the machine's architecture; builds of other versions stay beside it.
 
 Where no compiler works, or with `MSTAR_ATTN_NATIVE=0` in the environment, nothing is built: each function returns
 None and its caller runs the Python twin, with the same results (tests/metadata/test_native.py holds each pair equal
@@ -25,9 +26,9 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -51,7 +52,11 @@ def load() -> bool:
         return _loaded["lib"] is not None
     with _lock:
         if not _loaded["tried"]:
-            _loaded["lib"] = None if os.environ.get(ENV_SWITCH, "1") == "0" else _build_and_load()
+            try:
+                _loaded["lib"] = None if os.environ.get(ENV_SWITCH, "1") == "0" else _build_and_load()
+            except Exception as e:  # (never raise here: the twins serve)
+                warnings.warn(f"mstar_attn: the compiled step builder failed ({e!r}); the planner's Python twins serve",
+                              RuntimeWarning, stacklevel=2)
             _loaded["tried"] = True
     return _loaded["lib"] is not None
 
@@ -83,10 +88,10 @@ def disabled():
 
 def exact_lists(packed: np.ndarray, B: int, n: int, page_size: int, num_pages: int, ownership: bool) -> int | None:
     """step_checks.c's checks of a decode step's packed arrays (packed: numpy int32 [3B + 1 + n] host, C-contiguous:
-    q_lens, kv_lens, page_indptr, page_indices back to back; batch.packed_arrays): the longest kv_len (>= 1) when
+    q_lens, kv_lens, page_indptr, page_indices back to back; metadata.batch.packed_arrays): the longest kv_len (>= 1) when
     they pass, 0 when one fails, None when the compiled builder is not in use or cannot tell (the twin decides)."""
     lib = _lib()
-    if lib is None or not _readable(packed, 3 * B + 1 + n):
+    if lib is None or B < 1 or n < 0 or not _readable(packed, 3 * B + 1 + n):
         return None
     hi = lib.exact_lists(packed, B, n, page_size, num_pages, 1 if ownership else 0)
     return None if hi < 0 else hi
@@ -97,7 +102,7 @@ def rows_decode(packed: np.ndarray, B: int, page_size: int) -> int | None:
     the longest kv_len when every kv_len >= 1, every row >= 0 and every page count sum fits int32, else 0; None
     when the compiled builder is not in use."""
     lib = _lib()
-    return None if lib is None or not _readable(packed, 2 * B) else lib.rows_decode(packed, B, page_size)
+    return None if lib is None or B < 1 or not _readable(packed, 2 * B) else lib.rows_decode(packed, B, page_size)
 
 
 def within(values: np.ndarray, low: np.ndarray, span: np.ndarray) -> bool | None:
@@ -117,27 +122,39 @@ def _readable(array, size: int, dtype: np.dtype = None) -> bool:
         and array.flags.c_contiguous
 
 
+def compiler() -> list[str] | None:
+    """The C compiler's command (`$CC`, which may carry arguments, e.g. "ccache gcc"; else `cc`), its program
+    resolved on PATH; None when there is none."""
+    words = shlex.split(os.environ.get("CC") or "cc")
+    found = shutil.which(words[0]) if words else None
+    return None if found is None else [found, *words[1:]]
+
+
 def library_path() -> Path | None:
-    """Where this machine's build lives (built or not), or None without a C compiler."""
-    cc = shutil.which(os.environ.get("CC", "cc"))
+    """Where this machine's build lives (built or not), or None without a C compiler or a private cache directory."""
+    cc = compiler()
     if cc is None:
         return None
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), cc.encode(),
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), " ".join(cc).encode(),
                                      platform.machine().encode(), platform.system().encode()])).hexdigest()[:16]
-    return _cache_dir() / f"step_checks-{key}.so"
+    cache = _cache_dir()
+    return None if cache is None else cache / f"step_checks-{key}.so"
 
 
-def _cache_dir() -> Path:
-    home = os.environ.get(ENV_CACHE) or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                                      "mstar_attn")
-    for d in (Path(home), Path(tempfile.gettempdir()) / f"mstar_attn-{os.getuid() if hasattr(os, 'getuid') else 0}"):
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            continue
-    return Path(tempfile.mkdtemp(prefix="mstar_attn-"))
+def _cache_dir() -> Path | None:
+    """`$MSTAR_ATTN_CACHE`, else `$XDG_CACHE_HOME/mstar_attn`, else `~/.cache/mstar_attn`: made if missing, used only
+    if it is this user's own and no one else may write it (a library found there is loaded and run); None otherwise
+    (nothing is built: the twins serve)."""
+    d = Path(os.environ.get(ENV_CACHE) or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                        "mstar_attn"))
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return d if _private(d) and os.access(d, os.W_OK) else None
+
+
+def _private(path: Path) -> bool:
+    """Whether `path` is owned by this user and writable by no one else (where os.getuid exists)."""
+    st = path.stat()
+    return not hasattr(os, "getuid") or (st.st_uid == os.getuid() and not st.st_mode & 0o022)
 
 
 class _Library:
@@ -172,27 +189,42 @@ class _Library:
 
 
 def _build_and_load() -> _Library | None:
-    path = library_path()
-    if path is None:
-        return None
+    """The library, built first if this machine has none; None (a warning says why, once) where it cannot be."""
+    tmp = None
     try:
+        path = library_path()
+        if path is None:
+            if compiler() is not None:
+                warnings.warn("mstar_attn: no cache directory of this user's own that no one else may write "
+                              f"(${ENV_CACHE}, ~/.cache/mstar_attn); the planner's Python twins serve", RuntimeWarning,
+                              stacklevel=3)
+            elif os.environ.get("CC"):
+                warnings.warn(f"mstar_attn: CC={os.environ['CC']!r} is not a program on PATH; the planner's Python twins "
+                              "serve", RuntimeWarning, stacklevel=3)
+            return None
         if not path.exists():
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            done = subprocess.run([shutil.which(os.environ.get("CC", "cc")), *FLAGS, "-o", str(tmp), str(SOURCE)],
-                                  capture_output=True, text=True, timeout=120)
+            done = subprocess.run([*compiler(), *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+                                  timeout=120)
             if done.returncode != 0:
                 warnings.warn(f"mstar_attn: building {SOURCE.name} failed ({done.stderr.strip()[:300]}); "
                               "the planner's Python twins serve", RuntimeWarning, stacklevel=3)
                 return None
             os.replace(tmp, path)  # (atomic: processes building at once each rename a whole file)
+        if not _private(path):
+            warnings.warn(f"mstar_attn: {path} is not this user's own, or others may write it; the planner's Python "
+                          "twins serve", RuntimeWarning, stacklevel=3)
+            return None
         lib = _Library(path)
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        warnings.warn(f"mstar_attn: loading {SOURCE.name} failed ({e}); the planner's Python twins serve",
+    except (OSError, subprocess.SubprocessError, AttributeError, ValueError) as e:
+        warnings.warn(f"mstar_attn: building or loading {SOURCE.name} failed ({e}); the planner's Python twins serve",
                       RuntimeWarning, stacklevel=3)
         return None
+    finally:
+        if tmp is not None and tmp.exists():
+            tmp.unlink(missing_ok=True)
     if not lib.answers_known_steps():
         warnings.warn(f"mstar_attn: {path} reads numpy arrays or answers known steps wrongly; the planner's Python "
-                      "twins serve",
-                      RuntimeWarning, stacklevel=3)
+                      "twins serve", RuntimeWarning, stacklevel=3)
         return None
     return lib
