@@ -96,6 +96,7 @@ class Ranges:
     __slots__ = ("low", "span", "_diff", "_ok", "_lists")
 
     def __init__(self, low: np.ndarray, span: np.ndarray):
+        # (C-contiguous int32 / uint32 [B], as native.within reads them)
         self.low, self.span = np.ascontiguousarray(low, np.int32), np.ascontiguousarray(span, np.uint32)
         if low.shape[0] <= SHORT_CHECK:  # the bounds as Python ints: low and low + span
             lows = self.low.tolist()

@@ -176,13 +176,15 @@ class StepBatch:
     page_size: int = attrs.field(converter=lambda x: positive_int("page_size", x))
     block_table: np.ndarray | None = optional_array_field(converter=_table)
     group_pages: tuple[tuple[int, GroupPages], ...] = attrs.field(default=(), converter=_group_pages)
-    _packed: np.ndarray | None = attrs.field(default=None, init=False, eq=False, repr=False)  # (packed_arrays)
+    # from_csr / from_pages: the one read-only int32 array [3B + 1 + n] whose views the four vectors above are, back
+    # to back in their order (what native.exact_lists reads); None for a batch made otherwise (copies of their own)
+    packed: np.ndarray | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     @classmethod
     def from_csr(cls, q_lens, kv_lens, page_indptr, page_indices, page_size: int, group_pages=None) -> StepBatch:
         if type(page_size) is int and 0 < page_size <= INT32_MAX \
                 and is_int32(q_lens, 1) and is_int32(kv_lens, 1) and is_int32(page_indptr, 1) and is_int32(page_indices, 1):
-            return _packed(cls, (q_lens, kv_lens, page_indptr, page_indices), page_size, group_pages)
+            return _pack(cls, (q_lens, kv_lens, page_indptr, page_indices), page_size, group_pages)
         return cls(q_lens, kv_lens, page_indptr, page_indices, page_size, None, group_pages)
 
     @classmethod
@@ -218,7 +220,7 @@ class StepBatch:
         return next((p for g, p in self.group_pages if g == group), None)
 
 
-def _packed(cls, arrays: tuple, page_size: int, group_pages) -> StepBatch:
+def _pack(cls, arrays: tuple, page_size: int, group_pages) -> StepBatch:
     """A StepBatch of four int32 vectors (q_lens, kv_lens, page_indptr, page_indices), field for field what the
     constructor makes of them, in one copy: read-only views of one read-only array (the per-step path of an engine
     that lists its pages: numpy's fixed cost per call is most of what small arrays cost)."""
@@ -231,16 +233,8 @@ def _packed(cls, arrays: tuple, page_size: int, group_pages) -> StepBatch:
     object.__setattr__(batch, "page_size", page_size)
     object.__setattr__(batch, "block_table", None)
     object.__setattr__(batch, "group_pages", _group_pages(group_pages))
-    object.__setattr__(batch, "_packed", packed)
+    object.__setattr__(batch, "packed", packed)
     return batch
-
-
-def packed_arrays(batch: StepBatch | StepRows) -> np.ndarray | None:
-    """The one read-only int32 array (host) whose views a batch's vectors are, back to back: a from_csr (or from_pages)
-    StepBatch's q_lens, kv_lens, page_indptr and page_indices ([3B + 1 + n] where their shapes are [B], [B], [B + 1],
-    [n]: what native.exact_lists reads); a StepRows.decode step's rows and kv_lens ([2B]: native.rows_decode). None
-    for a batch made otherwise (its arrays are copies of their own)."""
-    return batch._packed
 
 
 @attrs.frozen(slots=False)  # (an instance dict: decode writes it at once)
@@ -262,13 +256,15 @@ class StepRows:
     # True only for steps `decode` made (q_lens all 1 by construction, so build_plan need not scan them);
     # attrs.evolve and the constructor leave it False
     decode_step: bool = attrs.field(init=False, default=False, eq=False, repr=False)
-    _packed: np.ndarray | None = attrs.field(init=False, default=None, eq=False, repr=False)  # (packed_arrays)
+    # decode: the one read-only int32 array [2B] whose views rows and kv_lens are, back to back (native.rows_decode
+    # reads it); None for a step made otherwise
+    packed: np.ndarray | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @classmethod
     def decode(cls, rows, kv_lens) -> StepRows:
         """A decode step: one new token per request."""
         # read-only copies, as the fields' converters make, in their order (rows first: the same error when both are
-        # wrong); set without converting again; int32 input: views of one copy (packed_arrays)
+        # wrong); set without converting again; int32 input: views of one copy (packed)
         packed = None
         if is_int32(rows, 1) and is_int32(kv_lens, 1):
             packed = np.concatenate((rows, kv_lens))
@@ -277,7 +273,7 @@ class StepRows:
         else:
             rows, kv = int_array("rows", rows, 1), int_array("kv_lens", kv_lens, 1)
         step = object.__new__(cls)
-        step.__dict__.update(rows=rows, q_lens=_ones(kv.shape[0]), kv_lens=kv, decode_step=True, _packed=packed)
+        step.__dict__.update(rows=rows, q_lens=_ones(kv.shape[0]), kv_lens=kv, decode_step=True, packed=packed)
         return step
 
     @property

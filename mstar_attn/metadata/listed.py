@@ -10,7 +10,7 @@ import numpy as np
 
 from mstar_attn.metadata import native
 from mstar_attn.metadata._arrays import INT32_MAX, SHORT, read_only
-from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch, packed_arrays
+from mstar_attn.metadata.batch import CrossRows, GroupPages, StepBatch
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays, cross_plan, cross_rows_plan, own_plan
 from mstar_attn.metadata.pages import LISTED_SHORT, scan_ownership
@@ -36,31 +36,17 @@ def plan_listed_decode(batch: StepBatch, spec: AttentionSpec, check_ownership: b
         return None
     shared = not (batch.group_pages or spec.own_page_groups or spec.has_cross)  # every group reads the shared list
     cross = None if shared else _lazy_cross(batch, spec)  # (or all but one cross group of cross-table rows)
+    hi = exact_lists(batch, spec, check_ownership)  # (the shared list's checks, whatever the groups)
+    if not hi:
+        return None
+    listed = idx[: indptr[B]]
     if shared or cross is not None:  # a lazy plan of the batch's own arrays (the rest derived on read, or on the device)
-        hi = exact_lists(batch, spec, check_ownership)
-        if not hi:
-            return None
-        plan = AttentionPlan.lists_decode(spec, q, kv, indptr, idx[: indptr[B]], hi,
-                                          resolve_backend(spec, Mode.DECODE, B, B, 1, hi), cross)
+        plan = AttentionPlan.lists_decode(spec, q, kv, indptr, listed, hi, resolve_backend(spec, Mode.DECODE, B, B, 1, hi),
+                                          cross)
         object.__setattr__(plan, "sealed", True)
         return plan
-    checked = _lengths(q, kv, ps)
-    if checked is None:
-        return None
-    lengths, hi = checked
-    step = decode_arrays(spec, q, kv, hi, lengths)  # (its kv_indptr is the page_indptr of exact lists)
-    end = int(indptr[-1])
-    if end > idx.shape[0] or step.kv_indptr.tobytes() != indptr.tobytes():
-        return None
-    listed = idx[:end]
-    if _MIN(listed) < 0 or _MAX(listed) >= spec.num_pages:
-        return None
+    step = decode_arrays(spec, q, kv, hi)  # (its kv_indptr: the batch's indptr, checked)
     written, slot_mapping = decode_slots(listed, indptr, step.last_page_len, ps)
-    if check_ownership:
-        try:
-            scan_ownership(spec, indptr, listed, written)
-        except PlanError:
-            return None
     read_only(listed, slot_mapping)
     step.kv_indptr, step.kv_indices, step.slot_mapping = indptr, listed, slot_mapping  # (the batch's own, as in _plan)
     own = None
@@ -78,7 +64,7 @@ def exact_lists(batch: StepBatch, spec: AttentionSpec, check_ownership: bool) ->
     """The checks of a decode step listing exactly its pages on the shared list (after plan_listed_decode's shape
     checks): the longest kv_len when they pass, else 0. The compiled builder's answer (native.exact_lists) for a
     from_csr batch where it is in use, else the Python twin's (twin_exact_lists): the same."""
-    packed = packed_arrays(batch)
+    packed = batch.packed
     if packed is not None:
         hi = native.exact_lists(packed, batch.kv_lens.shape[0], batch.page_indices.shape[0], spec.page_size,
                                 spec.num_pages, check_ownership)

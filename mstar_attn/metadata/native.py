@@ -88,7 +88,7 @@ def disabled():
 
 def exact_lists(packed: np.ndarray, B: int, n: int, page_size: int, num_pages: int, ownership: bool) -> int | None:
     """step_checks.c's checks of a decode step's packed arrays (packed: numpy int32 [3B + 1 + n] host, C-contiguous:
-    q_lens, kv_lens, page_indptr, page_indices back to back; metadata.batch.packed_arrays): the longest kv_len (>= 1) when
+    q_lens, kv_lens, page_indptr, page_indices back to back; StepBatch.packed): the longest kv_len (>= 1) when
     they pass, 0 when one fails, None when the compiled builder is not in use or cannot tell (the twin decides)."""
     lib = _lib()
     if lib is None or B < 1 or n < 0 or not _readable(packed, 3 * B + 1 + n):
@@ -98,7 +98,7 @@ def exact_lists(packed: np.ndarray, B: int, n: int, page_size: int, num_pages: i
 
 
 def rows_decode(packed: np.ndarray, B: int, page_size: int) -> int | None:
-    """A StepRows decode step's checks (packed: numpy int32 [2B] host, C-contiguous: rows, kv_lens; packed_arrays):
+    """A StepRows decode step's checks (packed: numpy int32 [2B] host, C-contiguous: rows, kv_lens; StepRows.packed):
     the longest kv_len when every kv_len >= 1, every row >= 0 and every page count sum fits int32, else 0; None
     when the compiled builder is not in use."""
     lib = _lib()
@@ -107,19 +107,19 @@ def rows_decode(packed: np.ndarray, B: int, page_size: int) -> int | None:
 
 def within(values: np.ndarray, low: np.ndarray, span: np.ndarray) -> bool | None:
     """Whether low[i] <= values[i] < low[i] + span[i] for every i (values, low: numpy int32 [B], span: numpy uint32
-    [B], host, C-contiguous), as _arrays.within computes it; None when the compiled builder is not in use."""
+    [B], host, C-contiguous: low and span as a Ranges keeps them, made so once, values checked per call), as
+    _arrays.within computes it; None when the compiled builder is not in use."""
     lib = _lib()
     B = low.shape[0]
-    if lib is None or not (_readable(values, B) and _readable(low, B) and _readable(span, B, _UINT32)):
+    if lib is None or low.dtype is not _INT32 or span.dtype is not _UINT32 or span.shape != (B,) \
+            or not _readable(values, B):
         return None
     return lib.within(values, low, span, B) != 0
 
 
-def _readable(array, size: int, dtype: np.dtype = None) -> bool:
-    """Whether the C side may read `size` elements from array's data pointer: a C-contiguous numpy array of them, of
-    int32 (or `dtype`)."""
-    return array.__class__ is np.ndarray and array.dtype is (dtype or _INT32) and array.shape == (size,) \
-        and array.flags.c_contiguous
+def _readable(array, size: int) -> bool:
+    """Whether the C side may read `size` int32 from array's data pointer: a C-contiguous numpy int32 array of them."""
+    return array.__class__ is np.ndarray and array.dtype is _INT32 and array.shape == (size,) and array.flags.c_contiguous
 
 
 def compiler() -> list[str] | None:

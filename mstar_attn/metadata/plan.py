@@ -13,7 +13,7 @@ import attrs
 
 from mstar_attn.metadata.backends import AUTO, AUTO_CASCADE, BACKENDS, CASCADE_BACKENDS, TREE_BACKENDS
 from mstar_attn.metadata import native
-from mstar_attn.metadata.batch import GroupPages, StepBatch, StepRows, packed_arrays
+from mstar_attn.metadata.batch import GroupPages, StepBatch, StepRows
 from mstar_attn.metadata.cascade import plan_cascade
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.groups import GroupPlan, StepArrays
@@ -265,7 +265,7 @@ def _plan_rows_decode(batch: StepRows, spec: AttentionSpec) -> AttentionPlan:
     if B <= SHORT_CHECK:  # (Python's min / max over a short list: cheaper than numpy's reductions' fixed cost)
         lengths, table_rows = kv.tolist(), rows.tolist()
         lo, hi, first_row = min(lengths), max(lengths), min(table_rows)
-    elif (packed := packed_arrays(batch)) is not None and (hi := native.rows_decode(packed, B, ps)):
+    elif (packed := batch.packed) is not None and (hi := native.rows_decode(packed, B, ps)):
         lo = first_row = 1  # (the compiled builder's checks passed: the three below)
     else:  # (the ufuncs' own reduce: ndarray.min / max add a Python wrapper per call)
         lo, hi, first_row = int(_MIN(kv)), int(_MAX(kv)), int(_MIN(rows))

@@ -5,7 +5,7 @@
  * mstar_exact_lists (twin: metadata/listed.py's twin_exact_lists): the checks of a StepBatch decode step that lists
  * exactly its pages, in one pass per array.
  *   array      a C-contiguous numpy int32 [3B + 1 + n]: q_lens [B], kv_lens [B], page_indptr [B + 1], page_indices [n],
- *              back to back (a from_csr batch's one read-only array: metadata.batch.packed_arrays)
+ *              back to back (a from_csr batch's one read-only array: StepBatch.packed)
  *   ps         tokens per page (>= 1); num_pages: page ids allowed are 0 .. num_pages - 1 (>= 1)
  *   ownership  nonzero: also every written page (each request's last listed page) distinct and listed once in all
  * Returns the longest kv_len (>= 1) when every check passes: each q_len 1, each kv_len >= 1, the longest at most
@@ -32,7 +32,8 @@ const void *mstar_data_of(const void *array) { return DATA_OF(array); }
 static const uint8_t BIT[8] = {1, 2, 4, 8, 16, 32, 64, 128};
 
 int64_t mstar_exact_lists(const void *array, int64_t B, int64_t n, int64_t ps, int64_t num_pages, int32_t ownership) {
-    const int32_t *packed = DATA_OF(array), *q = packed, *kv = packed + B, *indptr = packed + 2 * B, *idx = packed + 3 * B + 1;
+    const int32_t *packed = DATA_OF(array), *q = packed, *kv = packed + B, *indptr = packed + 2 * B;
+    const int32_t *idx = packed + 3 * B + 1;
     int64_t hi = 0, end = 0, hits = 0, b, j;
     if (B < 1 || ps < 1 || num_pages < 1 || num_pages > INT32_MAX_)
         return -1; /* (not a step the planner sends here) */
@@ -80,7 +81,7 @@ int64_t mstar_exact_lists(const void *array, int64_t B, int64_t n, int64_t ps, i
 }
 
 /* mstar_rows_decode (twin: metadata/plan.py's _plan_rows_decode checks): a StepRows decode step's lengths and rows.
- *   array   a C-contiguous numpy int32 [2B]: rows [B], kv_lens [B], back to back (metadata.batch.packed_arrays of a
+ *   array   a C-contiguous numpy int32 [2B]: rows [B], kv_lens [B], back to back (StepRows.packed of a
  *           StepRows.decode step)
  * Returns the longest kv_len when every kv_len >= 1, every row >= 0, the longest at most INT32_MAX - ps and
  * B * (longest / ps + 1) within int32; else 0 (the Python planner names what is wrong). */

@@ -4,7 +4,6 @@ arrays derived from its staged lists, rows and encoder lengths equal the host st
 rows' pages, padding requests included; the Triton kernel (under the interpreter) equals the torch ops; the steps
 the derivation does not serve are staged, and right."""
 
-import os
 import types
 
 import numpy as np
@@ -15,9 +14,9 @@ from mstar_attn import AttentionSpec, CrossRows, StepBatch, build_plan
 from mstar_attn.capture import cross
 from mstar_attn.capture.stage import listed_entries
 from mstar_attn.capture.table import FREE
-from tests.capture.test_derive import check_again, copy_reads, derive_again
 from tests.helpers import fresh_seed, pool_of
 from tests.support.cross_pages import GROUPS
+from tests.support.derived import check_again, derive_again, interpreted_kernel
 from tests.support.staged import assert_same_arrays, staged_arrays, step_arrays
 
 
@@ -101,10 +100,7 @@ def test_steps_the_derivation_does_not_serve_are_staged_and_right():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel runs for real: tests/capture/test_derive_gpu.py")
 @pytest.mark.parametrize("copy_first", [False, True])
 def test_the_triton_kernel_derives_cross_steps_as_the_torch_ops_under_the_interpreter(copy_first, monkeypatch):
-    pytest.importorskip("triton")
-    copy_reads(monkeypatch, copy_first)
-    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py picks the interpreter before Triton is imported"
-    from mstar_attn.capture import _derive_triton as module
+    module = interpreted_kernel(monkeypatch, copy_first)
 
     for ps, sizes in ((1, (1, 16)), (4, (1, 16)), (16, (1, 16)), (4, (17, 32))):
         seed = fresh_seed()

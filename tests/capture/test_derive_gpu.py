@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from mstar_attn.capture import derive
-from tests.capture.test_derive import random_listed_step, _random_step, check_again, check_fused_updates, copy_reads, derive_again
+from tests.capture.test_derive import random_listed_step, _random_step, check_fused_updates
 from tests.capture.test_derive_cross import random_cross_step
 from tests.helpers import fresh_seed
+from tests.support.derived import check_again, copy_reads, derive_again
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -13,7 +13,6 @@ import pytest
 
 from mstar_attn import StepBatch, build_plan
 from mstar_attn.metadata import native
-from mstar_attn.metadata.batch import packed_arrays
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.listed import twin_exact_lists
 from tests.helpers import fresh_seed, spec_for
@@ -96,7 +95,7 @@ def test_the_compiled_builder_is_its_python_twin():
         kind = KINDS[int(rng.integers(len(KINDS)))]
         step = broken_step(rng, B, ps, num_pages, kind)
         spec = spec_for(page_size=ps, num_pages=num_pages)
-        packed = packed_arrays(step)
+        packed = step.packed
         assert packed is not None and packed.shape[0] == 3 * B + 1 + step.page_indices.shape[0]
         for own in (True, False):
             compiled = native.exact_lists(packed, B, step.page_indices.shape[0], ps, num_pages, own)
@@ -145,7 +144,7 @@ def test_the_int32_bounds_are_the_twins():
         step = StepBatch.from_csr(np.ones(kv.shape[0], np.int32), kv.astype(np.int32), indptr, pages, ps)
         spec = spec_for(page_size=ps, num_pages=pages.shape[0] + 16)
         for own in (True, False):
-            compiled = native.exact_lists(packed_arrays(step), kv.shape[0], pages.shape[0], ps, spec.num_pages, own)
+            compiled = native.exact_lists(step.packed, kv.shape[0], pages.shape[0], ps, spec.num_pages, own)
             twin = twin_exact_lists(step, spec, own)
             where = f"page size {ps}, B {kv.shape[0]}, longest {kv.max()}, ownership {own}"
             assert compiled == twin == (int(kv.max()) if ok else 0), f"{where}: compiled {compiled}, twin {twin}"
@@ -178,9 +177,9 @@ def test_disabled_leaves_the_twin_to_decide():
                               np.array([5, 7], np.int32), 16)
     with native.disabled():
         with native.disabled():
-            assert native.exact_lists(packed_arrays(step), 1, 2, 16, 8, True) is None
+            assert native.exact_lists(step.packed, 1, 2, 16, 8, True) is None
         assert not native.in_use()
-    assert native.exact_lists(packed_arrays(step), 1, 2, 16, 8, True) == (20 if native.in_use() else None)
+    assert native.exact_lists(step.packed, 1, 2, 16, 8, True) == (20 if native.in_use() else None)
 
 
 def test_no_compiler_or_the_switch_leaves_the_twin_serving(tmp_path):
@@ -248,7 +247,7 @@ def test_rows_decode_is_its_twin():
         step = StepRows.decode(rows.astype(np.int32), kv.astype(np.int32))
         hi = int(kv.max())
         rule = hi if kv.min() >= 1 and rows.min() >= 0 and hi <= 2**31 - 1 - ps and B * (hi // ps + 1) <= 2**31 - 1 else 0
-        compiled = native.rows_decode(packed_arrays(step), B, ps)
+        compiled = native.rows_decode(step.packed, B, ps)
         where = f"seed {seed}, kind {kind}, B {B}, page size {ps}"
         assert compiled == rule, f"{where}: compiled {compiled}, rule {rule}"
         spec = spec_for(page_size=ps, num_pages=64)
