@@ -62,10 +62,12 @@ class SteadyTerms:
     """A backend state's promise for a committed step (PoolStateBase.steady): `scheduled` (its schedule) serves
     every later decode step of the same slot, rows and bucket, committed before anything else goes into that
     slot, whose kv_lens [B] lie in each of `ranges` (metadata/_arrays.Ranges over the B requests; none: any
-    lengths)."""
+    lengths) and, a listed step with a cross group of cross-table rows (AttentionPlan.lazy_cross), whose encoder
+    lengths [B] lie in `cross` (None: any)."""
 
     scheduled: tuple
     ranges: tuple = ()
+    cross: Ranges | None = None
 
 
 @attrs.frozen(eq=False)
@@ -79,9 +81,9 @@ class Steady:
     shape, scheduled: the step's StepShape and schedule. work_key, work: its deferred device
     work's graph key and a function of the step making that work. offsets: where the step sits in the slot
     (layout.Offsets: its lengths, its fence, the head the work copies). stream: the stream it ran on (None: a
-    CPU pool) and stream_key, its id (torch's current-stream tuple). cross_lens: a listed step's cross group's
-    encoder lengths (AttentionPlan.lazy_cross; the bytes of its [B] kv_lens), or None: a steady step has the same
-    ones, which the backend's schedule of that group was made for.
+    CPU pool) and stream_key, its id (torch's current-stream tuple). cross: whether the step was a listed one with a
+    cross group of cross-table rows (AttentionPlan.lazy_cross): a steady step is one too, its encoder lengths in
+    cross_ranges (the backend's SteadyTerms.cross; None: any), its cross pages within the slot's index region.
     """
 
     spec: object
@@ -97,7 +99,8 @@ class Steady:
     offsets: Offsets
     stream: object = None
     stream_key: object = None
-    cross_lens: bytes | None = None
+    cross: bool = False
+    cross_ranges: Ranges | None = None
 
 
 def decode_rows(plan: AttentionPlan) -> bool:
@@ -118,6 +121,14 @@ def allowed(table: PageTable, rows: np.ndarray, promise: tuple) -> Ranges:
     over the same requests) both accept."""
     ranges = table.decode_ranges(rows)
     return intersect((ranges, *promise)) if promise else ranges
+
+
+def listed_ranges(B: int, promise: tuple) -> Ranges:
+    """The kv_lens of a listed decode step of B requests that the backend's `promise` (Ranges over them) accepts: a
+    length is at least 1. One promise whose ranges all start at 1 or later is its own answer (no new arrays)."""
+    if len(promise) == 1 and promise[0].low.min() >= 1:
+        return promise[0]
+    return intersect((Ranges(np.ones(B, np.int32), np.full(B, INT32_MAX, np.uint32)), *promise))
 
 
 def intersect(ranges: tuple) -> Ranges:
@@ -158,7 +169,7 @@ class SteadySlots:
     def host_bytes(self) -> int:
         """The records' range arrays: per slot two [B] arrays of its ranges and two per backend promise, and a listed
         step's encoder lengths ([B] int32 as bytes)."""
-        return sum(sum(x.low.nbytes + x.span.nbytes for x in r.promise) + len(r.cross_lens or b"")
+        return sum(sum(x.low.nbytes + x.span.nbytes for x in r.promise + ((r.cross_ranges,) if r.cross_ranges else ()))
                    for r in self.records if r is not None) \
             + sum(k[1].low.nbytes + k[1].span.nbytes for k in self.ranges if k is not None)
 
@@ -176,8 +187,7 @@ class SteadySlots:
         B, ps = plan.batch_size, plan.spec.page_size
         pad = step.shape.padded_batch_size - B
         if plan.rows is None:  # a listed step (decode_lists): no table; the backend's ranges, over these B requests
-            every = Ranges(np.ones(B, np.int32), np.full(B, INT32_MAX, np.uint32))
-            self.ranges[s] = (-1, intersect((every, *terms.ranges)))
+            self.ranges[s] = (-1, listed_ranges(B, terms.ranges))
         else:
             self.ranges[s] = (table.changes, allowed(table, plan.rows, terms.ranges))
         self.records[s] = Steady(
@@ -185,7 +195,7 @@ class SteadySlots:
             table_reshapes=-1 if plan.rows is None else table.reshapes, max_kv_len=(self.capacity - pad) // B * ps,
             promise=terms.ranges, shape=step.shape, scheduled=terms.scheduled, work_key=key, work=work, offsets=offsets,
             stream=stream, stream_key=self.stream_key(),
-            cross_lens=None if plan.lazy_cross is None else plan.lazy_cross.kv_lens.tobytes())
+            cross=plan.lazy_cross is not None, cross_ranges=terms.cross)
 
     def commit(self, plan: AttentionPlan, s: int) -> DeviceStep | None:
         """Slot s's steady commit of `plan` (GraphBufferPool.commit with defer=True, no stream, no slot), or
@@ -223,13 +233,15 @@ class SteadySlots:
     def _commit_lists(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep | None:
         """commit for a slot whose record is of a listed step: the next listed step (decode_lists) of the same
         spec and backend, as many requests (its pages within the slot's index region), each length in the record's
-        ranges, a cross group's encoder lengths the record's (its rows holding them: cross.check; no update pending in
-        them): its lengths and lists staged (stage_listed; cross.stage_derived), the fence, the work deferred."""
+        ranges, a cross group's encoder lengths in the record's cross ranges, its pages within the slot's index region
+        and its rows holding them (cross.check; no update pending in them): its lengths and lists staged (stage_listed;
+        cross.stage_derived), the fence, the work deferred. The requests may come in another order than the record's
+        (an engine's batch order is free) wherever the ranges hold."""
         kv, x, R = plan.kv_lens, plan.lazy_cross, b.shape.padded_batch_size
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and decode_lists(plan)
                 and listed_entries(plan, R) <= self.capacity and not any(self.work.pending)
                 and self.stream_key() == b.stream_key and self.ranges[s][1].holds(kv)
-                and (b.cross_lens is None if x is None else x.kv_lens.tobytes() == b.cross_lens and self._cross_ok(plan))
+                and (not b.cross if x is None else b.cross and self._cross_ok(plan, b, R))
                 and self.leases.take(s, b.stream)):
             return None
         stage_listed(self.host_np[s], plan, b.offsets, R, 1, plan.spec.scratch_page)
@@ -237,11 +249,16 @@ class SteadySlots:
             cross.stage_derived(self.host_np[s], plan, plan.spec.own_page_groups[0], b.offsets, R, 1, self.cross_table.scratch_row)
         return self._deferred(plan, s, b)
 
-    def _cross_ok(self, plan: AttentionPlan) -> bool:
-        """Whether a listed step's cross group is one the general commit derives (cross.derivable: no update pending in
-        its rows, nothing stored) and its rows hold what it reads (cross.check): else the general commit decides, and
-        names what is wrong."""
-        g = plan.spec.own_page_groups[0]
+    def _cross_ok(self, plan: AttentionPlan, b: Steady, R: int) -> bool:
+        """Whether a listed step's cross group has encoder lengths in b's cross ranges, its pages (and one for each of
+        the R - B padding requests) within the slot's index region (checks.validate's bound), is one the general commit
+        derives (cross.derivable: no update pending in its rows, nothing stored) and its rows hold what it reads
+        (cross.check): else the general commit decides, and names what is wrong."""
+        x, g = plan.lazy_cross, plan.spec.own_page_groups[0]
+        if b.cross_ranges is not None and not b.cross_ranges.holds(x.kv_lens):
+            return False
+        if x.kv_indptr[-1] + R - plan.batch_size > self.capacity:
+            return False
         if self.cross_table is None or not cross.derivable(plan, g, self.cross_table, None):
             return False
         try:

@@ -30,6 +30,8 @@ NO_UPDATES.flags.writeable = False
 # append of at most this many rows runs on Python ints (CPU: 8 µs for one row, 28 for 16, ~1.3 a row more, against
 # 41-45 µs for the vectorized path at any of these sizes)
 APPEND_FEW = 16
+# pending_in over at most this many touched and read rows together compares Python sets (np.isin sorts: tens of µs)
+SHORT_SCAN = 256
 
 
 def _ints(name: str, value) -> np.ndarray:
@@ -98,6 +100,8 @@ class PageTable:
         if not self._pending:
             return False
         touched = (self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)) // self.width
+        if touched.shape[0] + rows.shape[0] <= SHORT_SCAN:  # (a set's fixed cost is below np.isin's sort)
+            return not set(touched.tolist()).isdisjoint(rows.tolist())
         return bool(np.isin(touched, rows).any())
 
     def _row(self, row, where: str) -> int:

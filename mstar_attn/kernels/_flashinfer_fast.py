@@ -96,12 +96,12 @@ class FastDecodePlan:
 
     Build it right after the wrapper's first public plan(), with the pool's AttentionSpec (heads,
     head_dim, page_size, soft_cap, dtype, kv_cache_dtype are read), the layer group's window_left and
-    the step's q_len; then `replan(qo_indptr, kv_indptr, kv_lens)` with pinned CPU int32 tensors
-    ([rows+1], [rows+1], [rows]) re-plans the wrapper for a new step of the same batch size.
-    kv_lens are only read by the tensor-core planner.
+    the step's q_len and its padded batch size `rows` (the wrapper's bucket); then `replan(qo_indptr, kv_indptr,
+    kv_lens)` with pinned CPU int32 tensors ([rows+1], [rows+1], [rows]) re-plans the wrapper for a new step of the
+    same bucket. kv_lens are only read by the tensor-core planner.
     """
 
-    def __init__(self, wrapper, spec, window_left: int, q_len: int):
+    def __init__(self, wrapper, spec, window_left: int, q_len: int, rows: int):
         w = wrapper
         num_qo_heads, num_kv_heads, head_dim, page_size = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
         soft_cap, dtype, kv_dtype = float(spec.soft_cap), spec.dtype, spec.kv_cache_dtype
@@ -110,7 +110,7 @@ class FastDecodePlan:
                 or getattr(w, "_plan_info", None) is None or backend not in ("fa2", "fa3", "auto"):
             raise RuntimeError("FastDecodePlan: FlashInfer's decode wrapper internals are not the ones this module "
                                f"reads (backend={backend!r}); use the public plan()")
-        self.wrapper, self.module, self.q_len = w, w._cached_module, q_len
+        self.wrapper, self.module, self.q_len, self.rows = w, w._cached_module, q_len, rows
         self.tensor_cores = w.use_tensor_cores
         self.head = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
         self.mirror = self.head[2].numpy()  # (the pinned mirror as host bytes: remember reads it per plan)
@@ -148,32 +148,39 @@ class FastDecodePlan:
         chunk_pages = max(tokens // self.page_size, 1)
         chunks = self.chunks
         if chunks is None or chunks.chunk_pages != chunk_pages or chunks.cap != cap:  # (else the same rule: kept)
-            self.chunks = ChunkRanges(chunk_pages, self.page_size, cap)
+            self.chunks = ChunkRanges(chunk_pages, self.page_size, cap, self.rows, self.q_len)
 
     def plans(self, kv_lens: np.ndarray) -> None:
         """Record the step just planned: its B requests' KV lengths [B] int32 (the group's kv_lens; the
-        padding requests' are fixed by B)."""
+        rows - B padding requests' are q_len each)."""
         self.chunks.plan(kv_lens)
 
     def holds(self, kv_lens: np.ndarray) -> bool:
-        """Whether the current plan serves a step of the same rows whose B requests have these KV
-        lengths [B] (int32 host) without planning again."""
+        """Whether the current plan serves a step of this bucket whose B requests have these KV lengths [B]
+        (int32 host) without planning again."""
         return self.chunks.holds(kv_lens)
 
 
 class ChunkRanges:
     """When a FlashInfer decode plan still holds. Its planners split request i's KV into
     c_i = ceil(max(min(pages_i, cap), 1) / chunk_pages) chunks (pages_i = ceil(kv_len_i / page_size),
-    cap: the tensor-core planner's window cap, else None). The work lists, merge offsets and padded
-    grid depend on the counts alone, and the kernels read each request's length from the device and
+    cap: the tensor-core planner's window cap, else None), over the plan's `rows` requests: the bucket's, the
+    padding requests' included (KV length `pad_len` each: the step's q_len). The work lists, merge offsets and
+    padded grid depend on the counts alone, and the kernels read each request's length from the device and
     clip its last chunk to it, so a plan made for other lengths serves a step iff every c_i is the
     same: iff each kv_len_i lies in ((c_i - 1) * T, c_i * T] with T = chunk_pages * page_size tokens
-    (unbounded above at the capped count). `holds` checks that (metadata/_arrays.Ranges). Pure numpy (tests/kernels/test_flashinfer_chunks.py)."""
+    (unbounded above at the capped count). A step of fewer requests in the same bucket leaves the rest padding:
+    it holds too where those requests' counts were a padding request's (its order or its batch size may change:
+    an encoder-decoder's or a batch whose requests come and go). `holds` checks that (metadata/_arrays.Ranges).
+    Pure numpy (tests/kernels/test_flashinfer_chunks.py)."""
 
-    def __init__(self, chunk_pages: int, page_size: int, cap: int | None):
+    def __init__(self, chunk_pages: int, page_size: int, cap: int | None, rows: int, pad_len: int):
         self.chunk_pages, self.page_size, self.cap = chunk_pages, page_size, cap
+        self.rows, self.pad_len = rows, pad_len
         self.tokens = chunk_pages * page_size
-        self.ranges: Ranges | None = None  # per request: the kv_lens of its count (from the last plan)
+        self.ranges: Ranges | None = None  # per request of the rows: the kv_lens of its count (from the last plan)
+        self._pad_from: list[bool] = []  # [rows + 1]: whether every request from i on counts as a padding request
+        self._over: dict[int, Ranges] = {}  # B -> the ranges of the first B requests (made on first use)
 
     def counts(self, kv_lens: np.ndarray) -> np.ndarray:
         """c_i [B] for these lengths, as FlashInfer's planners count them."""
@@ -183,13 +190,33 @@ class ChunkRanges:
         return (np.maximum(pages, 1) + self.chunk_pages - 1) // self.chunk_pages
 
     def plan(self, kv_lens: np.ndarray) -> None:
-        c = self.counts(kv_lens)
+        B = kv_lens.shape[0]
+        if not 1 <= B <= self.rows:
+            raise ValueError(f"ChunkRanges.plan: {B} requests in a plan of {self.rows}")
+        lanes = np.full(self.rows, self.pad_len, np.int64)
+        lanes[:B] = kv_lens
+        c = self.counts(lanes)
         low = ((c - 1) * self.tokens + 1).astype(np.int32)  # the least kv_len of each count
         span = np.full(c.shape, self.tokens, np.int64)
         if self.cap is not None:  # the capped count holds for any longer length (up to int32's)
             top = c == -(-self.cap // self.chunk_pages)
             span[top] = 2**31 - low[top].astype(np.int64)
         self.ranges = Ranges(low, span.astype(np.uint32))
+        pad = (c == int(self.counts(np.array([self.pad_len]))[0])).tolist() + [True]
+        for i in range(self.rows - 1, -1, -1):
+            pad[i] = pad[i] and pad[i + 1]
+        self._pad_from, self._over = pad, {self.rows: self.ranges}
+
+    def over(self, B: int) -> Ranges | None:
+        """The kv_lens [B] of a step of B requests that the plan serves, as Ranges over them; None when it serves
+        no such step (nothing planned, or a request past the B-th counts otherwise than a padding request)."""
+        if self.ranges is None or not 1 <= B <= self.rows or not self._pad_from[B]:
+            return None
+        r = self._over.get(B)
+        if r is None:
+            r = self._over[B] = Ranges(self.ranges.low[:B], self.ranges.span[:B])
+        return r
 
     def holds(self, kv_lens: np.ndarray) -> bool:
-        return self.ranges is not None and self.ranges.holds(kv_lens)
+        r = self.over(kv_lens.shape[0])
+        return r is not None and r.holds(kv_lens)

@@ -206,25 +206,28 @@ class PoolState(PoolStateBase):
 
     def steady(self, step: DeviceStep) -> SteadyTerms | None:
         """After schedule: the shape's kept wrappers (each plans into an int workspace of its own: no other plan
-        overwrites theirs), while each split-KV group's chunk counts hold: its ChunkRanges, over the plan's kv_lens, or for a
-        window group over its own lengths, mapped back to the plan's (groups.window_decode_ranges). None for a step
-        whose schedule is not kept (XQA, a shape not yet kept) or whose split-KV group keeps its own page list, but
-        a listed step's cross group of cross-table rows (AttentionPlan.lazy_cross), whose chunk counts hold for its
-        encoder lengths, which the pool's steady commit keeps (steady.Steady.cross_lens).
+        overwrites theirs), while each split-KV group's chunk counts hold: its ChunkRanges over the step's B requests
+        (the bucket's other requests counting as padding ones), over the plan's kv_lens, or for a window group over
+        its own lengths, mapped back to the plan's (groups.window_decode_ranges), or for a listed step's cross group
+        of cross-table rows (AttentionPlan.lazy_cross) over its encoder lengths (SteadyTerms.cross). None for a step
+        whose schedule is not kept (XQA, a shape not yet kept) or whose split-KV group keeps its own page list.
         (The pool asks for plain decode steps only: steady.decode_rows and decode_lists.)"""
         plan, sh = step.plan, step.shape
         kept = None if self._on_xqa(plan) else self.kept_steps.get((sh.slot, sh.padded_batch_size, sh.q_len, plan.mode))
         if kept is None or any(a is not b for a, b in zip(step.scheduled, kept.wrappers)):
             return None
-        spec, ranges = self.pool.spec, []
+        spec, ranges, cross = self.pool.spec, [], None
         for sg in kept.split:
-            r, group = sg.plan.chunks.ranges, spec.groups[sg.group]
-            if group.cross and plan.lazy_cross is not None:  # (its chunks: over the encoder lengths, a steady step's the same)
-                continue
-            if r is None or not (sg.plain or group.kind is Kind.WINDOW and sg.group not in spec.own_page_groups):
+            r, group = sg.plan.chunks.over(plan.batch_size), spec.groups[sg.group]
+            if r is None:
                 return None
-            ranges.append(r if sg.plain else window_decode_ranges(group, plan.kv_lens, r, spec.page_size))
-        return SteadyTerms(scheduled=kept.wrappers, ranges=tuple(ranges))
+            if group.cross and plan.lazy_cross is not None:  # (its chunks: over the encoder lengths)
+                cross = r
+            elif sg.plain or group.kind is Kind.WINDOW and sg.group not in spec.own_page_groups:
+                ranges.append(r if sg.plain else window_decode_ranges(group, plan.kv_lens, r, spec.page_size))
+            else:
+                return None
+        return SteadyTerms(scheduled=kept.wrappers, ranges=tuple(ranges), cross=cross)
 
     def schedule_round(self, steps: list[DeviceStep]) -> list[tuple]:
         """A draft round: XQA's page tables once (the steps list the same pages), the wrappers per step."""
@@ -264,7 +267,7 @@ class PoolState(PoolStateBase):
                 return w
             if self.use_fast:
                 try:
-                    self.fast[key] = FastDecodePlan(w, spec, group.window_left, step.q_len)
+                    self.fast[key] = FastDecodePlan(w, spec, group.window_left, step.q_len, step.padded_batch_size)
                     self.fast[key].plans(lens)
                 except RuntimeError:  # internals not as expected: this wrapper keeps the public plan()
                     pass

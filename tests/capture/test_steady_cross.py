@@ -45,8 +45,10 @@ class _Requests:
                                                group_pages={1: CrossRows.of(self.rows, self.enc, [write] * B)}), spec)
 
 
-@pytest.mark.parametrize("slots", [1, 2])
-def test_the_steady_commit_of_cross_steps_is_taken_and_equals_the_general_one(slots):
+@pytest.mark.parametrize("slots,shuffle", [(1, False), (2, False), (2, True)])
+def test_the_steady_commit_of_cross_steps_is_taken_and_equals_the_general_one(slots, shuffle):
+    """shuffle: each step lists the requests in another order (their encoder lengths with them): still steady (a
+    backend with no chunk ranges: any encoder lengths), the same arrays and outputs as the general commit."""
     seed = fresh_seed()
     rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
     spec = AttentionSpec(4, 2, 16, PS, 3000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
@@ -63,6 +65,9 @@ def test_the_steady_commit_of_cross_steps_is_taken_and_equals_the_general_one(sl
     a.commit(first).prepare(), b.commit(first)
     for i in range(steps):
         eng.kv = eng.kv + 1
+        if shuffle:
+            order = rng.permutation(B)
+            eng.rows, eng.enc, eng.kv, eng.pages = eng.rows[order], eng.enc[order], eng.kv[order], [eng.pages[j] for j in order]
         plan = eng.plan(spec)
         assert plan.lazy and plan.lazy_cross is not None, f"seed {seed}"
         s, gens, n0, bytes_a, bytes_b = a.next_slot, list(a.generations), a.steady.commits, a.bytes_to_device, b.bytes_to_device
@@ -119,3 +124,33 @@ def test_a_pending_cross_update_or_another_batch_takes_the_general_path_and_ever
     eng.rows, eng.kv = np.array(rows, np.int32), eng.kv + 1
     pool.commit(eng.plan(spec, write=True), defer=True).prepare()  # (stores them: staged)
     assert sum(step("other rows, the same lengths") for _ in range(2 * slots + 1)) >= 1, seed
+
+
+def test_a_backend_promise_on_the_encoder_lengths_bounds_steady_commits(monkeypatch):
+    """A backend state's promise over the cross group's encoder lengths (SteadyTerms.cross) is checked on every
+    steady commit: a step listing the same requests in another order (other encoder lengths at some position)
+    takes the general path, which records the new order; the same order again is steady. The reference backend
+    promises nothing, so each record gets a promise of its encoder lengths exactly (injected for the test)."""
+    from mstar_attn.capture import pool as pool_module
+    from mstar_attn.capture.steady import SteadyTerms
+    from mstar_attn.metadata._arrays import Ranges
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(4, 2, 16, PS, 3000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
+    pool = _pool(spec, 1)
+    eng = _Requests(rng, spec, (pool,), 6, 40)
+    while np.unique(eng.enc).shape[0] < 6:  # (distinct encoder lengths: any other order moves one)
+        pool = _pool(spec, 1)
+        eng = _Requests(rng, spec, (pool,), 6, 40)
+    monkeypatch.setattr(pool_module, "SteadyTerms", lambda scheduled: SteadyTerms(
+        scheduled=scheduled, cross=Ranges(eng.enc.copy(), np.ones(6, np.uint32))))
+    pool.commit(eng.plan(spec, write=True)).prepare()
+    pattern = []
+    for i in range(9):
+        eng.kv = eng.kv + 1
+        if i % 3 == 2:
+            order = np.roll(np.arange(6), int(rng.integers(1, 6)))
+            eng.rows, eng.enc, eng.kv, eng.pages = eng.rows[order], eng.enc[order], eng.kv[order], [eng.pages[j] for j in order]
+        pattern.append(steady_step(pool, eng.plan(spec), (f"seed {seed}", i)))
+    assert pattern == [0, 1, 0, 1, 1, 0, 1, 1, 0], (f"seed {seed}", pattern)

@@ -311,3 +311,35 @@ def test_append_of_a_few_rows_equals_the_vectorized_append(monkeypatch):
             for t in tables:
                 t.release(r)
     assert kinds == {"ok", *WHY}, (seed, kinds)  # (successes and every kind of failure)
+
+
+def test_pending_in_on_sets_equals_it_on_numpy(monkeypatch):
+    """PageTable.pending_in over at most SHORT_SCAN touched and read rows compares Python sets: on random tables
+    with updates pending (assigns, appends, releases) and random rows read, the same answer as np.isin (SHORT_SCAN
+    0), and the answer itself: some pending entry lies in one of the rows."""
+    from mstar_attn.capture import table as table_module
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=4, num_pages=400)
+    seen = set()
+    for i in range(200):
+        t = table_pool(spec, max_requests=40, width=8).table
+        free = list(rng.permutation(400))
+        t.take_updates()
+        for r in rng.choice(40, int(rng.integers(0, 6)), replace=False).tolist():
+            t.assign(r, [int(free.pop()) for _ in range(int(rng.integers(1, 4)))])
+            if rng.random() < 0.3:
+                t.release(r)
+        pending = t.take_updates()
+        t.restore_updates(pending)
+        touched = set((pending // 8).tolist())
+        rows = rng.choice(40, int(rng.integers(1, 12)), replace=False).astype(np.int32)
+        want = bool(touched & set(rows.tolist()))
+        got = []
+        for short in (table_module.SHORT_SCAN, 0):
+            monkeypatch.setattr(table_module, "SHORT_SCAN", short)
+            got.append(t.pending_in(rows))
+        assert got == [want, want], (f"seed {seed}", i, got, want)
+        seen.add(want)
+    assert seen == {True, False}, seed

@@ -1,6 +1,6 @@
 """ChunkRanges (kernels/_flashinfer_fast.py) on the CPU: its counts are FlashInfer's planners' (written
-out here from scheduler.cuh, request by request), and `holds` says yes exactly when every count is
-the same as at the plan."""
+out here from scheduler.cuh, request by request), and `holds` says yes exactly when every count over the
+plan's rows (padding requests included) is the same as at the plan."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -19,34 +19,56 @@ def flashinfer_counts(kv_lens, page_size: int, chunk_pages: int, cap) -> list[in
     return out
 
 
+def lanes(kv_lens, rows: int, pad_len: int) -> list[int]:
+    """The KV lengths of a plan's `rows` requests: the step's, then padding requests of pad_len tokens."""
+    return [int(k) for k in kv_lens] + [pad_len] * (rows - len(kv_lens))
+
+
 @st.composite
 def cases(draw):
-    ps = draw(st.sampled_from([1, 16, 64]))
+    ps = draw(st.sampled_from([1, 4, 16, 64]))
     cp = draw(st.integers(1, 40))
     cap = draw(st.one_of(st.none(), st.integers(1, 60)))
-    B = draw(st.integers(1, 12))
-    planned = draw(st.lists(st.integers(1, 5000), min_size=B, max_size=B))
-    step = draw(st.lists(st.integers(-200, 200), min_size=B, max_size=B))
-    now = [max(1, a + d) for a, d in zip(planned, step)]
-    return ps, cp, cap, np.array(planned, np.int32), np.array(now, np.int32)
+    rows = draw(st.integers(1, 12))
+    pad_len = draw(st.integers(1, 8))  # (a step's q_len)
+    B = draw(st.integers(1, rows))
+    short = draw(st.booleans())  # (short lengths: most counts 1, as a padding request's)
+    planned = draw(st.lists(st.integers(1, 300 if short else 5000), min_size=B, max_size=B))
+    B2 = draw(st.integers(1, rows))  # (requests left or joined)
+    base = draw(st.permutations(planned + draw(st.lists(st.integers(1, 300 if short else 5000), min_size=rows,
+                                                        max_size=rows))[: max(B2 - B, 0)]))[:B2]
+    step = draw(st.lists(st.integers(-200, 200), min_size=B2, max_size=B2))
+    now = [max(1, a + d) for a, d in zip(base, step)]
+    return ps, cp, cap, rows, pad_len, np.array(planned, np.int32), np.array(now, np.int32)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(cases())
 def test_holds_exactly_when_every_chunk_count_is_the_same(case):
-    ps, cp, cap, planned, now = case
-    r = ChunkRanges(cp, ps, cap)
+    """Over the plan's rows, padding requests included: the step's requests in any order and any number of them
+    (up to the rows), each count the same as at the plan, the rest a padding request's."""
+    ps, cp, cap, rows, pad_len, planned, now = case
+    r = ChunkRanges(cp, ps, cap, rows, pad_len)
     assert r.counts(planned).tolist() == flashinfer_counts(planned, ps, cp, cap)
-    assert not r.holds(planned)  # nothing planned yet
+    assert not r.holds(planned) and r.over(len(planned)) is None  # nothing planned yet
     r.plan(planned)
     assert r.holds(planned)
-    same = flashinfer_counts(now, ps, cp, cap) == flashinfer_counts(planned, ps, cp, cap)
-    assert r.holds(now) == same, (case, r.counts(now), r.counts(planned))
-    assert not r.holds(now[:-1]) if len(now) > 1 else True  # another batch size: planned again
+    want = flashinfer_counts(lanes(now, rows, pad_len), ps, cp, cap) == \
+        flashinfer_counts(lanes(planned, rows, pad_len), ps, cp, cap)
+    assert r.holds(now) == want, (case, r.counts(now), r.counts(planned))
+    ranges = r.over(len(now))
+    assert (ranges is not None and ranges.holds(now)) == want, case  # (what the steady commit checks)
+
+
+def test_more_requests_than_the_plan_has_rows_never_hold():
+    r = ChunkRanges(4, 16, None, 3, 1)
+    r.plan(np.array([5, 6], np.int32))
+    assert r.holds(np.array([5, 6, 1], np.int32)) and not r.holds(np.array([5, 6, 1, 1], np.int32))
+    assert r.over(4) is None and r.over(0) is None
 
 
 def test_a_step_walking_one_token_at_a_time_keeps_the_plan_until_a_count_moves():
-    r = ChunkRanges(4, 16, None)  # 64-token chunks
+    r = ChunkRanges(4, 16, None, 3, 1)  # 64-token chunks
     kv = np.array([60, 100, 130], np.int32)
     r.plan(kv)
     kept = []
