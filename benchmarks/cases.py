@@ -43,3 +43,16 @@ def mixed(decodes: int = 60, prefills: int = 4, prompt: int = 512, seed: int = 0
     pages = rng.permutation(NUM_PAGES)[: indptr[-1]].astype(np.int32)
     return StepBatch.from_csr(q, kv, indptr, pages, PAGE)
 
+
+def device_tag() -> str:
+    """The GPU's short name for result files ("h100", "h200"; else its name in lower case, letters and digits):
+    a run's files name the machine they were measured on."""
+    import re
+
+    import torch
+
+    name = torch.cuda.get_device_name()
+    for tag in ("H100", "H200", "B200", "A100"):
+        if tag in name:
+            return tag.lower()
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")

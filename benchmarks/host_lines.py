@@ -5,10 +5,10 @@ untimed after each step), its steps run under line_profiler over the functions o
 line_profiler is not a dependency: the device carries it (PYTHONPATH). Totals include the profiler's
 own cost per line (~0.1-0.3 µs); read the shares, not the absolute µs.
 With --lists: the StepBatch path instead (host_step's ListEngine over the same requests: StepBatch.from_csr +
-build_plan + commit, its step run by the decode graph; writes host_lines_lists_h100.txt).
+build_plan + commit, its step run by the decode graph; writes host_lines_lists_<device>.txt).
 With --demo MODEL: the demo (python -m mstar_attn demo --model MODEL) under line_profiler over its commit and
-build_plan paths instead (writes host_lines_demo_MODEL_h100.txt).
-Run on the GPU: python -m benchmarks.host_lines OUT_DIR [--demo MODEL]   (writes host_lines_h100.txt)
+build_plan paths instead (writes host_lines_demo_MODEL_<device>.txt).
+Run on the GPU: python -m benchmarks.host_lines OUT_DIR [--demo MODEL]   (writes host_lines_<device>.txt, device: cases.device_tag)
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def demo(out_dir: str, model: str) -> None:
     lp.runcall(run_demo, DemoConfig(model=model), out=sys.stdout)
     text = io.StringIO()
     lp.print_stats(stream=text, output_unit=1e-6, stripzeros=True)
-    open(f"{out_dir}/host_lines_demo_{model}_h100.txt", "w").write(text.getvalue())
+    open(f"{out_dir}/host_lines_demo_{model}_{cases.device_tag()}.txt", "w").write(text.getvalue())
 
 
 def main(out_dir: str, lists: bool = False) -> None:
@@ -108,7 +108,7 @@ def main(out_dir: str, lists: bool = False) -> None:
             torch.cuda.synchronize()
         print(f"===== B={B}", file=text)
         lp.print_stats(stream=text, output_unit=1e-6, stripzeros=True)
-    open(f"{out_dir}/host_lines{'_lists' if lists else ''}_h100.txt", "w").write(text.getvalue())
+    open(f"{out_dir}/host_lines{'_lists' if lists else ''}_{cases.device_tag()}.txt", "w").write(text.getvalue())
     print(text.getvalue()[:6000])
 
 

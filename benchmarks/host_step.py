@@ -21,7 +21,7 @@
     StepRows plan + commit before each replay, walking the same lengths (equal KV read on both arms); beside
     them "same lengths": a plan + commit per step at the middle lengths (the commit's own cost, no walk).
     GPU idle µs and GPU items per step from a profiler trace of each whole arm (the walk's n steps, n replays).
-Run on the GPU: python -m benchmarks.host_step OUT_DIR [a,b,c]   (writes host_step_h100_<parts>.json)
+Run on the GPU: python -m benchmarks.host_step OUT_DIR [a,b,c]   (writes host_step_<device>_<parts>.json, device: cases.device_tag)
 """
 
 from __future__ import annotations
@@ -445,7 +445,7 @@ def main(out_dir: str) -> None:
         results["fixed_schedule"] = part_b(spec_for)
     if "c" in parts:
         results["exposed_host"] = part_c()
-    json.dump(results, open(f"{out_dir}/host_step_h100_{''.join(parts)}.json", "w"), indent=1)
+    json.dump(results, open(f"{out_dir}/host_step_{cases.device_tag()}_{''.join(parts)}.json", "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ class PageTable:
     @property
     def pending(self) -> int:
         """Entries changed on the host and not yet sent to the device (upper bound; repeats counted)."""
-        return sum(p.shape[0] for p in self._pending)
+        return sum(p.shape[0] for p in self._pending) if self._pending else 0
 
     def pending_in(self, rows: np.ndarray) -> bool:
         """Whether an entry changed on the host and not yet sent to the device lies in one of `rows` ([B] int32 host,
