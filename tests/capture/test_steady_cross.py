@@ -154,3 +154,46 @@ def test_a_backend_promise_on_the_encoder_lengths_bounds_steady_commits(monkeypa
             eng.rows, eng.enc, eng.kv, eng.pages = eng.rows[order], eng.enc[order], eng.kv[order], [eng.pages[j] for j in order]
         pattern.append(steady_step(pool, eng.plan(spec), (f"seed {seed}", i)))
     assert pattern == [0, 1, 0, 1, 1, 0, 1, 1, 0], (f"seed {seed}", pattern)
+
+
+def test_a_steady_cross_step_past_the_index_region_is_refused_as_the_general_one_is():
+    """Encoder lengths are no longer the record's, so the steady commit bounds the cross pages itself: after steady
+    steps over short encoders, a step of as many requests reading long ones (more cross pages than a slot's index region
+    holds, each stored by a step of its own) is no steady commit; the general commit refuses it with a PlanError and
+    changes nothing, and the short steps go on."""
+    from mstar_attn import PlanError
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(4, 2, 16, PS, 3000, groups=GROUPS, layer_groups=(0, 1), backend="reference", dtype=torch.float32)
+    pool = pool_of(spec, max_batch_size=8, max_num_tokens=64, max_num_pages=40, device="cpu", buckets=(4,), num_slots=1,
+                   max_requests=64, max_pages_per_request=40, max_encoder_tokens=4000)
+    cap, free = pool.layout.index_capacity, list(rng.permutation(3000).astype(np.int32))
+    short_rows, long_rows = np.arange(4, dtype=np.int32), np.arange(4, 8, dtype=np.int32)
+    short_enc = rng.integers(1, 4 * PS, 4).astype(np.int32)  # (at most 4 pages each)
+    long_enc = np.full(4, (cap // 4 + 1) * PS, np.int32)  # (past the index region together, not alone)
+    for r, n in zip(np.concatenate([short_rows, long_rows]).tolist(), np.concatenate([short_enc, long_enc]).tolist()):
+        pool.cross_table.assign(r, [int(free.pop()) for _ in range(-(-n // PS))])
+    own = [[int(free.pop()) for _ in range(4)] for _ in range(4)]  # (the decoder's pages: 4 a request)
+
+    def plan(rows, enc, kv, write):
+        B = rows.shape[0]
+        lists = [p[: -(-int(k) // PS)] for p, k in zip(own, kv)]
+        return build_plan(StepBatch.from_pages(np.ones(B, np.int32), kv, lists, PS,
+                                               group_pages={1: CrossRows.of(rows, enc, [write] * B)}), spec)
+
+    for r, n in zip(long_rows.tolist(), long_enc.tolist()):  # (each long encoder stored by a step of one request)
+        pool.commit(plan(np.array([r], np.int32), np.array([n], np.int32), np.array([3], np.int32), True)).prepare()
+    kv = rng.integers(2, 8, 4).astype(np.int32)
+    pool.commit(plan(short_rows, short_enc, kv, True)).prepare()
+    steady = []
+    for _ in range(3):
+        kv = kv + 1
+        steady.append(steady_step(pool, plan(short_rows, short_enc, kv, False), (f"seed {seed}", "short")))
+    assert steady[-1] == 1, (f"seed {seed}", steady)
+    s, gens, commits = pool.next_slot, list(pool.generations), pool.steady.commits
+    with pytest.raises(PlanError, match="pages, more than the pool holds"):
+        pool.commit(plan(long_rows, long_enc, kv + 1, False), defer=True)
+    assert (pool.next_slot, list(pool.generations), pool.steady.commits) == (s, gens, commits), seed
+    kv = kv + 1
+    assert steady_step(pool, plan(short_rows, short_enc, kv, False), (f"seed {seed}", "after")) == 1, seed  # (kept)
