@@ -45,14 +45,15 @@ def mixed(decodes: int = 60, prefills: int = 4, prompt: int = 512, seed: int = 0
 
 
 def device_tag() -> str:
-    """The GPU's short name for result files ("h100", "h200"; else its name in lower case, letters and digits):
-    a run's files name the machine they were measured on."""
+    """The GPU's short name for result files: "h100" or "h200" for NVIDIA's H100 and H200 (their SXM, PCIe and NVL
+    parts alike), else its name in lower case, letters and digits ("nvidia_gh200_480gb"): a run's files name the
+    machine they were measured on."""
     import re
 
     import torch
 
     name = torch.cuda.get_device_name()
-    for tag in ("H100", "H200", "B200", "A100"):
-        if tag in name:
+    for tag in ("H100", "H200"):
+        if re.search(rf"(^|[^A-Z]){tag}", name):
             return tag.lower()
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")

@@ -128,6 +128,8 @@ class FastDecodePlan:
 
     def replan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_lens: torch.Tensor) -> None:
         rows = kv_lens.shape[0]
+        if self.chunks is not None:  # (the wrapper's plan changes now: no step holds until `plans` records it)
+            self.chunks.forget()
         if self.tensor_cores:
             info = self.module.plan(*self.head, qo_indptr, kv_indptr, kv_lens, rows * self.q_len, rows, *self.tail)
         else:
@@ -178,6 +180,7 @@ class ChunkRanges:
         self.chunk_pages, self.page_size, self.cap = chunk_pages, page_size, cap
         self.rows, self.pad_len = rows, pad_len
         self.tokens = chunk_pages * page_size
+        self.pad_count = int(self.counts(np.array([pad_len]))[0])  # a padding request's count
         self.ranges: Ranges | None = None  # per request of the rows: the kv_lens of its count (from the last plan)
         self._pad_from: list[bool] = []  # [rows + 1]: whether every request from i on counts as a padding request
         self._over: dict[int, Ranges] = {}  # B -> the ranges of the first B requests (made on first use)
@@ -190,8 +193,11 @@ class ChunkRanges:
         return (np.maximum(pages, 1) + self.chunk_pages - 1) // self.chunk_pages
 
     def plan(self, kv_lens: np.ndarray) -> None:
+        """Record the plan just made for a step whose B requests (1 <= B <= rows) have these KV lengths [B] (int32
+        host), the rest of the rows padding requests."""
         B = kv_lens.shape[0]
         if not 1 <= B <= self.rows:
+            self.forget()
             raise ValueError(f"ChunkRanges.plan: {B} requests in a plan of {self.rows}")
         lanes = np.full(self.rows, self.pad_len, np.int64)
         lanes[:B] = kv_lens
@@ -202,14 +208,19 @@ class ChunkRanges:
             top = c == -(-self.cap // self.chunk_pages)
             span[top] = 2**31 - low[top].astype(np.int64)
         self.ranges = Ranges(low, span.astype(np.uint32))
-        pad = (c == int(self.counts(np.array([self.pad_len]))[0])).tolist() + [True]
-        for i in range(self.rows - 1, -1, -1):
-            pad[i] = pad[i] and pad[i + 1]
-        self._pad_from, self._over = pad, {self.rows: self.ranges}
+        pad = c == self.pad_count
+        # [rows + 1]: whether every request from i on counts as a padding request (a suffix AND, then True past the end)
+        self._pad_from = np.logical_and.accumulate(pad[::-1])[::-1].tolist() + [True]
+        self._over = {self.rows: self.ranges}
+
+    def forget(self) -> None:
+        """No plan recorded: nothing holds until the next `plan`."""
+        self.ranges, self._pad_from, self._over = None, [], {}
 
     def over(self, B: int) -> Ranges | None:
-        """The kv_lens [B] of a step of B requests that the plan serves, as Ranges over them; None when it serves
-        no such step (nothing planned, or a request past the B-th counts otherwise than a padding request)."""
+        """The kv_lens [B] (int32 host) of a step of B requests that the plan serves, as Ranges over them (int32 low,
+        uint32 span); None when it serves no such step (nothing planned, B outside 1..rows, or a request past the
+        B-th counts otherwise than a padding request)."""
         if self.ranges is None or not 1 <= B <= self.rows or not self._pad_from[B]:
             return None
         r = self._over.get(B)
@@ -218,5 +229,6 @@ class ChunkRanges:
         return r
 
     def holds(self, kv_lens: np.ndarray) -> bool:
+        """Whether the recorded plan serves a step whose B requests have these KV lengths [B] (int32 host)."""
         r = self.over(kv_lens.shape[0])
         return r is not None and r.holds(kv_lens)

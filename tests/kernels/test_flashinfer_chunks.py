@@ -133,3 +133,32 @@ def test_graph_workspaces_hold_what_flashinfers_planners_allocate():
                         assert unsplit <= graph_workspace_bytes(rows, q_len, gqa, kv_heads, sms, split=False), \
                             (rows, q_len, gqa, kv_heads, sms, unsplit)
     assert worst > 0.25, worst  # (the bound is not vacuously loose: some shape needs a good part of it)
+
+
+def test_the_padding_requests_counted_are_the_ones_the_pool_stages():
+    """ChunkRanges counts a bucket's padding requests as KV length q_len (FastDecodePlan's pad_len): every group of a
+    bucketed step, as the pool stages it (tests/support/staged.py: what stage_pages writes, and what the device
+    derivation is held equal to in tests/capture/test_derive.py), gives each padding request q_len tokens on
+    ceil(q_len / page_size) pages, for decode and verify steps, window groups included."""
+    from mstar_attn import LayerGroup, StepBatch, build_plan
+    from tests.helpers import fresh_seed, pool_of, spec_for
+    from tests.support.staged import staged_arrays
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    for ps in (1, 4, 16):
+        spec = spec_for(page_size=ps, num_pages=4000, groups=(LayerGroup(), LayerGroup("window", window=7)))
+        pool = pool_of(spec, max_batch_size=16, max_num_tokens=128, max_num_pages=spec.num_pages, device="cpu",
+                       buckets=(8,))
+        for q_len in (1, 2, 4):
+            B = int(rng.integers(1, 8))
+            kv = rng.integers(q_len, 300, B).astype(np.int32)
+            free = iter(rng.permutation(4000).tolist())
+            lists = [[next(free) for _ in range(-(-int(k) // ps))] for k in kv]
+            plan = build_plan(StepBatch.from_pages(np.full(B, q_len, np.int32), kv, lists, ps), spec)
+            r = ChunkRanges(1, ps, None, 8, q_len)
+            for indptr, last, lens, _ in staged_arrays(pool, plan, 8, q_len)["groups"]:
+                label = (f"seed {seed}", ps, q_len, B)
+                assert lens[B:].tolist() == [q_len] * (8 - B), label
+                assert np.diff(indptr)[B:].tolist() == [-(-q_len // ps)] * (8 - B), label
+                assert r.counts(lens[B:]).tolist() == [r.pad_count] * (8 - B), label

@@ -1,5 +1,5 @@
 """FlashInfer split-KV plans kept while every request's KV chunk count holds (FastDecodePlan.holds), on
-the H100: decode steps walking lengths across chunk and page boundaries, replayed, per request
+the GPU: decode steps walking lengths across chunk and page boundaries, replayed, per request
 against the reference; some steps reuse the plan, some plan again; a plan reused past a changed
 count (the negative control) is caught. Committed with defer=True, the steps whose counts hold are
 steady commits (capture/steady.py, PoolState.steady's chunk ranges): the same checks, and a steady
@@ -156,8 +156,9 @@ def test_a_kept_plan_holds_while_other_wrappers_plan_in_its_slot(monkeypatch):
 def _shuffled(seed: int, steps: int, lists: bool, pools: list):
     """Decode `steps` steps over 4 requests of a bucket of 4 (split-KV, MHA: the CUDA-core planner), each step a
     random number of them (1 .. 4) in a random order, each advancing 1 .. 3 tokens: three short ones (one KV chunk
-    each, as a padding request's) and a long one (several chunks), committed deferred as StepRows or as StepBatch
-    steps listing their pages. Yields (the step's requests, plan, the replayed output, the reference's). (No
+    each at first, as a padding request's) and a long one (several chunks), committed deferred as StepRows or as
+    StepBatch steps listing their pages. Yields (the step's slot, its requests, plan, the replayed output, the
+    reference's). (No
     negative control drops the padding requests' counts: a chunk past a request's length is an out-of-bounds read
     in FlashInfer's kernel, not a wrong output.)"""
     rng = np.random.default_rng(seed)
@@ -180,24 +181,85 @@ def _shuffled(seed: int, steps: int, lists: bool, pools: list):
         step = marked(pool.commit(plan, defer=True), cache)
         B = rows.shape[0]
         out = graphs(step, q=q[:B])[:B].clone()
-        yield tuple(rows.tolist()), plan, out, reference.run(step, q[:B].float(), cache)
+        yield step.slot, tuple(rows.tolist()), plan, out, reference.run(step, q[:B].float(), cache)
 
 
 @pytest.mark.parametrize("lists", [False, True], ids=["rows", "lists"])
 def test_a_split_plan_holds_for_other_orders_and_batch_sizes_of_the_same_counts(lists, monkeypatch):
-    """ChunkRanges over the bucket's rows: a step of other requests, in another order or fewer of them, keeps the
-    slot's plan where every request's KV chunk count (a padding request's past the batch) is the plan's; every
-    output per request against the reference; some such steps kept the plan, some planned again."""
+    """ChunkRanges over the bucket's rows: a step of another number of requests (or other requests, in another order)
+    keeps the slot's plan where every request's KV chunk count (a padding request's past the batch) is the plan's;
+    every output per request against the reference; some steps of another batch size than the slot's last kept its
+    plan, some steps planned again."""
     seed = fresh_seed()
     planned, pools, kept = [], [], 0
     replan = _flashinfer_fast.FastDecodePlan.replan
     monkeypatch.setattr(_flashinfer_fast.FastDecodePlan, "replan", lambda self, *a: (planned.append(1), replan(self, *a)))
     last, before = {}, 0  # slot -> the requests of its last step
-    for n, (rows, plan, out, want) in enumerate(_shuffled(seed, 60, lists, pools)):
+    for n, (s, rows, plan, out, want) in enumerate(_shuffled(seed, 80, lists, pools)):
         assert_close_per_request(out, want, plan, torch.bfloat16, f"seed {seed}, step {n}")
-        s = n % 2  # (two slots, taken in turn)
-        if s in last and last[s] != rows and len(planned) == before:  # (other requests or order, the plan kept)
+        if s in last and len(last[s]) != len(rows) and len(planned) == before:  # (another batch size, the plan kept)
             kept += 1
         last[s], before = rows, len(planned)
-    assert kept > 0 and 0 < len(planned) < 60, (f"seed {seed}", kept, len(planned))
+    assert kept > 0 and 0 < len(planned) < 80, (f"seed {seed}", kept, len(planned))
 
+
+
+def test_encoder_decoder_steps_in_another_order_stay_steady_where_the_encoder_chunk_counts_hold():
+    """A split bucket of encoder-decoder decode steps (a self group and a cross group of cross-table rows, MHA: the
+    CUDA-core planner): two short encoders (one KV chunk each) and two long ones of different chunk counts, each step
+    the four requests in one of three orders (as stored, the short ones swapped, the long ones swapped), committed
+    deferred and replayed. A steady commit takes a step whose encoder lengths differ from its slot's record wherever
+    every position's chunk count is the record's (PoolState.steady's SteadyTerms.cross), and never otherwise; the long
+    ones swapped take the general commit, which plans again; both groups' outputs per request against the reference."""
+    import attrs
+
+    from mstar_attn import CrossRows
+    from tests.support.cross_pages import GROUPS
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec(8, 8, 128, 16, 2000, groups=GROUPS, layer_groups=(0, 1))
+    caches = [attrs.evolve(random_cache(spec, seed + g), group=g) for g in range(2)]
+    pool = GraphBufferPool(spec, PoolLimits(max_batch_size=4, max_num_tokens=64, max_num_pages=spec.num_pages, buckets=(4,),
+                                            max_requests=16, max_pages_per_request=128, max_encoder_tokens=4000))
+
+    def layers(step, x):
+        marked(step, *caches)  # (random K/V already at every slot, the encoders' too)
+        return torch.stack([fi.run(step, x["q"], caches[g], group=g) for g in range(2)], dim=1)
+
+    graphs = DecodeGraphs(pool, layers, {"q": torch.zeros(4, 8, 128, device="cuda", dtype=torch.bfloat16)})
+    graphs.capture()
+    free = iter(rng.permutation(2000).tolist())
+    enc = np.array([rng.integers(20, 120), rng.integers(20, 120), rng.integers(300, 380), rng.integers(560, 700)], np.int32)
+    for r in range(4):
+        pool.cross_table.assign(r, [int(next(free)) for _ in range(-(-int(enc[r]) // 16))])
+    own = [[int(next(free)) for _ in range(12)] for _ in range(4)]  # (the decoder's pages: 192 tokens a request)
+    kv = rng.integers(20, 70, 4).astype(np.int32)  # (the self group: one chunk each throughout)
+    chunks = lambda order: tuple(-(-enc[order] // 128))  # noqa: E731  (the cross group's counts: 128-token chunks)
+
+    def plan(order, write=False):
+        return build_plan(StepBatch.from_pages(np.ones(4, np.int32), kv[order], [own[i][: -(-int(kv[i]) // 16)] for i in order],
+                                               16, group_pages={1: CrossRows.of(order, enc[order], [write] * 4)}), spec)
+
+    marked(pool.commit(plan(np.arange(4, dtype=np.int32), write=True)), *caches)  # (stores the encoders: staged)
+    orders = [np.array(o, np.int32) for o in ([0, 1, 2, 3], [1, 0, 2, 3], [0, 1, 3, 2])]
+    record, moved, refused = {}, 0, 0  # slot -> the order of its last general commit
+    q = torch.randn(4, 8, 128, device="cuda", dtype=torch.bfloat16)
+    for n in range(48):
+        kv += 1
+        order = orders[int(rng.choice(3, p=[0.4, 0.4, 0.2]))]
+        p, commits, s = plan(order), pool.steady.commits, pool.next_slot
+        kept = pool.steady.records[s] is not None  # (the slot has a steady record)
+        step = pool.commit(p, defer=True)
+        assert step.slot == s, (f"seed {seed}", n)
+        out = graphs(step, q=q)[:4].clone()
+        for g in range(2):
+            want = reference.run(step, q.float(), caches[g], group=g)
+            assert_close_per_request(out[:, g], want, p, torch.bfloat16, (f"seed {seed}", n, g))
+        if pool.steady.commits - commits:
+            assert chunks(order) == chunks(record[s]), (f"seed {seed}", n, order, record[s])  # (the promise held)
+            moved += not np.array_equal(enc[order], enc[record[s]])
+        else:
+            refused += kept and chunks(order) != chunks(record[s])
+            record[s] = order
+    assert moved > 0 and refused > 0, (f"seed {seed}", moved, refused)
