@@ -250,7 +250,7 @@ def test_encoder_decoder_steps_in_another_order_stay_steady_where_the_encoder_ch
         order = orders[int(rng.choice(3, p=[0.4, 0.4, 0.2]))]
         p, commits, s = plan(order), pool.steady.commits, pool.next_slot
         kept = pool.steady.records[s] is not None  # (the slot has a steady record)
-        step = pool.commit(p, defer=True)
+        step = marked(pool.commit(p, defer=True), *caches)
         assert step.slot == s, (f"seed {seed}", n)
         out = graphs(step, q=q)[:4].clone()
         for g in range(2):
