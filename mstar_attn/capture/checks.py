@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mstar_attn.capture.stage import listed_entries
+from mstar_attn.capture.stage import listed_fits
 from mstar_attn.metadata.errors import PlanError
 from mstar_attn.metadata.plan import AttentionPlan, Mode
 
@@ -48,8 +48,7 @@ def validate(pool: PoolView, plan: AttentionPlan, draft_ok: bool = False) -> int
     pad = (bucket - plan.batch_size) * -(-plan.max_q_len // ps) if bucket else 0
     if plan.rows is not None and plan.batch_size * -(-plan.max_kv_len // ps) + pad <= L.index_capacity:
         return bucket  # (no group reads more pages than every request reading its longest: no lazy arrays derived)
-    if plan.rows is None and plan.lazy and listed_entries(plan, bucket or plan.batch_size) <= L.index_capacity and (
-            (x := plan.lazy_cross) is None or x.kv_indptr[-1] + pad <= L.index_capacity):
+    if plan.rows is None and plan.lazy and listed_fits(plan, bucket or plan.batch_size, L.index_capacity):
         return bucket  # (a lazy plan that lists its pages: no group reads more than its list or its cross rows, none stores)
     for g, gp in enumerate(plan.groups):
         if gp.stored > pool.max_encoder_tokens:

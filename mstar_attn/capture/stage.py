@@ -102,6 +102,14 @@ def listed_entries(plan: AttentionPlan, rows: int) -> int:
     return plan.kv_indices.shape[0] + rows - plan.batch_size
 
 
+def listed_fits(plan: AttentionPlan, rows: int, capacity: int) -> bool:
+    """Whether a lazy listed decode plan (AttentionPlan.lists_decode) padded to `rows` fits a slot's index region of
+    `capacity` entries: its lists (listed_entries) and a cross group's pages of cross-table rows (lazy_cross), each
+    with one page per padding request. What checks.validate asks of such a plan, and a steady commit of it again."""
+    pad, x = rows - plan.batch_size, plan.lazy_cross
+    return plan.kv_indices.shape[0] + pad <= capacity and (x is None or x.kv_indptr[-1] + pad <= capacity)
+
+
 def stage_listed(h: np.ndarray, plan: AttentionPlan, offsets: Offsets, rows: int, q_len: int, scratch_page: int) -> int:
     """Write a bucketed StepBatch decode step whose groups read the shared list (derive.listed_step) into a slot's
     staging h: its KV lengths (padding requests: q_len) in the head, and its exact page lists [n], request after

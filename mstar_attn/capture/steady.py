@@ -45,7 +45,7 @@ import numpy as np
 
 from mstar_attn.capture import cross
 from mstar_attn.capture.lease import FENCE_MASK
-from mstar_attn.capture.stage import listed_entries, stage_listed, stage_updates
+from mstar_attn.capture.stage import listed_fits, stage_listed, stage_updates
 from mstar_attn.capture.step import DeviceStep
 from mstar_attn.metadata._arrays import INT32_MAX, SHORT, Ranges
 from mstar_attn.metadata.errors import PlanError
@@ -238,16 +238,16 @@ class SteadySlots:
 
     def _commit_lists(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep | None:
         """commit for a slot whose record is of a listed step: the next listed step (decode_lists) of the same
-        spec and backend, as many requests (its pages within the slot's index region), each length in the record's
-        ranges, a cross group's encoder lengths in the record's cross ranges, its pages within the slot's index region
-        and its rows holding them (cross.check; no update pending in them): its lengths and lists staged (stage_listed;
+        spec and backend, as many requests (its pages, and a cross group's, within the slot's index region: listed_fits),
+        each length in the record's ranges, a cross group's encoder lengths in the record's cross ranges and its rows
+        holding them (cross.check; no update pending in them): its lengths and lists staged (stage_listed;
         cross.stage_derived), the fence, the work deferred. The requests may come in another order than the record's
         (an engine's batch order is free) wherever the ranges hold."""
         kv, x, R = plan.kv_lens, plan.lazy_cross, b.shape.padded_batch_size
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and decode_lists(plan)
-                and listed_entries(plan, R) <= self.capacity and not any(self.work.pending)
+                and listed_fits(plan, R, self.capacity) and not any(self.work.pending)
                 and self.stream_key() == b.stream_key and self.ranges[s][1].holds(kv)
-                and (not b.cross if x is None else b.cross and self._cross_ok(plan, b, R))
+                and (not b.cross if x is None else b.cross and self._cross_ok(plan, b))
                 and self.leases.take(s, b.stream)):
             return None
         stage_listed(self.host_np[s], plan, b.offsets, R, 1, plan.spec.scratch_page)
@@ -255,15 +255,12 @@ class SteadySlots:
             cross.stage_derived(self.host_np[s], plan, plan.spec.own_page_groups[0], b.offsets, R, 1, self.cross_table.scratch_row)
         return self._deferred(plan, s, b)
 
-    def _cross_ok(self, plan: AttentionPlan, b: Steady, R: int) -> bool:
-        """Whether a listed step's cross group has encoder lengths in b's cross ranges, its pages (and one for each of
-        the R - B padding requests) within the slot's index region (checks.validate's bound), is one the general commit
+    def _cross_ok(self, plan: AttentionPlan, b: Steady) -> bool:
+        """Whether a listed step's cross group has encoder lengths in b's cross ranges, is one the general commit
         derives (cross.derivable: no update pending in its rows, nothing stored) and its rows hold what it reads
         (cross.check): else the general commit decides, and names what is wrong."""
         x, g = plan.lazy_cross, plan.spec.own_page_groups[0]
         if b.cross_ranges is not None and not b.cross_ranges.holds(x.kv_lens):
-            return False
-        if x.kv_indptr[-1] + R - plan.batch_size > self.capacity:
             return False
         if self.cross_table is None or not cross.derivable(plan, g, self.cross_table, None):
             return False
