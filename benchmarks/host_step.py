@@ -155,6 +155,7 @@ def host_us(fn, n=400, warmup=40, sync_every=50, after=None) -> list[float]:
         out.append((time.perf_counter() - t0) * 1e6)
         if after is not None:
             after(r)
+        r = None  # (its objects freed here, untimed: never inside the next call's timing)
         if i % sync_every == 0:
             torch.cuda.synchronize()
     return out
@@ -178,6 +179,7 @@ def interleaved(arms: dict, n=1200, warmup=40, sync_every=50) -> dict[str, list[
             r = fn()
             out[name].append((time.perf_counter() - t0) * 1e6)
             after(r)
+            r = None  # (its objects freed here, untimed: never inside the next arm's timing)
         if i % sync_every == 0:
             torch.cuda.synchronize()
     return out

@@ -81,12 +81,13 @@ class CommitGraphs:
             capture_into(graph, self.memory, work)
             self.graphs[key], self.works[key] = graph, work
 
-    def defer(self, slot: int, generation: int, key: tuple, make: Callable[[], Callable[[], None]], stream) -> None:
-        """Leave the work of slot's commit `generation` (a bucketed key; make() returns it: called unless
-        the key's graph is captured already) for the step's first use, on `stream` (the commit's; None
-        on the CPU)."""
+    def defer(self, slot: int, generation: int, key: tuple, make: Callable[[object], Callable[[], None]], step,
+              stream) -> None:
+        """Leave the work of slot's commit `generation` (a bucketed key; make(step) returns it, for the DeviceStep
+        `step`: called unless the key's graph is captured already) for the step's first use, on `stream` (the
+        commit's; None on the CPU)."""
         if key not in self.graphs:  # (on the CPU, or until captured: the latest step's own work runs)
-            self.works[key] = make()
+            self.works[key] = make(step)
         self.pending[slot] = Pending(generation, key, stream)
 
     def drop(self, slot: int) -> None:

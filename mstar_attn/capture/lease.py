@@ -125,9 +125,13 @@ class SlotLeases:
         for c in self.consumers:
             if c is not None and c is not on and c != on:
                 return False
-        self.free(s)
-        self.consumers[s] = on
-        self.record(s, on, on is not None)
+        if not (self.fenced[s] and self.fence_ints[4 * s] == self.generations[s] & FENCE_MASK):
+            self.free(s)  # (else free would return at once: the fence proves the last commit's copies ran)
+        self.consumers[s] = self.streams[s] = on
+        if on is None:  # (a CPU pool: record's event; on CUDA the commit's fence proves it)
+            self.record(s, on, False)
+        else:
+            self.fenced[s] = True
         return True
 
     def event_of(self, s: int):

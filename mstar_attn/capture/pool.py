@@ -151,11 +151,10 @@ class GraphBufferPool(SizedBounds):
         nodes, a first run / write_kv or the next commit launches it (on the commit's stream). A graph of the caller's
         own never launches it: call step.prepare() before capturing one.
         """
-        if defer and stream is None and slot is None and (step := self.steady.commit(plan, self.next_slot)):
-            self.next_slot = (step.slot + 1) % len(self.host)  # (a steady decode step: steady.py; its deferred copy)
-            rec = self.steady.records[step.slot]  # (and a listed step's lists, padding included)
-            self.last_commit_bytes = (rec.offsets.draft + (0 if rec.rows is not None else listed_entries(plan, step.padded_batch_size))) * 4
-            self.bytes_to_device += self.last_commit_bytes
+        if defer and stream is None and slot is None and (step := self.steady.commit(plan, s := self.next_slot)):
+            self.next_slot = (s + 1) % len(self.host)  # (a steady decode step: steady.py; its deferred copy's bytes)
+            self.last_commit_bytes = n = self.steady.last_bytes
+            self.bytes_to_device += n
             return step
         bucket = checks.validate(self.view, plan)  # the plan's bucket (None: unpadded)
         if stream is not None:
@@ -303,7 +302,7 @@ class GraphBufferPool(SizedBounds):
                 fenced = side is None and self.unstaged[s] == generation and self.last_commit_bytes == sent
                 if defer and fenced:  # (the work left for the step's first use: see commit)
                     key, work = derive.work_key(step, True), lambda st: self._work(st, state, offsets, True)
-                    self.device_work.defer(s, generation, key, lambda: work(step), on)
+                    self.device_work.defer(s, generation, key, work, step, on)
                     self.last_commit_bytes += (offsets.draft + paged) * 4
                     if (decode_rows(plan) or decode_lists(plan)) and (
                             terms := SteadyTerms(scheduled=()) if state is None else state.steady(step)):

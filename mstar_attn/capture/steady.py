@@ -161,6 +161,7 @@ class SteadySlots:
         self.stream_key = (lambda: None) if current is None else (current if current.ident is None else
                                                                   functools.partial(current.ident, current.index))
         self.commits = 0
+        self.last_bytes = 0  # bytes the last steady commit left to copy to the device (its head, a listed step's lists)
 
     def memory(self) -> dict[str, tuple[int, int]]:
         """No device or pinned bytes: the records are pageable host memory (host_bytes())."""
@@ -230,11 +231,12 @@ class SteadySlots:
             return None
         offsets, h = b.offsets, self.host_np[s]
         h[offsets.kv_lens : offsets.kv_lens + kv.shape[0]] = kv
-        updates, head = table.take_updates(), self.heads[s]
-        if updates.shape[0] or not head.clean:  # (the device work applies the staged updates before it reads the table)
+        head = self.heads[s]
+        if table.pending or not head.clean:  # (the device work applies the staged updates before it reads the table)
+            updates = table.take_updates()
             stage_updates(h, offsets, updates, table)  # (all of them: their count was checked above)
             head.clean = not updates.shape[0]
-        return self._deferred(plan, s, b)
+        return self._deferred(plan, s, b, offsets.draft)
 
     def _commit_lists(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep | None:
         """commit for a slot whose record is of a listed step: the next listed step (decode_lists) of the same
@@ -250,10 +252,10 @@ class SteadySlots:
                 and (not b.cross if x is None else b.cross and self._cross_ok(plan, b))
                 and self.leases.take(s, b.stream)):
             return None
-        stage_listed(self.host_np[s], plan, b.offsets, R, 1, plan.spec.scratch_page)
+        listed = stage_listed(self.host_np[s], plan, b.offsets, R, 1, plan.spec.scratch_page)
         if x is not None:
             cross.stage_derived(self.host_np[s], plan, plan.spec.own_page_groups[0], b.offsets, R, 1, self.cross_table.scratch_row)
-        return self._deferred(plan, s, b)
+        return self._deferred(plan, s, b, b.offsets.draft + listed)
 
     def _cross_ok(self, plan: AttentionPlan, b: Steady) -> bool:
         """Whether a listed step's cross group has encoder lengths in b's cross ranges, is one the general commit
@@ -270,14 +272,16 @@ class SteadySlots:
             return False
         return True
 
-    def _deferred(self, plan: AttentionPlan, s: int, b: Steady) -> DeviceStep:
-        """The end of a steady commit into slot s, its arrays staged: the fence and the slot's next generation, the
-        step (b's shape and schedule) and its device work deferred on b's stream."""
+    def _deferred(self, plan: AttentionPlan, s: int, b: Steady, staged: int) -> DeviceStep:
+        """The end of a steady commit into slot s, its arrays staged (the first `staged` int32 cells of its staging
+        are what its device work copies): the fence and the slot's next generation, the step (b's shape and schedule)
+        and its device work deferred on b's stream."""
         generations = self.leases.generations
         generation = generations[s] + 1
         self.host_ints[s][b.offsets.fence] = generation & FENCE_MASK
         generations[s] = self.unstaged[s] = generation
         step = DeviceStep.made(plan, b.shape, generation, self.slots, None, b.scheduled)
-        self.work.defer(s, generation, b.work_key, lambda: b.work(step), b.stream)
+        self.work.defer(s, generation, b.work_key, b.work, step, b.stream)
         self.commits += 1
+        self.last_bytes = staged * 4
         return step

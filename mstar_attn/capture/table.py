@@ -77,7 +77,8 @@ class PageTable:
         self.counts = np.zeros(self.max_requests + 1, np.int32)
         self.stored = np.zeros(self.max_requests + 1, np.int32)  # a cross table's rows: encoder tokens stored (0: none)
         self.owner = np.full(spec.num_pages + 1, FREE, np.int32)
-        self._pending: list[np.ndarray] = []  # flat positions changed since the last take_updates
+        self._pending: list[np.ndarray] = []  # flat positions changed since the last take_updates (_queue)
+        self.pending = 0  # entries changed on the host and not yet sent to the device (their sum: repeats counted)
         self._stamp = np.zeros(self.max_requests, np.int32)  # check_step's distinct-rows check (a row past it: IndexError)
         self._arange = np.arange(self.max_requests + 1, dtype=np.int32)
         self.checked_rows = b""  # the rows (bytes) of the last step check_step passed: distinct table rows
@@ -89,10 +90,11 @@ class PageTable:
         self.changes = 0  # assign, append and release calls that changed a row so far (a steady commit's record: steady.py)
         self.reshapes = 0  # of those, the assign and release calls: what a steady commit cannot absorb (appends it can)
 
-    @property
-    def pending(self) -> int:
-        """Entries changed on the host and not yet sent to the device (upper bound; repeats counted)."""
-        return sum(p.shape[0] for p in self._pending) if self._pending else 0
+    def _queue(self, positions: np.ndarray) -> None:
+        """Note flat positions changed on the host (int32 [n]) for the next take_updates."""
+        if positions.shape[0]:
+            self._pending.append(positions)
+            self.pending += positions.shape[0]
 
     def pending_in(self, rows: np.ndarray) -> bool:
         """Whether an entry changed on the host and not yet sent to the device lies in one of `rows` ([B] int32 host,
@@ -141,7 +143,7 @@ class PageTable:
         if shared:  # (a decode step writes past the last shared page only)
             self.low[row] = (c + n) * self.spec.page_size + 1
         self._held(row)
-        self._pending.append(np.arange(row * self.width + c, row * self.width + c + n, dtype=np.int32))
+        self._queue(np.arange(row * self.width + c, row * self.width + c + n, dtype=np.int32))
 
     def append(self, rows, pages) -> None:
         """Give each row rows[i] one more page, pages[i], held alone (decode growth: one call per step
@@ -173,7 +175,7 @@ class PageTable:
             self.span[r] += self.spec.page_size
         self._ranges = (b"", None)
         self.changes += 1
-        self._pending.append(pos)
+        self._queue(pos)
 
     def _append_check(self, rows: list, pages: list) -> list:
         """PlanError naming the first thing wrong with giving rows[i] page pages[i] (Python ints), in this order: a
@@ -226,7 +228,7 @@ class PageTable:
         self.low[row] = min(int(self.low[row]), keep * self.spec.page_size + 1)
         self._held(row)
         self.stored[row] = min(int(self.stored[row]), keep * self.spec.page_size)
-        self._pending.append(np.arange(row * self.width + keep, row * self.width + c, dtype=np.int32))
+        self._queue(np.arange(row * self.width + keep, row * self.width + c, dtype=np.int32))
         return p
 
     def _held(self, row: int) -> None:
@@ -261,7 +263,7 @@ class PageTable:
         if not self._pending:
             return NO_UPDATES
         pos = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
-        self._pending = []
+        self._pending, self.pending = [], 0
         return pos
 
     def send(self, positions: np.ndarray) -> int:
@@ -275,6 +277,7 @@ class PageTable:
         """Put back positions take_updates returned (a commit that failed before sending them)."""
         if positions.shape[0]:
             self._pending.insert(0, positions)
+            self.pending += positions.shape[0]
 
     def check_step(self, plan: AttentionPlan, slots: bool = True) -> np.ndarray | None:
         """PlanError unless `plan`'s rows are distinct table rows, each holding the pages its kv_len

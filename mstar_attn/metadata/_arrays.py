@@ -24,6 +24,21 @@ def is_int32(value, ndim: int) -> bool:
     return type(value) is np.ndarray and value.dtype is INT32 and value.ndim == ndim
 
 
+# numpy's concatenate without its __array_function__ dispatch (exact ndarrays only, as packed_int32 passes it)
+_CONCATENATE = getattr(np.concatenate, "__wrapped__", np.concatenate)
+
+
+def packed_int32(arrays: tuple) -> np.ndarray | None:
+    """One read-only int32 copy of `arrays` back to back (their views are what int_array makes of each: the per-step
+    path's one copy), when each is a numpy array of native int32 and rank 1 (is_int32); else None."""
+    for a in arrays:
+        if type(a) is not np.ndarray or a.dtype is not INT32 or a.ndim != 1:
+            return None
+    packed = _CONCATENATE(arrays)
+    packed.setflags(write=False)
+    return packed
+
+
 def int_array(name: str, value, ndim: int, request: int | None = None) -> np.ndarray:
     """A read-only int32 copy of `value` (a list or numpy array of integers of rank `ndim`), or PlanError.
     request: the request the whole array belongs to (one request's page list), named in errors;

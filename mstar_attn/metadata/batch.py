@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from mstar_attn.metadata._arrays import INT32_MAX, array_field, int_array, is_int32, optional_array_field, positive_int
+from mstar_attn.metadata._arrays import INT32_MAX, array_field, int_array, optional_array_field, packed_int32, positive_int
 from mstar_attn.metadata.errors import PlanError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the batch sizes a pool pads decode / verify steps to by default
@@ -182,9 +182,9 @@ class StepBatch:
 
     @classmethod
     def from_csr(cls, q_lens, kv_lens, page_indptr, page_indices, page_size: int, group_pages=None) -> StepBatch:
-        if type(page_size) is int and 0 < page_size <= INT32_MAX \
-                and is_int32(q_lens, 1) and is_int32(kv_lens, 1) and is_int32(page_indptr, 1) and is_int32(page_indices, 1):
-            return _pack(cls, (q_lens, kv_lens, page_indptr, page_indices), page_size, group_pages)
+        if type(page_size) is int and 0 < page_size <= INT32_MAX and (
+                packed := packed_int32(arrays := (q_lens, kv_lens, page_indptr, page_indices))) is not None:
+            return _pack(cls, packed, arrays, page_size, group_pages)
         return cls(q_lens, kv_lens, page_indptr, page_indices, page_size, None, group_pages)
 
     @classmethod
@@ -220,12 +220,11 @@ class StepBatch:
         return next((p for g, p in self.group_pages if g == group), None)
 
 
-def _pack(cls, arrays: tuple, page_size: int, group_pages) -> StepBatch:
+def _pack(cls, packed: np.ndarray, arrays: tuple, page_size: int, group_pages) -> StepBatch:
     """A StepBatch of four int32 vectors (q_lens, kv_lens, page_indptr, page_indices), field for field what the
-    constructor makes of them, in one copy: read-only views of one read-only array (the per-step path of an engine
-    that lists its pages: numpy's fixed cost per call is most of what small arrays cost)."""
-    packed = np.concatenate(arrays)
-    packed.flags.writeable = False
+    constructor makes of them, from `packed`, their one copy (packed_int32): read-only views of one read-only array
+    (the per-step path of an engine that lists its pages: numpy's fixed cost per call is most of what small arrays
+    cost)."""
     batch, at = object.__new__(cls), 0
     for name, a in zip(("q_lens", "kv_lens", "page_indptr", "page_indices"), arrays):
         object.__setattr__(batch, name, packed[at : at + a.shape[0]])
@@ -265,11 +264,10 @@ class StepRows:
         """A decode step: one new token per request."""
         # read-only copies, as the fields' converters make, in their order (rows first: the same error when both are
         # wrong); set without converting again; int32 input: views of one copy (packed)
-        packed = None
-        if is_int32(rows, 1) and is_int32(kv_lens, 1):
-            packed = np.concatenate((rows, kv_lens))
-            packed.flags.writeable = False
-            rows, kv = packed[: rows.shape[0]], packed[rows.shape[0] :]
+        packed = packed_int32((rows, kv_lens))
+        if packed is not None:
+            B = rows.shape[0]
+            rows, kv = packed[:B], packed[B:]
         else:
             rows, kv = int_array("rows", rows, 1), int_array("kv_lens", kv_lens, 1)
         step = object.__new__(cls)

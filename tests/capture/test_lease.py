@@ -89,3 +89,27 @@ def test_a_fenced_step_waited_for_gets_its_event_on_the_commits_stream():
     assert ev is leases.ready[0] and ev.recorded == [stream] and not leases.fenced[0]
     leases.record(1, stream, False)  # an event-proven commit records at once
     assert leases.ready[1].recorded == [stream]
+
+
+def test_take_claims_a_fenced_slot_as_free_and_record_would():
+    """A steady commit's lease (take) on a stream: a reached fence frees the slot at once, and the slot is claimed
+    fenced on that stream (no event); a fence not reached yet is waited for (polled, then the stream synchronized);
+    a CPU lease (no stream) records its event; a slot whose step runs on another stream is refused, nothing changed."""
+    leases = SlotLeases(2, cuda=False)
+    leases.ready = [FakeEvent(), FakeEvent()]
+    stream = FakeStream(leases, 0, None)
+    value = _commit(leases, 0, stream)
+    leases.fence_np[0] = value  # (the graph ran)
+    assert leases.take(0, stream)
+    assert leases.stalls == 0 and leases.fenced[0] and leases.streams[0] is stream and leases.consumers[0] is stream
+    assert leases.ready[0].recorded == []
+    leases.generations[0] += 1  # (the steady commit's next generation, its fence not written back yet)
+    stream.value = leases.generations[0] & FENCE_MASK
+    assert leases.take(0, stream) and leases.stalls == 1 and stream.synced == 1  # waited for, as free does
+    other = FakeStream(leases, 1, None)
+    before = (list(leases.fenced), list(leases.streams), list(leases.consumers))
+    assert not leases.take(1, other)  # (slot 0's step runs on `stream`)
+    assert (list(leases.fenced), list(leases.streams), list(leases.consumers)) == before
+    cpu = SlotLeases(1, cuda=False)
+    cpu.ready = [FakeEvent()]
+    assert cpu.take(0, None) and cpu.ready[0].recorded == [None] and not cpu.fenced[0]

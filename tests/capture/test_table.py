@@ -343,3 +343,40 @@ def test_pending_in_on_sets_equals_it_on_numpy(monkeypatch):
         assert got == [want, want], (f"seed {seed}", i, got, want)
         seen.add(want)
     assert seen == {True, False}, seed
+
+
+def test_pending_counts_the_updates_take_updates_returns():
+    """PageTable.pending, kept as the table changes: after random assigns, appends, releases, takes and restores,
+    the number of positions take_updates returns (repeats counted), 0 right after a take."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec = spec_for(page_size=4, num_pages=400)
+    t = table_pool(spec, max_requests=40, width=8).table
+    free, held, kinds = list(rng.permutation(400)), {}, set()
+    for i in range(400):
+        op = int(rng.integers(0, 5))
+        r = int(rng.integers(0, 40))
+        if op == 0 and r not in held:
+            held[r] = int(rng.integers(1, 4))
+            t.assign(r, [int(free.pop()) for _ in range(held[r])])
+        elif op == 1 and held:
+            rows = sorted(x for x in held if held[x] < 8)[:3]
+            if rows:
+                t.append(np.array(rows, np.int32), [int(free.pop()) for _ in rows])
+                for x in rows:
+                    held[x] += 1
+        elif op == 2 and r in held:
+            free += [int(p) for p in t.pages(r)]
+            t.release(r)
+            del held[r]
+        elif op == 3:
+            assert t.take_updates().shape[0] >= 0 and t.pending == 0, (f"seed {seed}", i)
+        else:
+            taken = t.take_updates()
+            t.restore_updates(taken)
+        kinds.add(op)
+        taken = t.take_updates()
+        assert t.pending == 0, (f"seed {seed}", i)
+        t.restore_updates(taken)
+        assert t.pending == taken.shape[0], (f"seed {seed}", i, t.pending, taken.shape[0])
+    assert kinds == {0, 1, 2, 3, 4}, seed

@@ -1,10 +1,12 @@
 """metadata/_arrays.py: the per-request range check both of its branches (Python lists up to SHORT_CHECK requests,
-numpy past) against its definition in int64, on seeded random ranges and values."""
+numpy past) against its definition in int64, on seeded random ranges and values; the per-step path's one copy of
+int32 vectors (packed_int32)."""
 
 import numpy as np
 import pytest
 
-from mstar_attn.metadata._arrays import SHORT_CHECK, Ranges
+from mstar_attn.metadata._arrays import SHORT_CHECK, Ranges, packed_int32
+from tests.helpers import fresh_seed
 
 
 @pytest.mark.parametrize("B", [1, 2, SHORT_CHECK - 1, SHORT_CHECK, SHORT_CHECK + 1, 3 * SHORT_CHECK])
@@ -33,3 +35,20 @@ def test_ranges_refuse_another_number_of_values():
     r = Ranges(np.array([1, 5], np.int32), np.array([10, 10], np.uint32))
     assert r.holds(np.array([3, 6], np.int32))
     assert not r.holds(np.array([3], np.int32)) and not r.holds(np.array([3, 6, 7], np.int32))
+
+
+def test_packed_int32_is_one_read_only_copy_of_native_int32_vectors():
+    """packed_int32: native int32 vectors back to back in one read-only copy (later writes to the inputs do not
+    reach it); None for anything else (another dtype or byte order, a list, another rank), which int_array checks."""
+    rng = np.random.default_rng(seed := fresh_seed())
+    for _ in range(50):
+        arrays = tuple(rng.integers(-2**31, 2**31 - 1, int(rng.integers(0, 9))).astype(np.int32) for _ in range(int(rng.integers(1, 5))))
+        packed = packed_int32(arrays)
+        want = np.concatenate(arrays)
+        assert packed.dtype == np.int32 and not packed.flags.writeable and np.array_equal(packed, want), seed
+        for a in arrays:
+            a += 1
+        assert np.array_equal(packed, want), seed
+    a = np.arange(4, dtype=np.int32)
+    for other in (a.astype(np.int64), a.tolist(), a.reshape(2, 2), a.astype(">i4"), a.astype(np.uint32)):
+        assert packed_int32((a, other)) is None and packed_int32((other,)) is None, type(other)
