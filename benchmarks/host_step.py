@@ -203,12 +203,12 @@ def spread(xs):
     return float(q[1] - q[0])
 
 
-def part_a(spec, ws) -> list[dict]:
+def part_a(spec, ws, batches=(1, 8, 64, 256)) -> list[dict]:
     rows = []
     cache = PagedKVCache.allocate(spec, "cuda")
     for t in (cache.k, cache.v):
         t.normal_()
-    for B in (1, 8, 64, 256):
+    for B in batches:
         pool = table_pool(spec, buckets=(bucket_of(B),))
         eng = Engine(pool, B, 2048, seed=B)
         lean_pool = table_pool(spec, buckets=(bucket_of(B),))
