@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.host_step import host_us, spread
+from benchmarks.timing import host_us, spread
 from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, StepBatch, build_plan
 from mstar_attn.capture.graphs import DecodeGraphs, RoundGraphs
 from mstar_attn.capture.pool import GraphBufferPool

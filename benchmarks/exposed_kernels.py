@@ -3,7 +3,7 @@
 Per B = 1, 8 (512 tokens) and 64, 256 (2,048 tokens), the part (c) loop (a 32-layer decode graph; the with-step
 arm runs StepRows.decode + build_plan + commit(defer=True) before each DecodeGraphs call, walking the lengths
 start + 1 .. start + n; the replay-only arm calls DecodeGraphs n times on one step committed at the walk's
-middle lengths), each arm traced whole (host_step.gpu_trace): span, busy and idle µs per step, and per GPU
+middle lengths), each arm traced whole (timing.gpu_trace): span, busy and idle µs per step, and per GPU
 item kind the difference with-step minus replay-only (count and µs per step).
 At B = 1 and 8 also wall-clock µs per step (medians of 7 rounds of n steps, the arms in turn) of:
   replay       the DecodeGraphs call (the input copies, then the decode graph)
@@ -23,7 +23,8 @@ import sys
 
 import torch
 
-from benchmarks.host_step import decode_forward, gpu_trace, per_step_us
+from benchmarks.host_step import decode_forward, per_step_us
+from benchmarks.timing import gpu_trace
 from mstar_attn.capture.graphs import graph_key
 
 N = 200

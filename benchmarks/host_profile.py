@@ -18,7 +18,8 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.host_step import PS, Engine, host_us, one_layer, table_pool
+from benchmarks.host_step import PS, Engine, one_layer, table_pool
+from benchmarks.timing import host_us
 from benchmarks import cases
 from mstar_attn import AttentionSpec, PagedKVCache, PoolLimits, build_plan
 from mstar_attn.capture.pool import FLOAT_WORKSPACE_BYTES, GraphBufferPool

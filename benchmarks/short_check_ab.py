@@ -27,7 +27,8 @@ def main(out_dir: str, short: int, batches: tuple[int, ...]) -> None:
     for r in rows:
         print("SHORT", short, r["batch"], round(r["ratio"], 3), round(r["paired_ratio"], 3), round(r["rows_step_us"], 1),
               round(r["flashinfer_plan_us"], 1), round(r["batch_ratio"], 3), flush=True)
-    json.dump({"short_check": short, "rows": rows}, open(f"{out_dir}/short_check_{short}_{os.getpid()}.json", "w"), indent=1)
+    with open(f"{out_dir}/short_check_{short}_{os.getpid()}.json", "w") as f:
+        json.dump({"short_check": short, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

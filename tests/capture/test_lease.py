@@ -91,10 +91,11 @@ def test_a_fenced_step_waited_for_gets_its_event_on_the_commits_stream():
     assert leases.ready[1].recorded == [stream]
 
 
-def test_take_claims_a_fenced_slot_as_free_and_record_would():
+def test_take_claims_a_fenced_slot_as_free_and_record_would(monkeypatch):
     """A steady commit's lease (take) on a stream: a reached fence frees the slot at once, and the slot is claimed
     fenced on that stream (no event); a fence not reached yet is waited for (polled, then the stream synchronized);
     a CPU lease (no stream) records its event; a slot whose step runs on another stream is refused, nothing changed."""
+    monkeypatch.setattr(lease_mod, "SPIN_SECONDS", 0.001)
     leases = SlotLeases(2, cuda=False)
     leases.ready = [FakeEvent(), FakeEvent()]
     stream = FakeStream(leases, 0, None)
@@ -113,3 +114,30 @@ def test_take_claims_a_fenced_slot_as_free_and_record_would():
     cpu = SlotLeases(1, cuda=False)
     cpu.ready = [FakeEvent()]
     assert cpu.take(0, None) and cpu.ready[0].recorded == [None] and not cpu.fenced[0]
+
+
+def test_take_waits_for_an_event_proven_slot_then_claims_it_fenced():
+    """A slot whose last commit was proven by an event (the general path) is waited for through that event before
+    a steady commit on a stream takes it (the event's synchronize when its query says not done), and is then
+    claimed fenced on that stream."""
+    class Pending(FakeEvent):
+        def __init__(self):
+            super().__init__()
+            self.synced = 0
+
+        def query(self):
+            return self.synced > 0
+
+        def synchronize(self):
+            self.synced += 1
+
+    leases = SlotLeases(2, cuda=False)
+    leases.ready = [Pending(), Pending()]
+    stream = FakeStream(leases, 1, None)
+    leases.generations[1] += 1
+    leases.record(1, stream, False)  # (a general commit: its event recorded, not fenced)
+    leases.fenced[1], leases.streams[1] = False, None
+    leases.fence_np[1] = leases.generations[1] & FENCE_MASK  # (its cell proves nothing: the slot is not fenced)
+    assert leases.take(1, stream)
+    assert leases.ready[1].synced == 1 and leases.stalls == 1
+    assert leases.fenced[1] and leases.streams[1] is stream and leases.consumers[1] is stream
