@@ -220,8 +220,8 @@ class SteadySlots:
         if table.pending > b.offsets.update_capacity:  # (more updates than the step's update region holds)
             return None
         kept = self.ranges[s]
-        if kept[0] == table.changes:
-            held = kept[1].holds(kv)
+        if kept[0] == table.changes:  # (a sealed plan's lengths are at least 1)
+            held = kept[1].holds_from_one(kv, plan.max_kv_len)
         elif kv.shape[0] > SHORT:  # pages appended since (those rows' decode ranges grew): the table's as they are now
             held = table.holds_decode(plan.rows, kv) and all(p.holds(kv) for p in b.promise)
         else:  # (a short batch: its ranges made again once per table change, then checked on Python ints)
@@ -248,7 +248,7 @@ class SteadySlots:
         kv, x, R = plan.kv_lens, plan.lazy_cross, b.shape.padded_batch_size
         if not (plan.sealed and plan.spec is b.spec and plan.backend == b.backend and decode_lists(plan)
                 and listed_fits(plan, R, self.capacity) and not any(self.work.pending)
-                and self.stream_key() == b.stream_key and self.ranges[s][1].holds(kv)
+                and self.stream_key() == b.stream_key and self.ranges[s][1].holds_from_one(kv, plan.max_kv_len)
                 and (not b.cross if x is None else b.cross and self._cross_ok(plan, b))
                 and self.leases.take(s, b.stream)):
             return None

@@ -108,11 +108,12 @@ class Ranges:
     span: 0 for none), made once and checked per step by `holds` (a page-table row's decode lengths, a kept
     FlashInfer plan's chunk counts). Host only; its bounds never change after construction."""
 
-    __slots__ = ("low", "span", "_diff", "_ok", "_lists")
+    __slots__ = ("low", "span", "_diff", "_ok", "_lists", "_top")
 
     def __init__(self, low: np.ndarray, span: np.ndarray):
         # (C-contiguous int32 / uint32 [B], as native.within reads them)
         self.low, self.span = np.ascontiguousarray(low, np.int32), np.ascontiguousarray(span, np.uint32)
+        self._top: int | None = None  # (all_hold_up_to's answer, made at its first call)
         if low.shape[0] <= SHORT_CHECK:  # the bounds as Python ints: low and low + span
             lows = self.low.tolist()
             self._lists = (lows, [lo + n for lo, n in zip(lows, self.span.tolist())])
@@ -133,6 +134,28 @@ class Ranges:
             return True
         held = native.within(values, self.low, self.span)
         return within(values, self.low, self.span, self._diff, self._ok) if held is None else held
+
+    def holds_from_one(self, values: np.ndarray, longest: int) -> bool:
+        """holds(values) for values ([B] int32 host) each at least 1, the largest `longest`: at once where they are as
+        many as the ranges and `longest` is within every range's 1..h (all_hold_up_to), else value by value."""
+        top = self._top
+        if top is None:
+            top = self.all_hold_up_to()
+        return (longest <= top and values.shape[0] == self.low.shape[0]) or self.holds(values)
+
+    def all_hold_up_to(self) -> int:
+        """The largest h such that every request's range holds every value 1..h (0 where some range does not hold 1,
+        or there are no requests): values all within 1..h hold without a per-request check (a steady commit's test
+        of a step's longest length, before `holds`). Made at the first call, O(B); then O(1)."""
+        top = self._top
+        if top is None:
+            B = self.low.shape[0]
+            if B == 0 or int(self.low.max()) > 1:
+                top = 0
+            else:  # (the lowest range end, less one; an empty range ends at its low: 0 if that is 1)
+                top = max(int((self.low.astype(np.int64) + self.span).min()) - 1, 0)
+            self._top = top
+        return top
 
 
 def within(values: np.ndarray, low: np.ndarray, span: np.ndarray, diff: np.ndarray | None = None,
