@@ -220,7 +220,7 @@ class SteadySlots:
         if table.pending > b.offsets.update_capacity:  # (more updates than the step's update region holds)
             return None
         kept = self.ranges[s]
-        if kept[0] == table.changes:  # (a sealed plan's lengths are at least 1)
+        if kept[0] == table.changes:  # (a sealed plan's lengths are at least 1, the longest its max_kv_len)
             held = kept[1].holds_from_one(kv, plan.max_kv_len)
         elif kv.shape[0] > SHORT:  # pages appended since (those rows' decode ranges grew): the table's as they are now
             held = table.holds_decode(plan.rows, kv) and all(p.holds(kv) for p in b.promise)

@@ -105,8 +105,9 @@ SHORT_CHECK = 40
 
 class Ranges:
     """Per-request half-open ranges low[i] <= value < low[i] + span[i] of int32 values ([B] int32 low, [B] uint32
-    span: 0 for none), made once and checked per step by `holds` (a page-table row's decode lengths, a kept
-    FlashInfer plan's chunk counts). Host only; its bounds never change after construction."""
+    span: 0 for none), made once and checked per step by `holds` or `holds_from_one` (a page-table row's decode
+    lengths, a kept FlashInfer plan's chunk counts). Host only; its bounds never change after construction (the
+    arrays it is given are not written afterwards by their makers: all_hold_up_to keeps its answer)."""
 
     __slots__ = ("low", "span", "_diff", "_ok", "_lists", "_top")
 
@@ -136,12 +137,9 @@ class Ranges:
         return within(values, self.low, self.span, self._diff, self._ok) if held is None else held
 
     def holds_from_one(self, values: np.ndarray, longest: int) -> bool:
-        """holds(values) for values ([B] int32 host) each at least 1, the largest `longest`: at once where they are as
+        """holds(values) for values ([B] int32 host) each at least 1 and at most `longest`: at once where they are as
         many as the ranges and `longest` is within every range's 1..h (all_hold_up_to), else value by value."""
-        top = self._top
-        if top is None:
-            top = self.all_hold_up_to()
-        return (longest <= top and values.shape[0] == self.low.shape[0]) or self.holds(values)
+        return (longest <= self.all_hold_up_to() and values.shape[0] == self.low.shape[0]) or self.holds(values)
 
     def all_hold_up_to(self) -> int:
         """The largest h such that every request's range holds every value 1..h (0 where some range does not hold 1,
@@ -149,8 +147,12 @@ class Ranges:
         of a step's longest length, before `holds`). Made at the first call, O(B); then O(1)."""
         top = self._top
         if top is None:
-            B = self.low.shape[0]
-            if B == 0 or int(self.low.max()) > 1:
+            lists = self._lists
+            if self.low.shape[0] == 0:
+                top = 0
+            elif lists is not None:  # (the bounds as Python ints already: low and low + span)
+                top = 0 if max(lists[0]) > 1 else max(min(lists[1]) - 1, 0)
+            elif int(self.low.max()) > 1:
                 top = 0
             else:  # (the lowest range end, less one; an empty range ends at its low: 0 if that is 1)
                 top = max(int((self.low.astype(np.int64) + self.span).min()) - 1, 0)

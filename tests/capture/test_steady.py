@@ -331,3 +331,46 @@ def test_the_records_are_in_the_memory_report_and_bounded_by_the_slots():
     assert pool.memory_report().components["steady records (pageable host)"] == (0, 0), seed
     assert pool.steady.commits > 0 and 0 < pool.steady.host_bytes() <= 2 * 2 * B * 4, (seed, pool.steady.host_bytes())
 
+
+
+@pytest.mark.parametrize("B", [4, 48])  # (Ranges on Python lists up to SHORT_CHECK requests, numpy arrays past)
+def test_a_step_at_the_rows_last_token_is_steady_and_one_past_it_is_refused(B):
+    """Every row holding P pages, no shared prefix: each row's decode range is 1..P * PS, so a steady commit answers at
+    once (Ranges.holds_from_one) for a step whose longest length is P * PS, the last token the rows hold: steady, its
+    arrays those of the step by pages. A step with one request at P * PS + 1 (the rest at most that) is refused as the
+    general commit refuses it (PlanError, nothing changed), and the next good step is steady again."""
+    from tests.helpers import pool_of
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    spec, P = _spec((LayerGroup(),)), 6
+    pools = [pool_of(spec, max_batch_size=64, max_num_tokens=600, max_num_pages=spec.num_pages, device="cpu",
+                     buckets=(64,), max_requests=80, max_pages_per_request=16) for _ in range(2)]
+    pool, ref = pools
+    table, top = pool.table, P * PS
+    rows = rng.choice(80, B, replace=False).astype(np.int32)
+    free = rng.permutation(spec.num_pages).astype(np.int32)
+    for i, r in enumerate(rows.tolist()):
+        table.assign(r, free[i * P : (i + 1) * P])
+    kv = rng.integers(top - 8, top - 3, B).astype(np.int32)
+
+    def step(kv):  # a commit of the step; returns whether it was a steady one, its arrays checked against the pages
+        n0, want = pool.steady.commits, _by_pages(ref, table, rows, kv)
+        got = pool.commit(build_plan(StepRows.decode(rows, kv), spec), defer=True)
+        got.prepare()
+        _same_arrays(got, want, B, (f"seed {seed}", kv.tolist()))
+        return pool.steady.commits - n0
+
+    for _ in range(3):
+        kv = kv + 1
+        step(kv)
+    at_end = np.minimum(kv + 1, top).astype(np.int32)
+    at_end[int(rng.integers(B))] = top  # (the longest exactly the rows' last token)
+    assert step(at_end) == 1, seed
+    past = at_end.copy()
+    past[int(rng.integers(B))] = top + 1
+    before = pool_state(pool)
+    with pytest.raises(PlanError, match="fewer than kv_len"):
+        pool.commit(build_plan(StepRows.decode(rows, past), spec), defer=True)
+    assert_same_state(before, pool_state(pool), f"seed {seed}")
+    assert step(at_end) == 1, seed

@@ -55,25 +55,33 @@ def test_packed_int32_is_one_read_only_copy_of_native_int32_vectors():
 
 
 @pytest.mark.parametrize("B", [0, 1, 3, SHORT_CHECK, 3 * SHORT_CHECK])
-def test_holds_from_one_is_holds_for_values_from_one(B):
+def test_holds_from_one_is_holds_for_values_from_one(B, monkeypatch):
     """Ranges.holds_from_one(values, max(values)) answers as holds(values) for values each at least 1 (what a sealed
-    plan's lengths are), on random ranges (some starting at 1, some above it, some empty) and values of the same and
-    of another count; all_hold_up_to is the largest h with every range holding 1..h (0 for none), by its definition."""
+    plan's lengths are), on random ranges (some starting at 1, some below or above it, some empty, some spans past
+    2**31) and values of the same and of another count, without asking holds exactly where the values are as many as
+    the ranges and the longest is within all_hold_up_to(); that is the largest h with every range holding 1..h (0 for
+    none), by its definition."""
     rng = np.random.default_rng(seed := fresh_seed())
+    asked, holds = [], Ranges.holds
+    monkeypatch.setattr(Ranges, "holds", lambda self, values: asked.append(1) or holds(self, values))
     fast = 0
     for _ in range(300):
-        above = rng.random() * (rng.random() < 0.5)  # (half the trials every range starts at 1; else some above)
-        low = np.where(rng.random(B) < above, rng.integers(2, 50, B), 1).astype(np.int32)
-        span = rng.integers(0, 200, B).astype(np.uint32)
+        above = rng.random() * (rng.random() < 0.5)  # (half the trials every range starts at 1 or below; else some above)
+        low = np.where(rng.random(B) < above, rng.integers(2, 50, B), rng.integers(-3, 2, B)).astype(np.int32)
+        span = np.where(rng.random(B) < 0.1, rng.integers(2**31 - 5, 2**32, B), rng.integers(0, 200, B)).astype(np.uint32)
         r = Ranges(low, span)
-        top = next((h for h in range(260, -1, -1) if all(lo <= 1 and lo + n > h for lo, n in zip(low.tolist(), span.tolist()))), 0)
-        assert r.all_hold_up_to() == (top if B else 0), (seed, low.tolist(), span.tolist())
+        ends = [lo + n for lo, n in zip(low.tolist(), span.tolist())]
+        top = r.all_hold_up_to()  # (every range holds 1..top, and not 1..top + 1; 0 for no requests)
+        every = lambda h: all(lo <= 1 and end > h for lo, end in zip(low.tolist(), ends))  # noqa: E731
+        assert (top == 0 or every(top)) and (not every(top + 1) if B else top == 0), (seed, low.tolist(), span.tolist(), top)
         for n in (B, B + 1) if B else (0, 1):
             values = rng.integers(1, 260, n).astype(np.int32)
             if rng.random() < 0.5 and n:  # (often within every range's 1..h: the fast answer)
-                values = rng.integers(1, max(top, 1) + 1, n).astype(np.int32)
+                values = rng.integers(1, min(max(top, 1), 2**31 - 1) + 1, n).astype(np.int32)
             longest = int(values.max()) if n else 1
-            want = r.holds(values)
+            want, quick = holds(r, values), longest <= top and n == B
+            del asked[:]
             assert r.holds_from_one(values, longest) == want, (seed, low.tolist(), span.tolist(), values.tolist())
-            fast += want and longest <= r.all_hold_up_to() and n == B
+            assert bool(asked) != quick and (want or not quick), (seed, quick, asked)
+            fast += quick
     assert B == 0 or fast, seed  # (the fast answer was taken)
