@@ -32,7 +32,7 @@ def packed_int32(arrays: tuple) -> np.ndarray | None:
     """One read-only int32 copy of `arrays` back to back (their views are what int_array makes of each: the per-step
     path's one copy), when each is a numpy array of native int32 and rank 1 (is_int32); else None."""
     for a in arrays:
-        if type(a) is not np.ndarray or a.dtype is not INT32 or a.ndim != 1:
+        if not is_int32(a, 1):
             return None
     packed = _CONCATENATE(arrays)
     packed.setflags(write=False)
