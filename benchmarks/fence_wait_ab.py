@@ -2,12 +2,15 @@
 
 A host ahead of its GPU waits in SlotLeases.free about one step per commit (capture/lease.py: polled holding the GIL
 for BUSY_SECONDS, then sleeping, the naps doubling from 10 µs to 1 ms). A sleep overshoots by the timer's slack, so
-the host may wake after the GPU ran out of queued work. The variant ("new") polls yielding the CPU and the GIL
-(os.sched_yield) up to 2 ms, then sleeps a quarter of the time waited, at most 1 ms. "old" is the committed wait.
+the host may wake after the GPU ran out of queued work. The variant ("new") polls holding the GIL for BUSY_SECONDS as
+well, then polls yielding the CPU and the GIL (os.sched_yield; it releases the GIL from Python 3.12) up to 2 ms, then
+sleeps a quarter of the time waited, at most 1 ms. "old" is the committed wait.
 
 Part (c) of host_step (a 32-layer decode-attention graph, B = 1 and 8, 512 tokens): the walk (StepRows plan + commit
-+ the DecodeGraphs call per step, lengths walking) and the same lengths, each with either wait, in 7 interleaved
-rounds (the order of the variants alternating), beside the replay-only arm. Wall-clock µs per step, medians.
++ the DecodeGraphs call per step, lengths walking) and the same lengths, each with either wait, in 8 interleaved
+rounds, the variant first in every other round. Wall-clock µs per step, medians; `balanced`: the mean paired
+difference (new - old) per arm over the rounds of each order, averaged over the two orders (the second of a pair
+runs warmer); `stalls`: the commits that waited per arm and round (0: the wait was never exercised).
 Run on the GPU: python -m benchmarks.fence_wait_ab OUT_DIR   (writes fence_wait_ab_<device>.json, device: cases.device_tag)
 """
 
@@ -40,6 +43,8 @@ def yielding_free(self, s: int) -> None:
             waited = time.perf_counter() - start
             if waited > lease.SPIN_SECONDS:
                 self.streams[s].synchronize()
+                if self.fence_ints[4 * s] != want:
+                    raise RuntimeError(f"slot {s}: its commit graph ran but did not write fence {want}")
             elif waited > YIELD_SECONDS:
                 time.sleep(min(waited / 4, 1e-3))
             elif waited > lease.BUSY_SECONDS:
@@ -49,8 +54,16 @@ def yielding_free(self, s: int) -> None:
         self.ready[s].synchronize()
 
 
+def balanced(new: list[float], old: list[float]) -> float:
+    """The mean of new[r] - old[r] over the rounds where new ran first (even r) and over those where old did (odd r),
+    averaged: each order's warm-up advantage cancels."""
+    d = [a - b for a, b in zip(new, old)]
+    return (statistics.mean(d[0::2]) + statistics.mean(d[1::2])) / 2
+
+
 def main(out_dir: str) -> None:
-    committed, out, n = lease.SlotLeases.free, {}, 200
+    committed, n = lease.SlotLeases.free, 200
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for B, ctx in ((1, 512), (8, 512)):
         eng, graphs, x = decode_forward(B, ctx, room=n + 16)
 
@@ -64,30 +77,36 @@ def main(out_dir: str) -> None:
                 eng.kv[:] = eng.start + n // 2
                 graphs(eng.commit_only(), **x)
 
-        def replay():
+        def replay():  # the same DecodeGraphs call n times on a step committed at the walk's middle lengths
             eng.kv[:] = eng.start + n // 2 - 1
             step = eng.step_only()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                graphs(step, **x)
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t0) / n * 1e6
+
+            def calls():
+                for _ in range(n):
+                    graphs(step, **x)
+
+            return per_step_us(calls, n)
 
         walk(), same()
-        res = {k: [] for k in ("replay", "walk_new", "walk_old", "same_new", "same_old")}
+        arms = ("walk_new", "walk_old", "same_new", "same_old")
+        res, stalls = {k: [] for k in ("replay", *arms)}, {k: [] for k in arms}
+        pool = eng.pool
         try:
-            for r in range(7):
+            for r in range(8):
                 res["replay"].append(replay())
                 order = (("new", yielding_free), ("old", committed))
                 for name, free in order if r % 2 == 0 else order[::-1]:
                     lease.SlotLeases.free = free
-                    res["walk_" + name].append(per_step_us(walk, n))
-                    res["same_" + name].append(per_step_us(same, n))
+                    for arm, fn in (("walk_" + name, walk), ("same_" + name, same)):
+                        before = pool.stalls
+                        res[arm].append(per_step_us(fn, n))
+                        stalls[arm].append(pool.stalls - before)
         finally:
             lease.SlotLeases.free = committed
         med = {k: statistics.median(v) for k, v in res.items()}
-        out[B] = dict(medians=med, exposed={k: med[k] / med["replay"] - 1 for k in med if k != "replay"}, rounds=res)
+        out[B] = dict(medians=med, exposed={k: med[k] / med["replay"] - 1 for k in med if k != "replay"},
+                      balanced={a: balanced(res[a + "_new"], res[a + "_old"]) for a in ("walk", "same")},
+                      rounds=res, stalls=stalls)
         print(B, json.dumps(out[B]["medians"]), json.dumps(out[B]["exposed"]), flush=True)
         del graphs, eng
         torch.cuda.empty_cache()
