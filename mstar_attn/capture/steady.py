@@ -170,15 +170,9 @@ class SteadySlots:
     def host_bytes(self) -> int:
         """The records' range arrays: per slot two [B] arrays of its ranges, two per backend promise and two for a
         listed step's encoder lengths' ranges (each array counted once: a slot's ranges may be its promise's own)."""
-        arrays = {}
-        for r in self.records:
-            if r is not None:
-                for x in r.promise + ((r.cross_ranges,) if r.cross_ranges is not None else ()):
-                    arrays[id(x.low)], arrays[id(x.span)] = x.low.nbytes, x.span.nbytes
-        for k in self.ranges:
-            if k is not None:
-                arrays[id(k[1].low)], arrays[id(k[1].span)] = k[1].low.nbytes, k[1].span.nbytes
-        return sum(arrays.values())
+        held = [x for r in self.records if r is not None for x in (*r.promise, r.cross_ranges) if x is not None]
+        held += [k[1] for k in self.ranges if k is not None]
+        return sum({id(a): a.nbytes for x in held for a in (x.low, x.span)}.values())
 
     def drop(self, s: int) -> None:
         """Slot s is committed by the general transaction: its record no longer holds."""
