@@ -1,12 +1,20 @@
-"""H100: the device work of a deferred StepRows decode commit, per step, with the derive kernel reading the pinned
-staging (every program reads all R lengths over the bus) vs a copy kernel moving the head to the device first
-(capture/derive.py COPY_FIRST), side by side in one run.
+"""GPU: the device work of a deferred StepRows decode commit, per step, by the ways the derive kernels can read the
+slot's pinned staging (capture/derive.py COPY_FIRST), side by side in one run:
 
-Per B = 1, 8 (512 tokens) and 64, 256 (2,048 tokens): the part (c) loop of benchmarks/host_step.py (a 32-layer
-decode graph, StepRows.decode + build_plan + commit(defer=True) per step, the commit's device work the graph's
-first nodes), one pool per arm. From a CUDA-only profiler trace of 40 steps: per GPU item kind its count per step
-and median µs, and the idle gap before the derive kernel (after the copy kernel, or the step's previous item).
-Run on the GPU: python -m benchmarks.derive_kernel OUT_DIR   (writes derive_kernel_h100.json / .md)
+  one program         derive_one: one program, every request a lane, reads the staging in place (the library's
+                      choice up to COPY_FIRST requests);
+  program per request derive over the staging: a program per request and layer group, each reading every
+                      request's length over the bus;
+  copy first          copy_head moves the head to the device, then derive reads it there (the choice past COPY_FIRST).
+
+Per B = 1, 8, 16 (512 tokens) and 64, 256 (2,048 tokens; one program serves up to COPY_FIRST requests): the part (c)
+loop of benchmarks/host_step.py (a 32-layer decode graph, StepRows.decode + build_plan + commit(defer=True) per step,
+the commit's device work the graph's first nodes), one pool per arm. From a CUDA-only profiler trace of 40 steps: per
+GPU item kind its count per step and median µs, and the idle gap before the derive kernel. `alone_us`: wall-clock µs
+per launch of the arm's device work captured 100 times in one graph on the same slot (medians of 9 replays of 10),
+beside `floor_us`: a one-program kernel that copies 64 int32 from the same staging (one read over the bus, no
+derivation).
+Run on the GPU: python -m benchmarks.derive_kernel OUT_DIR   (writes derive_kernel_<device>.json / .md)
 """
 
 from __future__ import annotations
@@ -19,10 +27,28 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.host_step import decode_forward
+from benchmarks import cases
+from benchmarks.host_step import decode_forward, per_step_us
 from mstar_attn.capture import derive
+from mstar_attn.capture.layout import slot_views
 
-ARMS = {"pinned reads": 1 << 30, "copy first": 0}  # derive.COPY_FIRST per arm
+ARMS = ("one program", "program per request", "copy first")
+SHAPES = ((1, 512), (8, 512), (16, 512), (64, 2048), (256, 2048))
+
+
+class PerRequest:
+    """Stands in for a Derivation's one_kernel: launches the derive kernel (a program per request and group) over
+    the pinned staging instead (its count of programs in the Derivation's slot-0 counter: one stream, one launch at
+    a time)."""
+
+    def __init__(self, d: derive.Derivation):
+        self.d = d
+
+    def __getitem__(self, grid):
+        def launch(buf, src, table, xtable, meta, fence, R, G):
+            self.d.kernel[(R + 1, G)](buf, src, table, xtable, meta, self.d.counters[0:1], fence,
+                                      BLOCK_R=max(16, 1 << (R - 1).bit_length()))
+        return launch
 
 
 def trace(fn, n: int) -> dict:
@@ -41,32 +67,71 @@ def trace(fn, n: int) -> dict:
                 gap_before_derive_us=statistics.median(gaps[1:]))
 
 
-def arm(B: int, ctx: int, copy_first: int) -> dict:
-    derive.COPY_FIRST = copy_first  # (a pool's Derivation reads it when the pool is made)
+def per_launch_us(fn, k: int = 100) -> float:
+    """Wall-clock µs per call of fn (device work on the current stream) captured k times in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(k):
+            fn()
+    return statistics.median(per_step_us(lambda: [graph.replay() for _ in range(10)], 10 * k) for _ in range(9))
+
+
+def arm(B: int, ctx: int, name: str) -> dict:
     eng, graphs, x = decode_forward(B, ctx, room=300)
+    pool, d = eng.pool, eng.pool.derivation
+    if name == "copy first":
+        d.copy_first = 0
+    elif name == "program per request":
+        d.one_kernel = PerRequest(d)
     for _ in range(20):
         graphs(eng.step_only(), **x)
     out = trace(lambda: graphs(eng.step_only(), **x), 40)
     items = out["items"]
     out["device_work_us"] = sum(med * cnt for k, (cnt, med) in items.items() if k.startswith(("derive", "copy_head"))) \
-        + out["gap_before_derive_us"] * (copy_first < B)
+        + out["gap_before_derive_us"] * (name == "copy first")
+    step = eng.step_only()
+    graphs(step, **x)
+    offsets = slot_views(pool.layout, pool.dev[step.slot], pool.host[step.slot], step.padded_batch_size,
+                         step.padded_num_tokens).offsets
+    dev, host = pool.dev[step.slot], pool.host[step.slot]
+    scratch = torch.zeros(64, dtype=torch.int32, device="cuda")
+    out["alone_us"] = per_launch_us(lambda: derive.derive_staged(dev, host, offsets, 1, d, None, step.slot))
+    out["floor_us"] = per_launch_us(lambda: d.copy_kernel[(1,)](scratch, host, 64, BLOCK=64))
     return out
 
 
+def markdown(rows: list[dict], device: str) -> str:
+    lines = [f"# The derive kernels' reads of the staging ({device})", "",
+             "`python -m benchmarks.derive_kernel OUT`: per B, each arm's own pool under the part (c) loop (see the module).",
+             "device work: µs per step in a profiler trace (derive and copy_head, and the gap after the copy); alone: "
+             "µs per launch, 100 launches in one graph; floor: a one-program copy of 64 int32 from the staging.", "",
+             "| B | context | arm | device work | alone | floor |", "|---:|---:|:---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['context']} | {r['arm']} | {r['device_work_us']:.2f} | {r['alone_us']:.2f} | "
+                     f"{r['floor_us']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(out_dir: str) -> None:
-    default = derive.COPY_FIRST
     rows = []
-    try:
-        for B, ctx in ((1, 512), (8, 512), (64, 2048), (256, 2048)):
-            for name, limit in ARMS.items():
-                r = arm(B, ctx, limit)
-                rows.append(dict(batch=B, context=ctx, arm=name, **r))
-                print(B, name, round(r["device_work_us"], 2), {k: [round(c, 2), round(m, 2)] for k, (c, m) in r["items"].items()}, flush=True)
-                torch.cuda.empty_cache()
-    finally:
-        derive.COPY_FIRST = default
-    json.dump(dict(device=torch.cuda.get_device_name(), copy_first_default=default, rows=rows),
-              open(f"{out_dir}/derive_kernel_h100.json", "w"), indent=1)
+    for B, ctx in SHAPES:
+        for name in ARMS:
+            if name == "one program" and B > derive.COPY_FIRST:
+                continue
+            r = arm(B, ctx, name)
+            rows.append(dict(batch=B, context=ctx, arm=name, **r))
+            print(B, name, round(r["device_work_us"], 2), round(r["alone_us"], 2), round(r["floor_us"], 2), flush=True)
+            torch.cuda.empty_cache()
+    tag = cases.device_tag()
+    json.dump(dict(device=torch.cuda.get_device_name(), copy_first_default=derive.COPY_FIRST, rows=rows),
+              open(f"{out_dir}/derive_kernel_{tag}.json", "w"), indent=1)
+    with open(f"{out_dir}/derive_kernel_{tag}.md", "w") as f:
+        f.write(markdown(rows, torch.cuda.get_device_name()))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The Triton kernels of capture/derive.py (imported only where Triton is installed): `derive`, a bucketed
-StepRows commit's whole device work in one launch, read straight from the slot's pinned staging, and
-`copy_head`, which past derive.COPY_FIRST requests first copies that staging's head to the device for it. See
-derive.py for the arrays and tests/capture/test_derive.py for their check against the torch ops."""
+"""The Triton kernels of capture/derive.py (imported only where Triton is installed): a bucketed StepRows (or
+listed StepBatch) commit's whole device work. Up to derive.COPY_FIRST requests `derive_one`, one program, reads the
+slot's pinned staging in place; past it `copy_head` copies the staging's head to the device and `derive`, a program
+per request and layer group, reads that copy. See derive.py for the arrays and tests/capture/test_derive.py for their
+check against the torch ops."""
 
 import triton
 import triton.language as tl
@@ -10,6 +11,7 @@ import triton.language as tl
 BLOCK_P = tl.constexpr(128)  # page entries a program copies per iteration (a global a kernel reads must be a constexpr)
 BLOCK_Q = tl.constexpr(64)  # a request's tokens a program maps to slots: the most a step has (metadata/tree.MAX_TREE_NODES)
 BLOCK_HEAD = 1024  # int32 elements a program of copy_head moves
+ONE_R = tl.constexpr(16)  # the most requests derive_one serves (derive.COPY_FIRST), a lane each
 
 
 @triton.jit
@@ -25,8 +27,8 @@ def copy_head(dst, src, n, BLOCK: tl.constexpr):
 @triton.jit
 def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr):
     """Grid (R + 1, G). Program (i, g), i < R: request i's entries of layer group g; program (R, 0): every
-    staged table update. src: the slot's staging (pinned host memory, read over the bus; past
-    derive.COPY_FIRST requests its device copy, buf itself); buf: the slot's device buffer; counter: one
+    staged table update. src: the head's device copy (copy_head; or the slot's pinned staging, read over the bus:
+    derive_one serves those); buf: the slot's device buffer; counter: one
     int32 device cell, 0 between launches; fence: one int32 cell (pinned) the last program to finish
     reading src writes the staged fence value to. BLOCK_R: a power of two >= R (and so 2 * BLOCK_R >= U);
     q_len <= BLOCK_Q. meta (int32 [20 + G],
@@ -36,6 +38,8 @@ def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr)
     indices, the table updates (positions [U], then values [U]), U, the fence cell, the slot_mapping
     (int64, at an even offset), whether the step is listed (below), a listed step's cross group (-1: none),
     the offset of its encoder lengths (cross_lens), the cross table's width, then each group's window (0: none).
+    The kernels read the head's offsets (the rows, kv_lens, cross_lens, updates, U and fence) from no memory: they are
+    layout.head_offsets(R, G) of the grid's R and G, so the reads of src wait for no read of meta.
 
     A request's program applies the updates that fall in its own table row before reading the row (a
     barrier between: every thread of the program sees them); program (R, 0) applies them all, so rows
@@ -48,22 +52,22 @@ def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr)
     cross group xg (never group 0), if any, reads request i's pages from row rows[i] of `xtable` (the cross table,
     int32 [(rows + 1) * xwidth + 1] on the device) over its encoder length cross_lens[i], no window, no slots."""
     i, g = tl.program_id(0), tl.program_id(1)
-    R, q_len, ps, width = tl.load(meta + 0), tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3)
-    rows_at, kv_at, qo_at = tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6)
-    ptr_at, ptr_stride, first_at = tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
+    R, G = tl.num_programs(0) - 1, tl.num_programs(1)
+    rows_at, kv_at, upd_at, U = 0, R * (1 + G), R * (3 + G), R // 2 + 16  # (layout.head_offsets)
+    fence_at = upd_at + 2 * U
+    q_len, ps, width = tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3)
+    qo_at, ptr_at, ptr_stride, first_at = tl.load(meta + 6), tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
     idx_at, idx_stride = tl.load(meta + 10), tl.load(meta + 11)
-    upd_at, U, fence_at = tl.load(meta + 12), tl.load(meta + 13), tl.load(meta + 14)
     listed = tl.load(meta + 16) != 0
     is_x = g == tl.load(meta + 17)  # (a listed step's cross group)
-    lens_at = tl.where(is_x, tl.load(meta + 18), kv_at)  # (its encoder lengths, for every read of kv below)
+    lens_at = tl.where(is_x, R * (2 + G), kv_at)  # (its encoder lengths, for every read of kv below)
     xwidth = tl.load(meta + 19)
     slots = (buf + tl.load(meta + 15)).to(tl.pointer_type(tl.int64))
-    G = tl.num_programs(1)
-    # every read of src first, independent of each other: one round trip over the bus
+    # every read of src first, independent of each other: one round trip
     u = tl.arange(0, 2 * BLOCK_R)
-    mu = u < U
-    pos = tl.load(src + upd_at + u, mask=mu, other=0)
-    val = tl.load(src + upd_at + U + u, mask=mu, other=0)
+    pos = tl.load(src + upd_at + u, mask=u < U, other=0)
+    val = tl.load(src + upd_at + U + u, mask=u < U, other=0)
+    mu = u < tl.minimum(tl.load(meta + 13), U)  # (a listed step's meta: U 0, no updates)
     r = tl.arange(0, BLOCK_R)
     kv = tl.load(src + lens_at + r, mask=r < R, other=0)
     at = tl.minimum(i, R - 1)  # (program (R, 0) reads request R - 1's: unused)
@@ -123,3 +127,68 @@ def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr)
     if done == (R + 1) * G - 1:
         tl.store(counter, 0)
         tl.store(fence, fence_value)
+
+
+@triton.jit(do_not_specialize=["R", "G"])
+def derive_one(buf, src, table, xtable, meta, fence, R, G):
+    """derive's work in one program (grid (1,)), R <= ONE_R requests at once (a lane each), straight from src, the
+    slot's pinned staging (one round trip over the bus, beside the reads of meta: the head's offsets are
+    layout.head_offsets(R, G)); the arguments are derive's. The table updates are applied before any row is read (a
+    barrier between); every request's pages of a group are copied as one [ONE_R, BLOCK_P] tile per iteration, the
+    slot mapping's pages read beside the first. Having read src it writes the fence itself: no count of programs."""
+    r = tl.arange(0, ONE_R)
+    mr = r < R
+    U = R // 2 + 16
+    upd_at = R * (3 + G)
+    u = tl.arange(0, 2 * ONE_R)
+    pos = tl.load(src + upd_at + u, mask=u < U, other=0)
+    val = tl.load(src + upd_at + U + u, mask=u < U, other=0)
+    row = tl.load(src + r, mask=mr, other=0)  # (a listed step's: its cross rows, if any)
+    kv = tl.load(src + R * (1 + G) + r, mask=mr, other=0)
+    xkv = tl.load(src + R * (2 + G) + r, mask=mr, other=0)  # (a listed step's cross group's encoder lengths)
+    fence_value = tl.load(src + upd_at + 2 * U)
+    q_len, ps, width = tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3)
+    qo_at, ptr_at, ptr_stride, first_at = tl.load(meta + 6), tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
+    idx_at, idx_stride = tl.load(meta + 10), tl.load(meta + 11)
+    listed, xg, xwidth = tl.load(meta + 16) != 0, tl.load(meta + 17), tl.load(meta + 19)
+    slots = (buf + tl.load(meta + 15)).to(tl.pointer_type(tl.int64))
+    tl.store(table + pos, val, mask=u < tl.minimum(tl.load(meta + 13), U))  # (a listed step's meta: U 0, no updates)
+    tl.debug_barrier()  # (the updated entries, before any thread reads a row)
+    tl.store(buf + r, row, mask=mr)  # the device's copy of the head: other readers' table_rows
+    tl.store(buf + R * (1 + G) + r, kv, mask=mr)
+    tl.store(buf + qo_at + r + 1, (r + 1) * q_len, mask=mr)
+    tl.store(buf + qo_at, 0)
+    need0 = (kv + ps - 1) // ps
+    lo0 = tl.where(listed, idx_at + tl.cumsum(need0, 0) - need0, row * width).to(tl.int64)  # (listed: its list's start)
+    t = tl.arange(0, BLOCK_Q)
+    mt = mr[:, None] & (t[None, :] < q_len)
+    p = kv[:, None] - q_len + t[None, :]
+    page = tl.load(table + lo0[:, None] + p // ps, mask=mt, other=0)
+    tl.store(slots + r[:, None] * q_len + t[None, :], page.to(tl.int64) * ps + p % ps, mask=mt)
+    for g in range(G):
+        is_x = g == xg  # (a listed step's cross group: row `row` of the cross table over its encoder length)
+        k = tl.where(is_x, xkv, kv)
+        w = tl.load(meta + 20 + g)
+        need = (k + ps - 1) // ps
+        first = tl.where(w > 0, tl.maximum(k - q_len - (w - 1), 0) // ps, 0)
+        n = tl.where(mr, need - first, 0)
+        end = tl.cumsum(n, 0)
+        ptr = buf + ptr_at + g * ptr_stride  # kv_indptr [R+1], last_page_len [R], kv_lens [R] follow each other
+        tl.store(ptr + r + 1, end, mask=mr)
+        tl.store(ptr, 0)
+        tl.store(ptr + R + 1 + r, k - (need - 1) * ps, mask=mr)
+        tl.store(ptr + 2 * R + 1 + r, k - first * ps, mask=mr)
+        tl.store(buf + first_at + g * R + r, first, mask=mr)
+        pages = table
+        lo = lo0
+        if is_x:
+            pages = xtable
+            lo = row.to(tl.int64) * xwidth
+        at = pages + (lo + first)[:, None]
+        dst = buf + idx_at + g * idx_stride + (end - n)[:, None]
+        for j0 in range(0, tl.max(n, 0), BLOCK_P):
+            j = j0 + tl.arange(0, BLOCK_P)[None, :]
+            m = j < n[:, None]
+            tl.store(dst + j, tl.load(at + j, mask=m), mask=m)
+    tl.debug_barrier()  # (every thread past the stores that consumed its reads of src)
+    tl.store(fence, fence_value)

@@ -71,6 +71,29 @@ class Offsets:
 
 
 @attrs.frozen
+class Head:
+    """Where the head a bucketed StepRows step stages sits in a slot, for R rows and G layer groups: offsets of R
+    rows, R kv_lens, R cross_lens, U update positions then U values (U = update_capacity), and the fence. The derive
+    kernels (capture/_derive_triton.py) compute these from R and G alone, so their reads of the staging wait for no
+    other read: a change here is a change there (tests/capture/test_derive.py holds the two to each other)."""
+
+    table_rows: int
+    kv_lens: int
+    cross_lens: int
+    updates: int
+    update_capacity: int
+    fence: int
+
+
+def head_offsets(rows: int, groups: int) -> Head:
+    """The Head of R = rows requests and G = groups layer groups (see Layout: rows [R] | first_page [G * R] | kv_lens
+    [R] | cross_lens [R] | updates | fence)."""
+    updates, cap = rows * (3 + groups), rows // 2 + 16
+    return Head(table_rows=0, kv_lens=rows * (1 + groups), cross_lens=rows * (2 + groups), updates=updates,
+                update_capacity=cap, fence=updates + 2 * cap)
+
+
+@attrs.frozen
 class Layout:
     """max_rows: the most request rows (the pool's max batch); max_tokens: the most token rows;
     index_capacity: P, the most page entries one group of one step holds; num_groups: G;
@@ -85,9 +108,8 @@ class Layout:
     draft_steps: int = 1  # D: the most steps of a draft round
 
     def at(self, rows: int, num_rows: int) -> Offsets:
-        G, cap = self.num_groups, rows // 2 + 16
-        updates = rows * (3 + G)
-        fence = updates + 2 * cap
+        G, head = self.num_groups, head_offsets(rows, self.num_groups)
+        fence = head.fence
         draft = fence + 1 + ((fence + 1) & 1)
         block = 2 * rows * (1 + G)  # one draft step: 2R (int64 slots, 8-byte aligned) + 2GR
         qo = draft + (self.draft_steps - 1) * block
@@ -95,11 +117,11 @@ class Layout:
         for j in range(1, self.draft_steps):  # step j's block ends (j - 1) blocks before qo: a round of K steps
             at = qo - j * block               # copies from qo - (K - 1) blocks on
             steps.append((at, tuple((at + 2 * rows * (1 + g), at + 2 * rows * (1 + g) + rows) for g in range(G))))
-        groups, head = [], qo + rows + 1
+        groups, at = [], qo + rows + 1
         for g in range(G):
-            groups.append((head, head + rows + 1, head + 2 * rows + 1, rows * (1 + g)))
-            head += 3 * rows + 1
-        slots = head + (head & 1)
+            groups.append((at, at + rows + 1, at + 2 * rows + 1, rows * (1 + g)))
+            at += 3 * rows + 1
+        slots = at + (at & 1)
         rows_of = [self.slot_rows[g] if g < len(self.slot_rows) else 0 for g in range(G)]
         group_slots, end = [], slots + 2 * num_rows
         for n in rows_of:  # own_pages groups: in the head
@@ -110,9 +132,9 @@ class Layout:
         for g, n in enumerate(rows_of):  # cross groups: past the index regions
             if n > 0:
                 group_slots[g], tail = tail, tail + 2 * n
-        return Offsets(batch_size=rows, num_tokens=num_rows, table_rows=0, kv_lens=rows * (1 + G),
-                       cross_lens=rows * (2 + G), updates=updates,
-                       update_capacity=cap, fence=fence, qo=qo, slots=slots,
+        return Offsets(batch_size=rows, num_tokens=num_rows, table_rows=head.table_rows, kv_lens=head.kv_lens,
+                       cross_lens=head.cross_lens, updates=head.updates,
+                       update_capacity=head.update_capacity, fence=fence, qo=qo, slots=slots,
                        groups=tuple(GroupOffsets(*g, indices=end + i * (self.index_capacity + 1))
                                     for i, g in enumerate(groups)), head_end=end,
                        group_slots=tuple(group_slots), end=tail, draft=draft, draft_steps=tuple(steps))
