@@ -1,24 +1,25 @@
-"""GPU: the device work of a deferred StepRows decode commit, per step, by the ways the derive kernels can read the
-slot's pinned staging (capture/derive.py COPY_FIRST), side by side in one run:
+"""GPU: the device work of a deferred StepRows decode commit, per step, side by side in one run:
 
-  one program         derive_one: one program, every request a lane, reads the staging in place (the library's
-                      choice up to COPY_FIRST requests);
-  program per request derive over the staging: a program per request and layer group, each reading every
-                      request's length over the bus;
-  copy first          copy_head moves the head to the device, then derive reads it there (the choice past COPY_FIRST).
+  this kernel       the library's: the derive kernel over the pinned staging up to COPY_FIRST requests, past it
+                    copy_head first and derive over the head's device copy (capture/derive.py);
+  baseline kernel   the same dispatch with another version of capture/_derive_triton.py (a file named on the command
+                    line, e.g. `git show REV:mstar_attn/capture/_derive_triton.py > base.py`; the arm is left out
+                    without one);
+  pinned reads      (B <= 16) this kernel over the pinned staging at any B;
+  copy first        (B <= 16) this kernel over the head's device copy, copy_head first, at any B.
 
-Per B = 1, 8, 16 (512 tokens) and 64, 256 (2,048 tokens; one program serves up to COPY_FIRST requests): the part (c)
-loop of benchmarks/host_step.py (a 32-layer decode graph, StepRows.decode + build_plan + commit(defer=True) per step,
-the commit's device work the graph's first nodes), one pool per arm. From a CUDA-only profiler trace of 40 steps: per
-GPU item kind its count per step and median µs, and the idle gap before the derive kernel. `alone_us`: wall-clock µs
-per launch of the arm's device work captured 100 times in one graph on the same slot (medians of 9 replays of 10),
-beside `floor_us`: a one-program kernel that copies 64 int32 from the same staging (one read over the bus, no
-derivation).
-Run on the GPU: python -m benchmarks.derive_kernel OUT_DIR   (writes derive_kernel_<device>.json / .md)
+Per B = 1, 2, 4, 8, 16 (512 tokens) and 64, 256 (2,048 tokens): the part (c) loop of benchmarks/host_step.py (a 32-layer
+decode graph, StepRows.decode + build_plan + commit(defer=True) per step, the commit's device work the graph's first
+nodes), one pool per arm. From a CUDA-only profiler trace of 40 steps: per GPU item kind its count per step and
+median µs, and the idle gap before the derive kernel. `alone_us`: wall-clock µs per launch of the arm's device work
+captured 100 times in one graph on one slot (medians of 9 replays of 10), beside `floor_us`: copy_head moving 64
+int32 from the same staging (one program, one read over the bus, no derivation).
+Run on the GPU: python -m benchmarks.derive_kernel OUT_DIR [BASELINE.py]   (writes derive_kernel_<device>.json / .md)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import sys
@@ -32,23 +33,8 @@ from benchmarks.host_step import decode_forward, per_step_us
 from mstar_attn.capture import derive
 from mstar_attn.capture.layout import slot_views
 
-ARMS = ("one program", "program per request", "copy first")
-SHAPES = ((1, 512), (8, 512), (16, 512), (64, 2048), (256, 2048))
-
-
-class PerRequest:
-    """Stands in for a Derivation's one_kernel: launches the derive kernel (a program per request and group) over
-    the pinned staging instead (its count of programs in the Derivation's slot-0 counter: one stream, one launch at
-    a time)."""
-
-    def __init__(self, d: derive.Derivation):
-        self.d = d
-
-    def __getitem__(self, grid):
-        def launch(buf, src, table, xtable, meta, fence, R, G):
-            self.d.kernel[(R + 1, G)](buf, src, table, xtable, meta, self.d.counters[0:1], fence,
-                                      BLOCK_R=max(16, 1 << (R - 1).bit_length()))
-        return launch
+SHAPES = ((1, 512), (2, 512), (4, 512), (8, 512), (16, 512), (64, 2048), (256, 2048))
+FORCED = {"pinned reads": 1 << 30, "copy first": 0}  # the arms that force a read: COPY_FIRST for them
 
 
 def trace(fn, n: int) -> dict:
@@ -81,19 +67,19 @@ def per_launch_us(fn, k: int = 100) -> float:
     return statistics.median(per_step_us(lambda: [graph.replay() for _ in range(10)], 10 * k) for _ in range(9))
 
 
-def arm(B: int, ctx: int, name: str) -> dict:
+def arm(B: int, ctx: int, name: str, baseline) -> dict:
     eng, graphs, x = decode_forward(B, ctx, room=300)
     pool, d = eng.pool, eng.pool.derivation
-    if name == "copy first":
-        d.copy_first = 0
-    elif name == "program per request":
-        d.one_kernel = PerRequest(d)
+    if name in FORCED:
+        d.copy_first = FORCED[name]
+    elif name == "baseline kernel":
+        d.kernel, d.copy_kernel = baseline.derive, baseline.copy_head
     for _ in range(20):
         graphs(eng.step_only(), **x)
     out = trace(lambda: graphs(eng.step_only(), **x), 40)
     items = out["items"]
     out["device_work_us"] = sum(med * cnt for k, (cnt, med) in items.items() if k.startswith(("derive", "copy_head"))) \
-        + out["gap_before_derive_us"] * (name == "copy first")
+        + out["gap_before_derive_us"] * (B > d.copy_first)
     step = eng.step_only()
     graphs(step, **x)
     offsets = slot_views(pool.layout, pool.dev[step.slot], pool.host[step.slot], step.padded_batch_size,
@@ -105,11 +91,12 @@ def arm(B: int, ctx: int, name: str) -> dict:
     return out
 
 
-def markdown(rows: list[dict], device: str) -> str:
-    lines = [f"# The derive kernels' reads of the staging ({device})", "",
-             "`python -m benchmarks.derive_kernel OUT`: per B, each arm's own pool under the part (c) loop (see the module).",
-             "device work: µs per step in a profiler trace (derive and copy_head, and the gap after the copy); alone: "
-             "µs per launch, 100 launches in one graph; floor: a one-program copy of 64 int32 from the staging.", "",
+def markdown(rows: list[dict], device: str, baseline: str | None) -> str:
+    lines = [f"# The derive kernel's device work per step ({device})", "",
+             "`python -m benchmarks.derive_kernel OUT [BASELINE.py]`: per B, each arm's own pool under the part (c) loop "
+             f"(see the module); baseline kernel: {baseline or 'none'}. device work: µs per step in a profiler trace "
+             "(derive and copy_head, and the gap after the copy); alone: µs per launch, 100 launches in one graph; "
+             "floor: copy_head moving 64 int32 from the staging.", "",
              "| B | context | arm | device work | alone | floor |", "|---:|---:|:---|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['context']} | {r['arm']} | {r['device_work_us']:.2f} | {r['alone_us']:.2f} | "
@@ -117,22 +104,32 @@ def markdown(rows: list[dict], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: str) -> None:
+def load(path: str):
+    """The module at `path` (a version of capture/_derive_triton.py)."""
+    spec = importlib.util.spec_from_file_location("baseline_derive_triton", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(out_dir: str, baseline_path: str | None = None) -> None:
+    baseline = load(baseline_path) if baseline_path else None
+    arms = ("this kernel",) + (("baseline kernel",) if baseline else ()) + tuple(FORCED)
     rows = []
     for B, ctx in SHAPES:
-        for name in ARMS:
-            if name == "one program" and B > derive.COPY_FIRST:
+        for name in arms:
+            if name in FORCED and B > 16:
                 continue
-            r = arm(B, ctx, name)
+            r = arm(B, ctx, name, baseline)
             rows.append(dict(batch=B, context=ctx, arm=name, **r))
             print(B, name, round(r["device_work_us"], 2), round(r["alone_us"], 2), round(r["floor_us"], 2), flush=True)
             torch.cuda.empty_cache()
     tag = cases.device_tag()
-    json.dump(dict(device=torch.cuda.get_device_name(), copy_first_default=derive.COPY_FIRST, rows=rows),
-              open(f"{out_dir}/derive_kernel_{tag}.json", "w"), indent=1)
+    json.dump(dict(device=torch.cuda.get_device_name(), copy_first_default=derive.COPY_FIRST, baseline=baseline_path,
+                   rows=rows), open(f"{out_dir}/derive_kernel_{tag}.json", "w"), indent=1)
     with open(f"{out_dir}/derive_kernel_{tag}.md", "w") as f:
-        f.write(markdown(rows, torch.cuda.get_device_name()))
+        f.write(markdown(rows, torch.cuda.get_device_name(), baseline_path))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".")
+    main(*sys.argv[1:3])

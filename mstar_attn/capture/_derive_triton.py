@@ -1,8 +1,7 @@
-"""The Triton kernels of capture/derive.py (imported only where Triton is installed): a bucketed StepRows (or
-listed StepBatch) commit's whole device work. Up to derive.COPY_FIRST requests `derive_one`, one program, reads the
-slot's pinned staging in place; past it `copy_head` copies the staging's head to the device and `derive`, a program
-per request and layer group, reads that copy. See derive.py for the arrays and tests/capture/test_derive.py for their
-check against the torch ops."""
+"""The Triton kernels of capture/derive.py (imported only where Triton is installed): `derive`, a bucketed
+StepRows (or listed StepBatch) commit's whole device work in one launch, read straight from the slot's pinned
+staging, and `copy_head`, which past derive.COPY_FIRST requests first copies that staging's head to the device for
+it. See derive.py for the arrays and tests/capture/test_derive.py for their check against the torch ops."""
 
 import triton
 import triton.language as tl
@@ -11,7 +10,6 @@ import triton.language as tl
 BLOCK_P = tl.constexpr(128)  # page entries a program copies per iteration (a global a kernel reads must be a constexpr)
 BLOCK_Q = tl.constexpr(64)  # a request's tokens a program maps to slots: the most a step has (metadata/tree.MAX_TREE_NODES)
 BLOCK_HEAD = 1024  # int32 elements a program of copy_head moves
-ONE_R = tl.constexpr(16)  # the most requests derive_one serves (derive.COPY_FIRST), a lane each
 
 
 @triton.jit
@@ -27,8 +25,8 @@ def copy_head(dst, src, n, BLOCK: tl.constexpr):
 @triton.jit
 def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr):
     """Grid (R + 1, G). Program (i, g), i < R: request i's entries of layer group g; program (R, 0): every
-    staged table update. src: the head's device copy (copy_head; or the slot's pinned staging, read over the bus:
-    derive_one serves those); buf: the slot's device buffer; counter: one
+    staged table update. src: the slot's staging (pinned host memory, read over the bus; past
+    derive.COPY_FIRST requests its device copy, buf itself); buf: the slot's device buffer; counter: one
     int32 device cell, 0 between launches; fence: one int32 cell (pinned) the last program to finish
     reading src writes the staged fence value to. BLOCK_R: a power of two >= R (and so 2 * BLOCK_R >= U);
     q_len <= BLOCK_Q. meta (int32 [20 + G],
@@ -104,6 +102,11 @@ def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr)
         tl.store(buf + first_at + g * R + i, first_i)
         if i == 0:
             tl.store(ptr, 0)
+        # the first block of the pages this program copies, read beside the slot mapping's page: one wait, not two
+        src_row = pages + lo + first_i
+        dst = buf + idx_at + g * idx_stride + end - n
+        j = tl.arange(0, BLOCK_P)
+        first_block = tl.load(src_row + j, mask=j < n)
         if g == 0:
             tl.store(buf + rows_at + i, row)  # (the device's copy of the head: other readers' table_rows)
             tl.store(buf + kv_at + i, kv_i)
@@ -115,80 +118,17 @@ def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr)
             p = kv_i - q_len + t
             page = tl.load(table + lo + p // ps, mask=mt, other=0)
             tl.store(slots + i * q_len + t, page.to(tl.int64) * ps + p % ps, mask=mt)
-        src_row = pages + lo + first_i
-        dst = buf + idx_at + g * idx_stride + end - n
-        for j0 in range(0, n, BLOCK_P):
+        tl.store(dst + j, first_block, mask=j < n)
+        for j0 in range(BLOCK_P, n, BLOCK_P):  # (the blocks past the first)
             j = j0 + tl.arange(0, BLOCK_P)
             m = j < n
             tl.store(dst + j, tl.load(src_row + j, mask=m), mask=m)
-    # this program has read all it reads of src: the last one to get here writes the fence (and resets the count)
+    # this program has read all it reads of src: the last one to get here writes the fence (and resets the count).
+    # Relaxed: every read of src was consumed by a store before the barrier, so it has returned; the host reads only
+    # the fence, and the next launch sees the reset count by stream order.
     tl.debug_barrier()  # (every thread of the program past its reads before the count)
-    done = tl.atomic_add(counter, 1, sem="acq_rel")
+    done = tl.atomic_add(counter, 1, sem="relaxed")
     if done == (R + 1) * G - 1:
         tl.store(counter, 0)
         tl.store(fence, fence_value)
 
-
-@triton.jit(do_not_specialize=["R", "G"])
-def derive_one(buf, src, table, xtable, meta, fence, R, G):
-    """derive's work in one program (grid (1,)), R <= ONE_R requests at once (a lane each), straight from src, the
-    slot's pinned staging (one round trip over the bus, beside the reads of meta: the head's offsets are
-    layout.head_offsets(R, G)); the arguments are derive's. The table updates are applied before any row is read (a
-    barrier between); every request's pages of a group are copied as one [ONE_R, BLOCK_P] tile per iteration, the
-    slot mapping's pages read beside the first. Having read src it writes the fence itself: no count of programs."""
-    r = tl.arange(0, ONE_R)
-    mr = r < R
-    U = R // 2 + 16
-    upd_at = R * (3 + G)
-    u = tl.arange(0, 2 * ONE_R)
-    pos = tl.load(src + upd_at + u, mask=u < U, other=0)
-    val = tl.load(src + upd_at + U + u, mask=u < U, other=0)
-    row = tl.load(src + r, mask=mr, other=0)  # (a listed step's: its cross rows, if any)
-    kv = tl.load(src + R * (1 + G) + r, mask=mr, other=0)
-    xkv = tl.load(src + R * (2 + G) + r, mask=mr, other=0)  # (a listed step's cross group's encoder lengths)
-    fence_value = tl.load(src + upd_at + 2 * U)
-    q_len, ps, width = tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3)
-    qo_at, ptr_at, ptr_stride, first_at = tl.load(meta + 6), tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
-    idx_at, idx_stride = tl.load(meta + 10), tl.load(meta + 11)
-    listed, xg, xwidth = tl.load(meta + 16) != 0, tl.load(meta + 17), tl.load(meta + 19)
-    slots = (buf + tl.load(meta + 15)).to(tl.pointer_type(tl.int64))
-    tl.store(table + pos, val, mask=u < tl.minimum(tl.load(meta + 13), U))  # (a listed step's meta: U 0, no updates)
-    tl.debug_barrier()  # (the updated entries, before any thread reads a row)
-    tl.store(buf + r, row, mask=mr)  # the device's copy of the head: other readers' table_rows
-    tl.store(buf + R * (1 + G) + r, kv, mask=mr)
-    tl.store(buf + qo_at + r + 1, (r + 1) * q_len, mask=mr)
-    tl.store(buf + qo_at, 0)
-    need0 = (kv + ps - 1) // ps
-    lo0 = tl.where(listed, idx_at + tl.cumsum(need0, 0) - need0, row * width).to(tl.int64)  # (listed: its list's start)
-    t = tl.arange(0, BLOCK_Q)
-    mt = mr[:, None] & (t[None, :] < q_len)
-    p = kv[:, None] - q_len + t[None, :]
-    page = tl.load(table + lo0[:, None] + p // ps, mask=mt, other=0)
-    tl.store(slots + r[:, None] * q_len + t[None, :], page.to(tl.int64) * ps + p % ps, mask=mt)
-    for g in range(G):
-        is_x = g == xg  # (a listed step's cross group: row `row` of the cross table over its encoder length)
-        k = tl.where(is_x, xkv, kv)
-        w = tl.load(meta + 20 + g)
-        need = (k + ps - 1) // ps
-        first = tl.where(w > 0, tl.maximum(k - q_len - (w - 1), 0) // ps, 0)
-        n = tl.where(mr, need - first, 0)
-        end = tl.cumsum(n, 0)
-        ptr = buf + ptr_at + g * ptr_stride  # kv_indptr [R+1], last_page_len [R], kv_lens [R] follow each other
-        tl.store(ptr + r + 1, end, mask=mr)
-        tl.store(ptr, 0)
-        tl.store(ptr + R + 1 + r, k - (need - 1) * ps, mask=mr)
-        tl.store(ptr + 2 * R + 1 + r, k - first * ps, mask=mr)
-        tl.store(buf + first_at + g * R + r, first, mask=mr)
-        pages = table
-        lo = lo0
-        if is_x:
-            pages = xtable
-            lo = row.to(tl.int64) * xwidth
-        at = pages + (lo + first)[:, None]
-        dst = buf + idx_at + g * idx_stride + (end - n)[:, None]
-        for j0 in range(0, tl.max(n, 0), BLOCK_P):
-            j = j0 + tl.arange(0, BLOCK_P)[None, :]
-            m = j < n[:, None]
-            tl.store(dst + j, tl.load(at + j, mask=m), mask=m)
-    tl.debug_barrier()  # (every thread past the stores that consumed its reads of src)
-    tl.store(fence, fence_value)

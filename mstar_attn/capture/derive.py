@@ -20,10 +20,10 @@ q_len 1, verify: 2..16, a token-tree verify step up to PoolLimits.max_tree_nodes
 These are exactly the arrays build_plan computes on the host for the same step (plus the padding
 requests commit used to stage): tests/capture/test_derive.py checks the two against each other.
 On CUDA with Triton installed the whole derivation is one launch that reads the slot's pinned staging
-directly (one program, every request a lane of it; past COPY_FIRST requests a copy kernel first and a program
-per request and layer group, see there), applies the table updates, writes the device's copy of the head,
-derives every entry (copying only the pages it reads) and, once the staging was read, writes the commit's fence
-back (capture/lease.py): one GPU item per step (two past COPY_FIRST).
+directly (no copy first; past COPY_FIRST requests a copy kernel first, see there), applies the table
+updates, writes the device's copy of the head, derives every entry (one program per request and layer
+group, copying only the pages it reads) and, once every program has read the staging, writes the
+commit's fence back (capture/lease.py): one GPU item per step (two past COPY_FIRST).
 Elsewhere: the head copy, torch ops, and the fence copy.
 """
 
@@ -44,12 +44,13 @@ if TYPE_CHECKING:
     from mstar_attn.capture.step import DeviceStep
 
 USE_TRITON = True  # the one-launch Triton path on CUDA (False: the torch ops, as on the CPU)
-# Up to this many requests (padded) one program derives the step straight from the pinned staging
-# (_derive_triton.derive_one: one round trip over the bus, no count of programs before the fence); past it a small
-# copy kernel moves the head to the device first (_derive_triton.copy_head) and a program per request and layer
-# group reads it there (_derive_triton.derive): R + 1 programs each reading all R lengths would be R^2 small reads
-# over the bus (H100: 17 µs at 64, 49 µs at 256). A Derivation reads it when made (Derivation.copy_first).
-COPY_FIRST = 16
+# Past this many requests (padded) the kernel reads a device copy of the head, not the pinned staging: each of its
+# R + 1 programs reads all R lengths for its prefix sum, (R + 1) x 5 or so small reads over the bus, against one small
+# copy kernel first (_derive_triton.copy_head) and reads from device memory. H200, per step (benchmarks/derive_kernel.py,
+# results/derive_kernel_h200.md): 3.6 µs read in place at B = 1 against 4.6 with the copy; 5.4 and 7.3 at 8 and 16
+# against 4.8 and 4.9. A Derivation reads it when made (Derivation.copy_first). (One program deriving every request,
+# reading the staging once, measured slower at every B up to 16: results/derive_kernel_runs.)
+COPY_FIRST = 4
 
 
 @functools.cache
@@ -62,12 +63,11 @@ def triton_kernel():
     return _derive_triton.derive
 
 
-def _other_kernels():
-    """(copy_head, its block, derive_one, the most requests it serves) of capture/_derive_triton.py: imported where
-    the derive kernel runs."""
+def _copy_kernel():
+    """(copy_head, its block) of capture/_derive_triton.py: imported where the derive kernel runs."""
     from mstar_attn.capture import _derive_triton
 
-    return _derive_triton.copy_head, _derive_triton.BLOCK_HEAD, _derive_triton.derive_one, _derive_triton.ONE_R.value
+    return _derive_triton.copy_head, _derive_triton.BLOCK_HEAD
 
 
 @attrs.frozen
@@ -100,17 +100,15 @@ class Derivation:
     not group 0), or None.
     Per slot shape it keeps the kernel's meta vectors (int32 [20 + G] on the device, one for StepRows steps and
     one for listed steps, made at the shape's first, uncaptured, commit): bounded by the buckets. copy_first
-    (COPY_FIRST when made, at most derive_one's ONE_R): past this many requests the kernel reads the head's device
-    copy, which the copy kernel (with the kernel) makes first, and up to it one program (derive_one) reads the
-    staging; fixed for the Derivation's life, so a key's captured work never changes its reads."""
+    (COPY_FIRST when made): past this many requests the kernel reads the head's device copy, which the copy kernel
+    (with the kernel) makes first; fixed for the Derivation's life, so a key's captured work never changes its reads."""
 
     def __init__(self, table: torch.Tensor, width: int, groups, page_size: int, capacity: int, kernel=None,
                  num_slots: int = 2, cross: CrossPages | None = None):
         self.table, self.width, self.page_size, self.capacity, self.kernel = table, width, page_size, capacity, kernel
         self.cross = cross
-        self.copy_kernel, self.copy_block, self.one_kernel, one_r = (
-            _other_kernels() if kernel is not None else (None, 0, None, COPY_FIRST))
-        self.copy_first = min(COPY_FIRST, one_r)
+        self.copy_first = COPY_FIRST
+        self.copy_kernel, self.copy_block = _copy_kernel() if kernel is not None else (None, 0)
         self.windows = tuple(g.window or 0 for g in groups)
         # (one cell per 16 bytes, as the fences: one compiled kernel for every slot)
         self.counters = torch.zeros(4 * (num_slots + 1) if kernel is not None else 0, dtype=torch.int32, device=table.device)
@@ -168,9 +166,8 @@ def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len:
     slot's int32 staging, pinned on CUDA) into the slot buffer `buf` (int32, on the table's device): the table
     updates applied, the head's rows and kv_lens copied, every derived array filled (q_len tokens per request);
     `fence` (an int32 [1] pinned cell, or None) gets the staged fence value once the staging was read. slot: the
-    pool slot (its counter). Up to d.copy_first requests one launch of one program reads `src` in place (derive_one);
-    past it the copy kernel moves the head (up to offsets.draft) into `buf` first and the derive kernel, a program per
-    request and group, reads that: two launches.
+    pool slot (its counter). Up to d.copy_first requests one launch reads `src` in place; past it the copy kernel
+    moves the head (up to offsets.draft) into `buf` first and the derive kernel reads that: two launches.
     listed: a StepBatch decode step (listed_step): each request's pages are read from its exact list, staged in
     `src` at group 0's indices offset (always the staging itself), instead of from the page table; no updates; its
     cross group (d.cross), if any, from the cross table's rows staged at the head's table_rows, its encoder lengths at
@@ -182,14 +179,11 @@ def derive_staged(buf: torch.Tensor, src: torch.Tensor, offsets: Offsets, q_len:
         raise ValueError(f"derive_staged: q_len {q_len}, more than the {MAX_TREE_NODES} tokens a request's step holds")
     pages = src if listed else d.table
     xtable = d.table if d.cross is None else d.cross.table  # (read only by a listed step's cross group)
-    meta, fence = d.meta(offsets, q_len, listed), d.counters[-4:-3] if fence is None else fence
-    if R <= d.copy_first:  # one program, every request a lane, reading the staging in place
-        d.one_kernel[(1,)](buf, src, pages, xtable, meta, fence, R, G)
-        return
-    # (the kernel then rewrites the head's rows and lengths in place with the values it read)
-    d.copy_kernel[(-(-offsets.draft // d.copy_block),)](buf, src, offsets.draft, BLOCK=d.copy_block)
-    d.kernel[(R + 1, G)](buf, buf, pages, xtable, meta, d.counters[4 * slot : 4 * slot + 1], fence,
-                         BLOCK_R=max(16, 1 << (R - 1).bit_length()))
+    if R > d.copy_first:  # (the kernel then rewrites the head's rows and lengths in place with the values it read)
+        d.copy_kernel[(-(-offsets.draft // d.copy_block),)](buf, src, offsets.draft, BLOCK=d.copy_block)
+        src = buf
+    d.kernel[(R + 1, G)](buf, src, pages, xtable, d.meta(offsets, q_len, listed), d.counters[4 * slot : 4 * slot + 1],
+                         d.counters[-4:-3] if fence is None else fence, BLOCK_R=max(16, 1 << (R - 1).bit_length()))
 
 
 def _spans(buf: torch.Tensor, offsets: Offsets, q_len: int, d: Derivation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

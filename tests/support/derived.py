@@ -15,7 +15,7 @@ from mstar_attn.capture.layout import slot_views
 
 def copy_reads(monkeypatch, copy_first: bool) -> None:
     """Derivations made from now on read the head's device copy at every size (copy_first; the copy kernel in blocks of
-    16 elements, so over several programs) or, up to derive_one's requests (ONE_R), the pinned staging in place."""
+    16 elements, so over several programs) or the pinned staging at every size."""
     monkeypatch.setattr(derive, "COPY_FIRST", 0 if copy_first else 1 << 30)
     if copy_first and derive.triton_kernel() is not None:
         from mstar_attn.capture import _derive_triton
