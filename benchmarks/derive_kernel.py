@@ -68,11 +68,16 @@ def per_launch_us(fn, k: int = 100) -> float:
 
 
 def arm(B: int, ctx: int, name: str, baseline) -> dict:
-    eng, graphs, x = decode_forward(B, ctx, room=300)
+    """One arm at B requests of about ctx tokens: its own pool and decode graph (decode_forward), 20 steps of warm-up,
+    then the trace and the per-launch timings (module docstring)."""
+    default = derive.COPY_FIRST
+    derive.COPY_FIRST = FORCED.get(name, default)  # (a Derivation reads it when made: the forced arms' reads)
+    try:
+        eng, graphs, x = decode_forward(B, ctx, room=300)
+    finally:
+        derive.COPY_FIRST = default
     pool, d = eng.pool, eng.pool.derivation
-    if name in FORCED:
-        d.copy_first = FORCED[name]
-    elif name == "baseline kernel":
+    if name == "baseline kernel":  # (before the first deferred step: every graph this arm captures launches these)
         d.kernel, d.copy_kernel = baseline.derive, baseline.copy_head
     for _ in range(20):
         graphs(eng.step_only(), **x)
@@ -125,8 +130,9 @@ def main(out_dir: str, baseline_path: str | None = None) -> None:
             print(B, name, round(r["device_work_us"], 2), round(r["alone_us"], 2), round(r["floor_us"], 2), flush=True)
             torch.cuda.empty_cache()
     tag = cases.device_tag()
-    json.dump(dict(device=torch.cuda.get_device_name(), copy_first_default=derive.COPY_FIRST, baseline=baseline_path,
-                   rows=rows), open(f"{out_dir}/derive_kernel_{tag}.json", "w"), indent=1)
+    with open(f"{out_dir}/derive_kernel_{tag}.json", "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), copy_first_default=derive.COPY_FIRST, baseline=baseline_path,
+                       rows=rows), f, indent=1)
     with open(f"{out_dir}/derive_kernel_{tag}.md", "w") as f:
         f.write(markdown(rows, torch.cuda.get_device_name(), baseline_path))
 

@@ -30,7 +30,8 @@ def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr)
     int32 device cell, 0 between launches; fence: one int32 cell (pinned) the last program to finish
     reading src writes the staged fence value to. BLOCK_R: a power of two >= R (and so 2 * BLOCK_R >= U);
     q_len <= BLOCK_Q. meta (int32 [20 + G],
-    derive.Derivation.meta): R, q_len, page size, table width, the offsets of the rows, kv_lens,
+    derive.Derivation.meta; entries 0, 4, 5, 12, 14 and 18 are not read, see below): R, q_len, page size, table
+    width, the offsets of the rows, kv_lens,
     qo_indptr, group 0's kv_indptr (its last_page_len and kv_lens follow), the stride between groups'
     kv_indptr, group 0's first_page (groups R apart), group 0's indices, the stride between groups'
     indices, the table updates (positions [U], then values [U]), U, the fence cell, the slot_mapping
@@ -124,10 +125,10 @@ def derive(buf, src, table, xtable, meta, counter, fence, BLOCK_R: tl.constexpr)
             m = j < n
             tl.store(dst + j, tl.load(src_row + j, mask=m), mask=m)
     # this program has read all it reads of src: the last one to get here writes the fence (and resets the count).
-    # Relaxed: every read of src was consumed by a store before the barrier, so it has returned; the host reads only
-    # the fence, and the next launch sees the reset count by stream order.
+    # Release: the program's reads of src are ordered before its count, so the fence (written once every program has
+    # counted) never tells the host to rewrite the staging while a read of it is in flight.
     tl.debug_barrier()  # (every thread of the program past its reads before the count)
-    done = tl.atomic_add(counter, 1, sem="relaxed")
+    done = tl.atomic_add(counter, 1, sem="release")
     if done == (R + 1) * G - 1:
         tl.store(counter, 0)
         tl.store(fence, fence_value)

@@ -72,10 +72,11 @@ class Offsets:
 
 @attrs.frozen
 class Head:
-    """Where the head a bucketed StepRows step stages sits in a slot, for R rows and G layer groups: offsets of R
-    rows, R kv_lens, R cross_lens, U update positions then U values (U = update_capacity), and the fence. The derive
-    kernels (capture/_derive_triton.py) compute these from R and G alone, so their reads of the staging wait for no
-    other read: a change here is a change there (tests/capture/test_derive.py holds the two to each other)."""
+    """Where the head a derived step (a bucketed StepRows step, or a listed decode step) stages sits in a slot, for R
+    requests and G layer groups: offsets of R rows, R kv_lens, R cross_lens, U update positions then U values (U =
+    update_capacity), and the fence. The derive kernels (capture/_derive_triton.py) compute these from R and G alone,
+    so their reads of the staging wait for no other read: a change here is a change there (tests/capture/
+    test_derive.py holds the kernels' arrays to the torch ops', which read these offsets)."""
 
     table_rows: int
     kv_lens: int
