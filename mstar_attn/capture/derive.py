@@ -47,9 +47,9 @@ USE_TRITON = True  # the one-launch Triton path on CUDA (False: the torch ops, a
 # Past this many requests (padded) the kernel reads a device copy of the head, not the pinned staging: each of its
 # (R + 1) x G programs reads every request's length for its prefix sum, about 6 small reads over the bus each,
 # against one small copy kernel first (_derive_triton.copy_head) and reads from device memory. H200, device work per
-# step (benchmarks/derive_kernel.py, results/derive_kernel_h200.md): read in place 3.58 µs at B = 1 against 4.48 with
-# the copy; 5.28 and 7.23 at 8 and 16 against 4.43 and 5.09; about equal at 4. (An H100 run of the kernel before it
-# had the reads in place faster at 8: results/derive_kernel_h100.json.) A Derivation reads it when made
+# step (benchmarks/derive_kernel.py, results/derive_kernel_h200.md): read in place 3.74 µs at B = 1 against 4.77 with
+# the copy, 7.52 against 5.25 at 16; about equal at 4 and 8 (in the run before, 5.28 against 4.43 at 8). (An H100 run
+# of an older kernel had the reads in place faster at 8: results/derive_kernel_h100.json.) A Derivation reads it when made
 # (Derivation.copy_first). One program deriving every request from one read of the staging was slower than the
 # faster of these at every B up to 16 (results/derive_kernel_runs).
 COPY_FIRST = 4
