@@ -25,11 +25,10 @@ import statistics
 import sys
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import cases
 from benchmarks.host_step import decode_forward, per_step_us
+from benchmarks.timing import cuda_spans
 from mstar_attn.capture import derive
 from mstar_attn.capture.layout import slot_views
 
@@ -39,12 +38,7 @@ FORCED = {"pinned reads": 1 << 30, "copy first": 0}  # the arms that force a rea
 
 def trace(fn, n: int) -> dict:
     """Per item kind (name's first 40 characters): (count per call, median µs); and the median gap before derive."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    ev = cuda_spans(lambda: [fn() for _ in range(n)])
     kinds: dict[str, list[float]] = {}
     for a, b, name in ev:
         kinds.setdefault(name[:40], []).append(b - a)

@@ -58,10 +58,9 @@ def spread(xs):
     return float(q[1] - q[0])
 
 
-def gpu_trace(fn, n: int) -> dict:
-    """Per step of fn() (one call running n steps), from a profiler trace started with an idle GPU: GPU idle µs
-    (the span from the first item's start to the last one's end, less the union of the items' intervals), GPU
-    items (kernels, copies), span and busy µs, and per item kind [count, µs]."""
+def cuda_spans(fn) -> list[tuple[float, float, str]]:
+    """The GPU items (kernels, copies) of one call of fn(), from a CUDA-only profiler trace started with an idle GPU
+    and ended with it drained: (start µs, end µs, name) each, by start."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -69,7 +68,14 @@ def gpu_trace(fn, n: int) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # (GPU activity only: CPU tracing would slow the host arm)
         fn()
         torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def gpu_trace(fn, n: int) -> dict:
+    """Per step of fn() (one call running n steps), from cuda_spans: GPU idle µs (the span from the first item's start
+    to the last one's end, less the union of the items' intervals), GPU items (kernels, copies), span and busy µs, and
+    per item kind [count, µs]."""
+    spans = cuda_spans(fn)
     busy, end, kinds = 0.0, -1e30, {}
     for a, b, name in spans:
         busy += max(0.0, b - max(a, end))
